@@ -1,0 +1,215 @@
+//! Dot products of a weight row with an activation row already converted to
+//! the weight type's vec-dot type ([`GgmlType::vec_dot_type`]).
+//!
+//! Two implementations per type: AVX2+FMA kernels that reproduce GGML's x86
+//! arithmetic (used when the CPU has them), and portable scalar twins that
+//! follow GGML's generic C. They agree to rounding; the tests hold them to it.
+
+use std::sync::atomic::{AtomicU8, Ordering};
+
+use bytemuck::Pod;
+use half::{bf16, f16};
+
+use crate::blocks::*;
+use crate::{GgmlType, KernelError};
+
+#[cfg(target_arch = "x86_64")]
+mod avx2;
+mod scalar;
+
+/// Whether the AVX2 kernels can run here: AVX2, FMA and F16C (which every
+/// AVX2 CPU has), detected once. Always false off x86_64.
+pub fn has_avx2() -> bool {
+    static DETECTED: AtomicU8 = AtomicU8::new(0);
+    const NO: u8 = 1;
+    const YES: u8 = 2;
+    match DETECTED.load(Ordering::Relaxed) {
+        NO => false,
+        YES => true,
+        _ => {
+            let found = detect_avx2();
+            DETECTED.store(if found { YES } else { NO }, Ordering::Relaxed);
+            found
+        }
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+fn detect_avx2() -> bool {
+    is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma") && is_x86_feature_detected!("f16c")
+}
+
+#[cfg(not(target_arch = "x86_64"))]
+fn detect_avx2() -> bool {
+    false
+}
+
+/// Dot product of `n` values: `w_row` of type `ty` with `a_row` of type
+/// `ty.vec_dot_type()`, using the fastest kernel this CPU supports.
+pub fn vec_dot(ty: GgmlType, w_row: &[u8], a_row: &[u8], n: usize) -> Result<f32, KernelError> {
+    dot_rows(ty, w_row, a_row, n, Path::Fastest)
+}
+
+/// The portable twin of [`vec_dot`]: GGML's generic formulas, no SIMD.
+pub fn vec_dot_scalar(ty: GgmlType, w_row: &[u8], a_row: &[u8], n: usize) -> Result<f32, KernelError> {
+    dot_rows(ty, w_row, a_row, n, Path::Scalar)
+}
+
+/// Which implementation family to use.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Path {
+    /// SIMD when the CPU has it, else scalar.
+    Fastest,
+    /// Always the scalar twins.
+    Scalar,
+}
+
+fn dot_rows(ty: GgmlType, w_row: &[u8], a_row: &[u8], n: usize, path: Path) -> Result<f32, KernelError> {
+    let w_expected = ty.row_bytes(n)?;
+    let a_expected = ty.vec_dot_type().row_bytes(n)?;
+    if w_row.len() != w_expected {
+        return Err(KernelError::ByteLength {
+            what: "vec_dot weight row",
+            expected: w_expected,
+            got: w_row.len(),
+        });
+    }
+    if a_row.len() != a_expected {
+        return Err(KernelError::ByteLength {
+            what: "vec_dot activation row",
+            expected: a_expected,
+            got: a_row.len(),
+        });
+    }
+    with_kernel(ty, path, SingleDot { w_row, a_row })?
+}
+
+struct SingleDot<'a> {
+    w_row: &'a [u8],
+    a_row: &'a [u8],
+}
+
+impl KernelUser for SingleDot<'_> {
+    type Output = Result<f32, KernelError>;
+
+    fn run<W: Pod + Sync, A: Pod + Sync>(self, kernel: Kernel<W, A>) -> Self::Output {
+        let w = cast_blocks::<W>(self.w_row, "vec_dot weight row")?;
+        let a = cast_blocks::<A>(self.a_row, "vec_dot activation row")?;
+        let mut out = [0.0f32];
+        kernel.dot(&[w], &[a], &mut out);
+        Ok(out[0])
+    }
+}
+
+/// A kernel computing weight rows (blocks `W`) against activation rows
+/// (blocks `A`): `(w_rows, a_rows, out)` with
+/// `out[r * a_rows.len() + t] = dot(w_rows[r], a_rows[t])`.
+type TileFn<W, A> = unsafe fn(&[&[W]], &[&[A]], &mut [f32]);
+type PortableFn<W, A> = fn(&[&[W]], &[&[A]], &mut [f32]);
+
+/// A dot kernel chosen for one (weight, activation) type pair.
+pub(crate) struct Kernel<W, A> {
+    // Invariant: an AVX2 kernel is stored only after `has_avx2()` said yes.
+    run: TileFn<W, A>,
+    /// Weight rows worth handing over together for one activation row.
+    decode_rows: usize,
+}
+
+impl<W, A> Clone for Kernel<W, A> {
+    fn clone(&self) -> Self {
+        *self
+    }
+}
+
+impl<W, A> Copy for Kernel<W, A> {}
+
+impl<W, A> Kernel<W, A> {
+    fn portable(run: PortableFn<W, A>) -> Self {
+        Self { run, decode_rows: 1 }
+    }
+
+    /// The SIMD kernel if wanted and supported, else the portable one.
+    #[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))]
+    fn choose(path: Path, simd: TileFn<W, A>, decode_rows: usize, portable: PortableFn<W, A>) -> Self {
+        if path == Path::Fastest && has_avx2() {
+            Self { run: simd, decode_rows }
+        } else {
+            Self::portable(portable)
+        }
+    }
+
+    /// How many weight rows to pass per call when there is one activation
+    /// row: several where the kernel gains from independent FMA chains,
+    /// one where a single sequential stream of weights is faster.
+    pub(crate) fn decode_rows(&self) -> usize {
+        self.decode_rows
+    }
+
+    /// `out[r * a_rows.len() + t] = dot(w_rows[r], a_rows[t])` over the
+    /// blocks all operands share; `out` must hold every pair.
+    #[inline]
+    pub(crate) fn dot(&self, w_rows: &[&[W]], a_rows: &[&[A]], out: &mut [f32]) {
+        // SAFETY: `run` is portable, or SIMD selected after runtime detection
+        // (see `choose`); every kernel bounds its reads by the slice lengths.
+        unsafe { (self.run)(w_rows, a_rows, out) }
+    }
+}
+
+/// Something to do with a kernel, generic over its block types. Lets one
+/// `match` on [`GgmlType`] serve single dots and whole matrix products.
+pub(crate) trait KernelUser {
+    type Output;
+    fn run<W: Pod + Sync, A: Pod + Sync>(self, kernel: Kernel<W, A>) -> Self::Output;
+}
+
+/// Adapts a single-row scalar dot to the tile form.
+macro_rules! scalar_rows {
+    ($single:path, $W:ty, $A:ty) => {{
+        fn rows(w_rows: &[&[$W]], a_rows: &[&[$A]], out: &mut [f32]) {
+            let n = a_rows.len();
+            for (w, out) in w_rows.iter().zip(out.chunks_mut(n.max(1))) {
+                for (o, a) in out.iter_mut().zip(a_rows) {
+                    *o = $single(w, a);
+                }
+            }
+        }
+        rows as PortableFn<$W, $A>
+    }};
+}
+
+/// The kernel for weights of type `ty` on `path`, handed to `user`.
+pub(crate) fn with_kernel<U: KernelUser>(ty: GgmlType, path: Path, user: U) -> Result<U::Output, KernelError> {
+    // `decode_rows` as measured on the AVX2 kernels: the 32-value formats
+    // with cheap unpacking are bound by their FMA chain and gain from 4 rows;
+    // Q5_0's bit unpacking and the K formats' larger state do not.
+    macro_rules! pick {
+        ($name:ident, $W:ty, $A:ty, decode_rows = $rows:literal) => {{
+            let portable = scalar_rows!(scalar::$name, $W, $A);
+            #[cfg(target_arch = "x86_64")]
+            let kernel = Kernel::<$W, $A>::choose(path, avx2::$name, $rows, portable);
+            #[cfg(not(target_arch = "x86_64"))]
+            let kernel = {
+                let _ = path;
+                Kernel::<$W, $A>::portable(portable)
+            };
+            user.run(kernel)
+        }};
+    }
+    Ok(match ty {
+        GgmlType::Q4_0 => pick!(q4_0_q8_0, BlockQ4_0, BlockQ8_0, decode_rows = 4),
+        GgmlType::Q4_1 => pick!(q4_1_q8_1, BlockQ4_1, BlockQ8_1, decode_rows = 4),
+        GgmlType::Q5_0 => pick!(q5_0_q8_0, BlockQ5_0, BlockQ8_0, decode_rows = 1),
+        GgmlType::Q5_1 => pick!(q5_1_q8_1, BlockQ5_1, BlockQ8_1, decode_rows = 4),
+        GgmlType::Q8_0 => pick!(q8_0_q8_0, BlockQ8_0, BlockQ8_0, decode_rows = 4),
+        GgmlType::Q4K => pick!(q4_k_q8_k, BlockQ4K, BlockQ8K, decode_rows = 1),
+        GgmlType::Q5K => pick!(q5_k_q8_k, BlockQ5K, BlockQ8K, decode_rows = 1),
+        GgmlType::Q6K => pick!(q6_k_q8_k, BlockQ6K, BlockQ8K, decode_rows = 1),
+        GgmlType::F32 => pick!(f32_f32, f32, f32, decode_rows = 1),
+        GgmlType::F16 => pick!(f16_f16, f16, f16, decode_rows = 1),
+        GgmlType::BF16 => pick!(bf16_bf16, bf16, bf16, decode_rows = 1),
+        // GGML has no dot kernel with these as weights either.
+        GgmlType::Q8_1 | GgmlType::Q8K => {
+            return Err(KernelError::UnsupportedType(format!("{ty} as a weight type")));
+        }
+    })
+}

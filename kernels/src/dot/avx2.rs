@@ -1,0 +1,694 @@
+//! AVX2 + FMA (+ F16C) dot kernels.
+//!
+//! Each kernel repeats the arithmetic of GGML's AVX2 `ggml_vec_dot_*` in
+//! `ggml-cpu/arch/x86/quants.c` (and `vec.cpp` for the float types): the same
+//! integer lanes, the same per-block `fmadd` into eight float lanes and the
+//! same horizontal sums, so results match llama.cpp's bit for bit. Scalar
+//! `a += b * c` accumulations are FMAs because GCC contracts them in
+//! llama.cpp's `-march` builds (checked in its `libggml-cpu.so`).
+//!
+//! The quantized kernels are tiled: `R` weight rows against `T` activation
+//! rows at once, so each weight block is unpacked once per `T` tokens, each
+//! activation block is loaded once per `R` rows, and one-token products get
+//! `R` independent FMA chains instead of one. Every output keeps its own
+//! accumulators and sees the same operations in the same order as a lone
+//! dot, so a tile's results equal separate dots exactly.
+
+use std::arch::x86_64::*;
+
+use half::{bf16, f16};
+
+use crate::blocks::*;
+
+/// Most weight rows per tile when there is a single activation row (decode;
+/// how many a caller passes per call is its choice, see `Kernel::decode_rows`).
+const DECODE_ROWS: usize = 4;
+/// Activation rows per tile.
+const TOKENS: usize = 4;
+
+/// Wraps a const-generic tile kernel `$tile::<R, T>([w; R], [a; T]) -> [[f32; T]; R]`
+/// into the slice form `(ws, as, out)` with `out[r * as.len() + t]`, cutting
+/// the operands into tiles. `$rows` is the weight rows per tile when several
+/// activation rows share it (1 or 2: K kernels hold more state per pair).
+macro_rules! tiled {
+    ($(#[$doc:meta])* $name:ident => $tile:ident($W:ty, $A:ty), prompt_rows = $rows:literal) => {
+        $(#[$doc])*
+        ///
+        /// # Safety
+        /// The CPU must support AVX2, FMA and F16C ([`super::has_avx2`]).
+        pub unsafe fn $name(ws: &[&[$W]], ys: &[&[$A]], out: &mut [f32]) {
+            const _: () = assert!($rows == 1 || $rows == 2);
+            let n = ys.len();
+            if out.len() < ws.len() * n {
+                return;
+            }
+            let row_tile = if n == 1 { DECODE_ROWS } else { $rows };
+            for (rc, w_chunk) in ws.chunks(row_tile).enumerate() {
+                for (tc, y_chunk) in ys.chunks(TOKENS).enumerate() {
+                    let (r0, t0) = (rc * row_tile, tc * TOKENS);
+                    macro_rules! run {
+                        ($R:literal, $T:literal) => {{
+                            let w: [&[$W]; $R] = std::array::from_fn(|i| w_chunk[i]);
+                            let y: [&[$A]; $T] = std::array::from_fn(|i| y_chunk[i]);
+                            let result = $tile::<$R, $T>(w, y);
+                            for (r, row) in result.iter().enumerate() {
+                                out[(r0 + r) * n + t0..][..$T].copy_from_slice(row);
+                            }
+                        }};
+                    }
+                    match (w_chunk.len(), y_chunk.len()) {
+                        (1, 1) => run!(1, 1),
+                        (2, 1) => run!(2, 1),
+                        (3, 1) => run!(3, 1),
+                        (4, 1) => run!(4, 1),
+                        (1, 2) => run!(1, 2),
+                        (1, 3) => run!(1, 3),
+                        (1, 4) => run!(1, 4),
+                        (2, 2) => run!(2, 2),
+                        (2, 3) => run!(2, 3),
+                        (2, 4) => run!(2, 4),
+                        // Chunks are at most DECODE_ROWS x 1 or $rows x TOKENS.
+                        _ => {}
+                    }
+                }
+            }
+        }
+    };
+}
+
+/// Same slice form for the float kernels, which gain nothing from tiling.
+macro_rules! per_row {
+    ($(#[$doc:meta])* $name:ident => $single:ident($T:ty)) => {
+        $(#[$doc])*
+        ///
+        /// # Safety
+        /// The CPU must support AVX2, FMA and F16C ([`super::has_avx2`]).
+        pub unsafe fn $name(ws: &[&[$T]], ys: &[&[$T]], out: &mut [f32]) {
+            let n = ys.len();
+            for (w, out) in ws.iter().zip(out.chunks_mut(n.max(1))) {
+                for (o, y) in out.iter_mut().zip(ys) {
+                    *o = $single(w, y);
+                }
+            }
+        }
+    };
+}
+
+tiled!(
+    /// Q4_0 weights · Q8_0 activations.
+    q4_0_q8_0 => q4_0_tile(BlockQ4_0, BlockQ8_0), prompt_rows = 2
+);
+tiled!(
+    /// Q4_1 weights · Q8_1 activations.
+    q4_1_q8_1 => q4_1_tile(BlockQ4_1, BlockQ8_1), prompt_rows = 2
+);
+tiled!(
+    /// Q5_0 weights · Q8_0 activations.
+    q5_0_q8_0 => q5_0_tile(BlockQ5_0, BlockQ8_0), prompt_rows = 2
+);
+tiled!(
+    /// Q5_1 weights · Q8_1 activations.
+    q5_1_q8_1 => q5_1_tile(BlockQ5_1, BlockQ8_1), prompt_rows = 2
+);
+tiled!(
+    /// Q8_0 weights · Q8_0 activations.
+    q8_0_q8_0 => q8_0_tile(BlockQ8_0, BlockQ8_0), prompt_rows = 2
+);
+tiled!(
+    /// Q4_K weights · Q8_K activations.
+    q4_k_q8_k => q4_k_tile(BlockQ4K, BlockQ8K), prompt_rows = 1
+);
+tiled!(
+    /// Q5_K weights · Q8_K activations.
+    q5_k_q8_k => q5_k_tile(BlockQ5K, BlockQ8K), prompt_rows = 1
+);
+tiled!(
+    /// Q6_K weights · Q8_K activations.
+    q6_k_q8_k => q6_k_tile(BlockQ6K, BlockQ8K), prompt_rows = 1
+);
+per_row!(
+    /// F32 · F32 (`ggml_vec_dot_f32`).
+    f32_f32 => dot_f32(f32)
+);
+per_row!(
+    /// F16 · F16 (`ggml_vec_dot_f16`).
+    f16_f16 => dot_f16(f16)
+);
+per_row!(
+    /// BF16 · BF16 (`ggml_vec_dot_bf16`).
+    bf16_bf16 => dot_bf16(bf16)
+);
+
+// ---------------------------------------------------------------------------
+// Helpers (GGML's names in comments where they correspond).
+
+/// Blocks every operand has; equal for validated rows, and the bound that
+/// keeps the unchecked indexing below in range either way.
+#[inline]
+fn common_len<W, A, const R: usize, const T: usize>(xs: &[&[W]; R], ys: &[&[A]; T]) -> usize {
+    let n = xs.iter().fold(usize::MAX, |n, x| n.min(x.len()));
+    ys.iter().fold(n, |n, y| n.min(y.len()))
+}
+
+/// Every f16 as f32, like GGML's x86 `GGML_CPU_FP16_TO_FP32`: a scale is
+/// then one load, where `vcvtph2ps` on a lone scalar costs a shuffle and
+/// invites false dependencies on whatever register LLVM merges into.
+static F16_TO_F32: [f32; 1 << 16] = f16_table();
+
+const fn f16_table() -> [f32; 1 << 16] {
+    let mut table = [0.0f32; 1 << 16];
+    let mut bits = 0;
+    while bits < table.len() {
+        table[bits] = f16::from_bits(bits as u16).to_f32_const();
+        bits += 1;
+    }
+    table
+}
+
+#[inline]
+fn fp16(h: f16) -> f32 {
+    F16_TO_F32[h.to_bits() as usize]
+}
+
+/// `hsum_float_8`.
+#[inline]
+#[target_feature(enable = "avx2,fma")]
+unsafe fn hsum_float_8(x: __m256) -> f32 {
+    let mut res = _mm_add_ps(_mm256_extractf128_ps(x, 1), _mm256_castps256_ps128(x));
+    res = _mm_add_ps(res, _mm_movehl_ps(res, res));
+    res = _mm_add_ss(res, _mm_movehdup_ps(res));
+    _mm_cvtss_f32(res)
+}
+
+#[inline]
+#[target_feature(enable = "avx2,fma")]
+unsafe fn hsum_each<const R: usize, const T: usize>(acc: [[__m256; T]; R]) -> [[f32; T]; R] {
+    let mut out = [[0.0f32; T]; R];
+    for r in 0..R {
+        for t in 0..T {
+            out[r][t] = hsum_float_8(acc[r][t]);
+        }
+    }
+    out
+}
+
+/// `scale` of block `ib` of each activation row.
+///
+/// # Safety
+/// `ib` must be below every row's length.
+#[inline]
+unsafe fn block_scales<A, const T: usize>(ys: &[&[A]; T], ib: usize, scale: impl Fn(&A) -> f32) -> [f32; T] {
+    let mut d = [0.0f32; T];
+    for t in 0..T {
+        d[t] = scale(ys[t].get_unchecked(ib));
+    }
+    d
+}
+
+/// `mul_sum_us8_pairs_float`: unsigned × signed bytes, summed in fours.
+#[inline]
+#[target_feature(enable = "avx2,fma")]
+unsafe fn mul_sum_us8_pairs_float(ax: __m256i, sy: __m256i) -> __m256 {
+    let dot = _mm256_maddubs_epi16(ax, sy);
+    _mm256_cvtepi32_ps(_mm256_madd_epi16(_mm256_set1_epi16(1), dot))
+}
+
+/// `bytes_from_nibbles_32`: 16 bytes → 32 values, low nibbles first.
+#[inline]
+#[target_feature(enable = "avx2,fma")]
+unsafe fn bytes_from_nibbles_32(qs: &[u8; 16]) -> __m256i {
+    let tmp = _mm_loadu_si128(qs.as_ptr() as *const __m128i);
+    let bytes = _mm256_set_m128i(_mm_srli_epi16(tmp, 4), tmp);
+    _mm256_and_si256(_mm256_set1_epi8(0x0F), bytes)
+}
+
+/// `bytes_from_bits_32`: bit `j` of `qh` → byte `j` = 0xFF or 0x00.
+#[inline]
+#[target_feature(enable = "avx2,fma")]
+unsafe fn bytes_from_bits_32(qh: [u8; 4]) -> __m256i {
+    let x32 = u32::from_le_bytes(qh) as i32;
+    let shuf_mask = _mm256_set_epi64x(
+        0x0303030303030303,
+        0x0202020202020202,
+        0x0101010101010101,
+        0x0000000000000000,
+    );
+    let bytes = _mm256_shuffle_epi8(_mm256_set1_epi32(x32), shuf_mask);
+    let bytes = _mm256_or_si256(bytes, _mm256_set1_epi64x(0x7fbfdfeff7fbfdfe));
+    _mm256_cmpeq_epi8(bytes, _mm256_set1_epi64x(-1))
+}
+
+#[inline]
+#[target_feature(enable = "avx2,fma")]
+unsafe fn load_256(bytes: *const i8) -> __m256i {
+    _mm256_loadu_si256(bytes as *const __m256i)
+}
+
+// ---------------------------------------------------------------------------
+// Legacy 32-value blocks.
+
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn q4_0_tile<const R: usize, const T: usize>(xs: [&[BlockQ4_0]; R], ys: [&[BlockQ8_0]; T]) -> [[f32; T]; R] {
+    let nb = common_len(&xs, &ys);
+    let offset = _mm256_set1_epi8(8);
+    let mut acc = [[_mm256_setzero_ps(); T]; R];
+    for ib in 0..nb {
+        let dy = block_scales(&ys, ib, |y| fp16(y.d));
+        for r in 0..R {
+            let xb = xs[r].get_unchecked(ib);
+            // [0, 15] -> [-8, 7]; the sign trick turns signed x signed into
+            // maddubs' unsigned x signed form.
+            let qx = _mm256_sub_epi8(bytes_from_nibbles_32(&xb.qs), offset);
+            let ax = _mm256_sign_epi8(qx, qx);
+            let dx = fp16(xb.d);
+            for t in 0..T {
+                let qy = load_256(ys[t].get_unchecked(ib).qs.as_ptr());
+                let q = mul_sum_us8_pairs_float(ax, _mm256_sign_epi8(qy, qx));
+                acc[r][t] = _mm256_fmadd_ps(_mm256_set1_ps(dx * dy[t]), q, acc[r][t]);
+            }
+        }
+    }
+    hsum_each(acc)
+}
+
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn q4_1_tile<const R: usize, const T: usize>(xs: [&[BlockQ4_1]; R], ys: [&[BlockQ8_1]; T]) -> [[f32; T]; R] {
+    let nb = common_len(&xs, &ys);
+    let mut acc = [[_mm256_setzero_ps(); T]; R];
+    // The offset terms m * s, summed apart from the lanes as GGML does.
+    let mut summs = [[0.0f32; T]; R];
+    for ib in 0..nb {
+        let dy = block_scales(&ys, ib, |y| fp16(y.d));
+        let sy = block_scales(&ys, ib, |y| fp16(y.s));
+        for r in 0..R {
+            let xb = xs[r].get_unchecked(ib);
+            let d0 = _mm256_set1_ps(fp16(xb.d));
+            let m = fp16(xb.m);
+            let qx = bytes_from_nibbles_32(&xb.qs);
+            for t in 0..T {
+                summs[r][t] = m.mul_add(sy[t], summs[r][t]);
+                let d0d1 = _mm256_mul_ps(d0, _mm256_set1_ps(dy[t]));
+                let qy = load_256(ys[t].get_unchecked(ib).qs.as_ptr());
+                let xy = mul_sum_us8_pairs_float(qx, qy);
+                acc[r][t] = _mm256_fmadd_ps(d0d1, xy, acc[r][t]);
+            }
+        }
+    }
+    add_scalars(hsum_each(acc), summs)
+}
+
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn q5_0_tile<const R: usize, const T: usize>(xs: [&[BlockQ5_0]; R], ys: [&[BlockQ8_0]; T]) -> [[f32; T]; R] {
+    let nb = common_len(&xs, &ys);
+    let mut acc = [[_mm256_setzero_ps(); T]; R];
+    for ib in 0..nb {
+        let dy = block_scales(&ys, ib, |y| fp16(y.d));
+        for r in 0..R {
+            let xb = xs[r].get_unchecked(ib);
+            // A clear 5th bit means value - 16 < 0: OR-ing 0xF0 into the
+            // nibble is exactly that subtraction in two's complement.
+            let high = _mm256_andnot_si256(bytes_from_bits_32(xb.qh), _mm256_set1_epi8(0xF0u8 as i8));
+            let qx = _mm256_or_si256(bytes_from_nibbles_32(&xb.qs), high);
+            let ax = _mm256_sign_epi8(qx, qx);
+            let dx = fp16(xb.d);
+            for t in 0..T {
+                let qy = load_256(ys[t].get_unchecked(ib).qs.as_ptr());
+                let q = mul_sum_us8_pairs_float(ax, _mm256_sign_epi8(qy, qx));
+                acc[r][t] = _mm256_fmadd_ps(_mm256_set1_ps(dx * dy[t]), q, acc[r][t]);
+            }
+        }
+    }
+    hsum_each(acc)
+}
+
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn q5_1_tile<const R: usize, const T: usize>(xs: [&[BlockQ5_1]; R], ys: [&[BlockQ8_1]; T]) -> [[f32; T]; R] {
+    let nb = common_len(&xs, &ys);
+    let mut acc = [[_mm256_setzero_ps(); T]; R];
+    let mut summs = [[0.0f32; T]; R];
+    for ib in 0..nb {
+        let dy = block_scales(&ys, ib, |y| fp16(y.d));
+        let sy = block_scales(&ys, ib, |y| fp16(y.s));
+        for r in 0..R {
+            let xb = xs[r].get_unchecked(ib);
+            let dx = _mm256_set1_ps(fp16(xb.d));
+            let m = fp16(xb.m);
+            let high = _mm256_and_si256(bytes_from_bits_32(xb.qh), _mm256_set1_epi8(0x10));
+            let qx = _mm256_or_si256(bytes_from_nibbles_32(&xb.qs), high);
+            for t in 0..T {
+                summs[r][t] = m.mul_add(sy[t], summs[r][t]);
+                let qy = load_256(ys[t].get_unchecked(ib).qs.as_ptr());
+                let q = mul_sum_us8_pairs_float(qx, qy);
+                acc[r][t] = _mm256_fmadd_ps(q, _mm256_mul_ps(dx, _mm256_set1_ps(dy[t])), acc[r][t]);
+            }
+        }
+    }
+    add_scalars(hsum_each(acc), summs)
+}
+
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn q8_0_tile<const R: usize, const T: usize>(xs: [&[BlockQ8_0]; R], ys: [&[BlockQ8_0]; T]) -> [[f32; T]; R] {
+    let nb = common_len(&xs, &ys);
+    let mut acc = [[_mm256_setzero_ps(); T]; R];
+    for ib in 0..nb {
+        let dy = block_scales(&ys, ib, |y| fp16(y.d));
+        for r in 0..R {
+            let xb = xs[r].get_unchecked(ib);
+            let qx = load_256(xb.qs.as_ptr());
+            let ax = _mm256_sign_epi8(qx, qx);
+            let dx = fp16(xb.d);
+            for t in 0..T {
+                let qy = load_256(ys[t].get_unchecked(ib).qs.as_ptr());
+                let q = mul_sum_us8_pairs_float(ax, _mm256_sign_epi8(qy, qx));
+                acc[r][t] = _mm256_fmadd_ps(_mm256_set1_ps(dx * dy[t]), q, acc[r][t]);
+            }
+        }
+    }
+    hsum_each(acc)
+}
+
+/// Lane sums plus the separately kept scalar terms, as GGML's final `+ summs`.
+#[inline]
+fn add_scalars<const R: usize, const T: usize>(mut sums: [[f32; T]; R], extra: [[f32; T]; R]) -> [[f32; T]; R] {
+    for r in 0..R {
+        for t in 0..T {
+            sums[r][t] += extra[r][t];
+        }
+    }
+    sums
+}
+
+// ---------------------------------------------------------------------------
+// K super-blocks.
+
+/// The eight 6-bit scales (low 128 bits) and mins (high 128 bits) of a
+/// Q4_K/Q5_K block as 16-bit lanes, via GGML's 32-bit mask unpacking.
+#[inline]
+#[target_feature(enable = "avx2,fma")]
+unsafe fn k4_scales_and_mins(scales: &[u8; 12]) -> __m256i {
+    const KMASK1: u32 = 0x3f3f3f3f;
+    const KMASK2: u32 = 0x0f0f0f0f;
+    const KMASK3: u32 = 0x03030303;
+    let [u0, u1, u2]: [u32; 3] = bytemuck::cast(*scales);
+    let mins_hi = ((u2 >> 4) & KMASK2) | (((u1 >> 6) & KMASK3) << 4);
+    let mins_lo = u1 & KMASK1;
+    let scales_hi = (u2 & KMASK2) | (((u0 >> 6) & KMASK3) << 4);
+    let scales_lo = u0 & KMASK1;
+    _mm256_cvtepu8_epi16(_mm_set_epi32(
+        mins_hi as i32,
+        mins_lo as i32,
+        scales_hi as i32,
+        scales_lo as i32,
+    ))
+}
+
+/// Sums of adjacent pairs of Q8_K's 16 `bsums`: one per 32-value sub-block.
+#[inline]
+#[target_feature(enable = "avx2,fma")]
+unsafe fn q8k_sub_block_sums(yb: &BlockQ8K) -> __m128i {
+    let q8sums = _mm256_loadu_si256(yb.bsums.as_ptr() as *const __m256i);
+    _mm_hadd_epi16(_mm256_extracti128_si256(q8sums, 0), _mm256_extracti128_si256(q8sums, 1))
+}
+
+/// `get_scale_shuffle_k4(i)`: broadcasts 16-bit scale `i` of a
+/// lane-duplicated scale vector.
+#[inline]
+#[target_feature(enable = "avx2,fma")]
+unsafe fn k4_scale(scales: __m256i, i: usize) -> __m256i {
+    let pick = (((2 * i + 1) << 8) | (2 * i)) as i16;
+    _mm256_shuffle_epi8(scales, _mm256_set1_epi16(pick))
+}
+
+/// What a Q4_K/Q5_K tile needs per weight block besides its quants.
+struct K4Block {
+    d: f32,
+    dmin: f32,
+    mins: __m128i,
+    /// The eight scales as 16-bit lanes, in both 128-bit halves.
+    scales: __m256i,
+}
+
+#[inline]
+#[target_feature(enable = "avx2,fma")]
+unsafe fn k4_block(d: f16, dmin: f16, scales: &[u8; 12]) -> K4Block {
+    let mins_and_scales = k4_scales_and_mins(scales);
+    K4Block {
+        d: fp16(d),
+        dmin: fp16(dmin),
+        mins: _mm256_extracti128_si256(mins_and_scales, 1),
+        scales: _mm256_broadcastsi128_si256(_mm256_extracti128_si256(mins_and_scales, 0)),
+    }
+}
+
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn q4_k_tile<const R: usize, const T: usize>(xs: [&[BlockQ4K]; R], ys: [&[BlockQ8K]; T]) -> [[f32; T]; R] {
+    let nb = common_len(&xs, &ys);
+    let m4 = _mm256_set1_epi8(0x0F);
+    let mut acc = [[_mm256_setzero_ps(); T]; R];
+    let mut acc_m = [[_mm_setzero_ps(); T]; R];
+    for i in 0..nb {
+        for r in 0..R {
+            let xb = xs[r].get_unchecked(i);
+            let k = k4_block(xb.d, xb.dmin, &xb.scales);
+            let mut sumi = [_mm256_setzero_si256(); T];
+            for j in 0..QK_K / 64 {
+                let scale_l = k4_scale(k.scales, 2 * j);
+                let scale_h = k4_scale(k.scales, 2 * j + 1);
+                let q4bits = _mm256_loadu_si256(xb.qs.as_ptr().add(32 * j) as *const __m256i);
+                let q4l = _mm256_and_si256(q4bits, m4);
+                let q4h = _mm256_and_si256(_mm256_srli_epi16(q4bits, 4), m4);
+                for t in 0..T {
+                    let q8 = ys[t].get_unchecked(i).qs.as_ptr().add(64 * j);
+                    let p16l = _mm256_madd_epi16(scale_l, _mm256_maddubs_epi16(q4l, load_256(q8)));
+                    let p16h = _mm256_madd_epi16(scale_h, _mm256_maddubs_epi16(q4h, load_256(q8.add(32))));
+                    sumi[t] = _mm256_add_epi32(sumi[t], _mm256_add_epi32(p16l, p16h));
+                }
+            }
+            for t in 0..T {
+                let yb = ys[t].get_unchecked(i);
+                let d = yb.d * k.d;
+                let dmin = -yb.d * k.dmin;
+                let prod = _mm_madd_epi16(k.mins, q8k_sub_block_sums(yb));
+                acc_m[r][t] = _mm_fmadd_ps(_mm_set1_ps(dmin), _mm_cvtepi32_ps(prod), acc_m[r][t]);
+                acc[r][t] = _mm256_fmadd_ps(_mm256_set1_ps(d), _mm256_cvtepi32_ps(sumi[t]), acc[r][t]);
+            }
+        }
+    }
+    let mut out = [[0.0f32; T]; R];
+    for r in 0..R {
+        for t in 0..T {
+            let mut m = _mm_add_ps(acc_m[r][t], _mm_movehl_ps(acc_m[r][t], acc_m[r][t]));
+            m = _mm_add_ss(m, _mm_movehdup_ps(m));
+            out[r][t] = hsum_float_8(acc[r][t]) + _mm_cvtss_f32(m);
+        }
+    }
+    out
+}
+
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn q5_k_tile<const R: usize, const T: usize>(xs: [&[BlockQ5K]; R], ys: [&[BlockQ8K]; T]) -> [[f32; T]; R] {
+    let nb = common_len(&xs, &ys);
+    let m4 = _mm256_set1_epi8(0x0F);
+    let sixteen = _mm256_set1_epi8(16);
+    let mut acc = [[_mm256_setzero_ps(); T]; R];
+    let mut summs = [[0.0f32; T]; R];
+    for i in 0..nb {
+        for r in 0..R {
+            let xb = xs[r].get_unchecked(i);
+            let k = k4_block(xb.d, xb.dmin, &xb.scales);
+            let hbits = _mm256_loadu_si256(xb.qh.as_ptr() as *const __m256i);
+            let mut sumi = [_mm256_setzero_si256(); T];
+            for j in 0..QK_K / 64 {
+                let scale_0 = k4_scale(k.scales, 2 * j);
+                let scale_1 = k4_scale(k.scales, 2 * j + 1);
+                let q5bits = _mm256_loadu_si256(xb.qs.as_ptr().add(32 * j) as *const __m256i);
+                // Bits 2j and 2j+1 of each qh byte are the 5th bits of the two halves.
+                let mask_0 = _mm256_set1_epi8((1u8 << (2 * j)) as i8);
+                let mask_1 = _mm256_set1_epi8((1u8 << (2 * j + 1)) as i8);
+                let high_0 = _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(hbits, mask_0), mask_0), sixteen);
+                let high_1 = _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(hbits, mask_1), mask_1), sixteen);
+                let q5_0 = _mm256_add_epi8(_mm256_and_si256(q5bits, m4), high_0);
+                let q5_1 = _mm256_add_epi8(_mm256_and_si256(_mm256_srli_epi16(q5bits, 4), m4), high_1);
+                for t in 0..T {
+                    let q8 = ys[t].get_unchecked(i).qs.as_ptr().add(64 * j);
+                    let p16_0 = _mm256_madd_epi16(scale_0, _mm256_maddubs_epi16(q5_0, load_256(q8)));
+                    let p16_1 = _mm256_madd_epi16(scale_1, _mm256_maddubs_epi16(q5_1, load_256(q8.add(32))));
+                    sumi[t] = _mm256_add_epi32(sumi[t], _mm256_add_epi32(p16_0, p16_1));
+                }
+            }
+            for t in 0..T {
+                let yb = ys[t].get_unchecked(i);
+                let d = yb.d * k.d;
+                let dmin = -yb.d * k.dmin;
+                let prod = _mm_madd_epi16(k.mins, q8k_sub_block_sums(yb));
+                let zero = _mm_setzero_si128();
+                let hsum = _mm_hadd_epi32(_mm_hadd_epi32(prod, zero), zero);
+                summs[r][t] = dmin.mul_add(_mm_cvtsi128_si32(hsum) as f32, summs[r][t]);
+                acc[r][t] = _mm256_fmadd_ps(_mm256_set1_ps(d), _mm256_cvtepi32_ps(sumi[t]), acc[r][t]);
+            }
+        }
+    }
+    add_scalars(hsum_each(acc), summs)
+}
+
+/// `get_scale_shuffle(i)`: bytes picking Q6_K scales 2i (x8) and 2i+1 (x8).
+#[inline]
+#[target_feature(enable = "avx2,fma")]
+unsafe fn q6_scale_pick(i: usize) -> __m128i {
+    const ONES: i64 = 0x0101010101010101;
+    _mm_set_epi64x((2 * i as i64 + 1) * ONES, (2 * i as i64) * ONES)
+}
+
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn q6_k_tile<const R: usize, const T: usize>(xs: [&[BlockQ6K]; R], ys: [&[BlockQ8K]; T]) -> [[f32; T]; R] {
+    let nb = common_len(&xs, &ys);
+    let m3 = _mm256_set1_epi8(3);
+    let m15 = _mm256_set1_epi8(15);
+    let mut acc = [[_mm256_setzero_ps(); T]; R];
+    for i in 0..nb {
+        for r in 0..R {
+            let xb = xs[r].get_unchecked(i);
+            let xd = fp16(xb.d);
+            let scales = _mm_loadu_si128(xb.scales.as_ptr() as *const __m128i);
+            let mut sumi = [_mm256_setzero_si256(); T];
+            for j in 0..QK_K / 128 {
+                let q4bits1 = _mm256_loadu_si256(xb.ql.as_ptr().add(64 * j) as *const __m256i);
+                let q4bits2 = _mm256_loadu_si256(xb.ql.as_ptr().add(64 * j + 32) as *const __m256i);
+                let q4bits_h = _mm256_loadu_si256(xb.qh.as_ptr().add(32 * j) as *const __m256i);
+                let q4h_0 = _mm256_slli_epi16(_mm256_and_si256(q4bits_h, m3), 4);
+                let q4h_1 = _mm256_slli_epi16(_mm256_and_si256(q4bits_h, _mm256_set1_epi8(12)), 2);
+                let q4h_2 = _mm256_and_si256(q4bits_h, _mm256_set1_epi8(48));
+                let q4h_3 = _mm256_srli_epi16(_mm256_and_si256(q4bits_h, _mm256_set1_epi8(-64)), 2);
+                // Unsigned 6-bit values; the -32 offset is applied once per block below.
+                let q = [
+                    _mm256_or_si256(_mm256_and_si256(q4bits1, m15), q4h_0),
+                    _mm256_or_si256(_mm256_and_si256(q4bits2, m15), q4h_1),
+                    _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(q4bits1, 4), m15), q4h_2),
+                    _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(q4bits2, 4), m15), q4h_3),
+                ];
+                let mut scale = [_mm256_setzero_si256(); 4];
+                for (k, s) in scale.iter_mut().enumerate() {
+                    *s = _mm256_cvtepi8_epi16(_mm_shuffle_epi8(scales, q6_scale_pick(4 * j + k)));
+                }
+                for t in 0..T {
+                    let q8 = ys[t].get_unchecked(i).qs.as_ptr().add(128 * j);
+                    let mut p16 = [_mm256_setzero_si256(); 4];
+                    for k in 0..4 {
+                        let prod = _mm256_maddubs_epi16(q[k], load_256(q8.add(32 * k)));
+                        p16[k] = _mm256_madd_epi16(scale[k], prod);
+                    }
+                    sumi[t] = _mm256_add_epi32(sumi[t], _mm256_add_epi32(p16[0], p16[1]));
+                    sumi[t] = _mm256_add_epi32(sumi[t], _mm256_add_epi32(p16[2], p16[3]));
+                }
+            }
+            let scales_16 = _mm256_cvtepi8_epi16(scales);
+            for t in 0..T {
+                let yb = ys[t].get_unchecked(i);
+                let d = yb.d * xd;
+                // 32 * sum(scale * bsum): the -32 offset of every value at once.
+                let q8sums = _mm256_loadu_si256(yb.bsums.as_ptr() as *const __m256i);
+                let q8sclsub = _mm256_slli_epi32(_mm256_madd_epi16(q8sums, scales_16), 5);
+                let s = _mm256_sub_epi32(sumi[t], q8sclsub);
+                acc[r][t] = _mm256_fmadd_ps(_mm256_set1_ps(d), _mm256_cvtepi32_ps(s), acc[r][t]);
+            }
+        }
+    }
+    hsum_each(acc)
+}
+
+// ---------------------------------------------------------------------------
+// Float rows: four 8-lane accumulators over steps of 32 (GGML_F32_STEP).
+
+/// `GGML_F32x8_REDUCE` of four accumulators.
+#[inline]
+#[target_feature(enable = "avx2,fma")]
+unsafe fn reduce_f32x8_4(sum: [__m256; 4]) -> f32 {
+    let s0 = _mm256_add_ps(sum[0], sum[2]);
+    let s1 = _mm256_add_ps(sum[1], sum[3]);
+    let s = _mm256_add_ps(s0, s1);
+    let t0 = _mm_add_ps(_mm256_castps256_ps128(s), _mm256_extractf128_ps(s, 1));
+    let t1 = _mm_hadd_ps(t0, t0);
+    _mm_cvtss_f32(_mm_hadd_ps(t1, t1))
+}
+
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn load_f16x8(p: *const f16) -> __m256 {
+    _mm256_cvtph_ps(_mm_loadu_si128(p as *const __m128i))
+}
+
+/// bf16 is the top half of an f32: widen and shift into place.
+#[inline]
+#[target_feature(enable = "avx2,fma")]
+unsafe fn load_bf16x8(p: *const bf16) -> __m256 {
+    _mm256_castsi256_ps(_mm256_slli_epi32(
+        _mm256_cvtepu16_epi32(_mm_loadu_si128(p as *const __m128i)),
+        16,
+    ))
+}
+
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn dot_f32(x: &[f32], y: &[f32]) -> f32 {
+    let n = x.len().min(y.len());
+    let np = n & !31;
+    let (xp, yp) = (x.as_ptr(), y.as_ptr());
+    let mut sum = [_mm256_setzero_ps(); 4];
+    for i in (0..np).step_by(32) {
+        for (j, s) in sum.iter_mut().enumerate() {
+            let ax = _mm256_loadu_ps(xp.add(i + 8 * j));
+            let ay = _mm256_loadu_ps(yp.add(i + 8 * j));
+            *s = _mm256_fmadd_ps(ax, ay, *s);
+        }
+    }
+    let mut sumf = reduce_f32x8_4(sum);
+    for i in np..n {
+        sumf = x.get_unchecked(i).mul_add(*y.get_unchecked(i), sumf);
+    }
+    sumf
+}
+
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn dot_f16(x: &[f16], y: &[f16]) -> f32 {
+    let n = x.len().min(y.len());
+    let np = n & !31;
+    let (xp, yp) = (x.as_ptr(), y.as_ptr());
+    let mut sum = [_mm256_setzero_ps(); 4];
+    for i in (0..np).step_by(32) {
+        for (j, s) in sum.iter_mut().enumerate() {
+            *s = _mm256_fmadd_ps(load_f16x8(xp.add(i + 8 * j)), load_f16x8(yp.add(i + 8 * j)), *s);
+        }
+    }
+    // GGML accumulates the reduced sum and the tail in f64 here.
+    let mut sumf = reduce_f32x8_4(sum) as f64;
+    for i in np..n {
+        sumf += (fp16(*x.get_unchecked(i)) * fp16(*y.get_unchecked(i))) as f64;
+    }
+    sumf as f32
+}
+
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn dot_bf16(x: &[bf16], y: &[bf16]) -> f32 {
+    let n = x.len().min(y.len());
+    let (xp, yp) = (x.as_ptr(), y.as_ptr());
+    let mut c = [_mm256_setzero_ps(); 4];
+    let mut i = 0;
+    while i + 32 <= n {
+        for (j, c) in c.iter_mut().enumerate() {
+            // GGML multiplies and adds separately here (no FMA).
+            *c = _mm256_add_ps(
+                _mm256_mul_ps(load_bf16x8(xp.add(i + 8 * j)), load_bf16x8(yp.add(i + 8 * j))),
+                *c,
+            );
+        }
+        i += 32;
+    }
+    let c1 = _mm256_add_ps(_mm256_add_ps(c[0], c[2]), _mm256_add_ps(c[1], c[3]));
+    let mut g = _mm_add_ps(_mm256_extractf128_ps(c1, 1), _mm256_castps256_ps128(c1));
+    g = _mm_add_ps(g, _mm_movehl_ps(g, g));
+    g = _mm_add_ss(g, _mm_movehdup_ps(g));
+    let mut sumf = _mm_cvtss_f32(g) as f64;
+    for k in i..n {
+        sumf += (x.get_unchecked(k).to_f32() * y.get_unchecked(k).to_f32()) as f64;
+    }
+    sumf as f32
+}

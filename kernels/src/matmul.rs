@@ -1,0 +1,422 @@
+//! Quantized matrix × activations: `out[t * rows + r] = dot(w row r, act row t)`.
+//!
+//! Activations are converted once per layer input into the weights' vec-dot
+//! type ([`ActBuffer`]); each output is then exactly one GGML vec-dot, so the
+//! result for a given (row, token) does not depend on `n`, the tiling or the
+//! thread count.
+//!
+//! Work is split over row chunks across rayon threads. Inside a chunk, rows
+//! are taken in cache-sized groups, and each group is swept by tiles of
+//! activation rows, so a weight row's blocks are unpacked once per tile and
+//! stay in cache while several tokens use them.
+//!
+//! Callers issuing many small products (decode: a few hundred per token)
+//! should run inside the rayon pool (`ThreadPool::install`): called from
+//! outside, each product is handed to the pool while the caller sleeps, which
+//! costs several microseconds per call.
+
+use bytemuck::Pod;
+use rayon::prelude::*;
+
+use crate::blocks::cast_blocks;
+use crate::dot::{with_kernel, Kernel, KernelUser, Path};
+use crate::quantize::quantize_row;
+use crate::{GgmlType, KernelError};
+
+/// A row-major quantized matrix view: `rows` rows of `cols` values (GGML ne0 = cols).
+#[derive(Debug, Clone, Copy)]
+pub struct QMatrix<'a> {
+    pub ty: GgmlType,
+    pub rows: usize,
+    pub cols: usize,
+    pub data: &'a [u8],
+}
+
+impl<'a> QMatrix<'a> {
+    /// Checks that `data` holds exactly `rows` rows of `cols` values of `ty`,
+    /// aligned for its block type.
+    pub fn new(ty: GgmlType, rows: usize, cols: usize, data: &'a [u8]) -> Result<Self, KernelError> {
+        let matrix = Self { ty, rows, cols, data };
+        matrix.validate()?;
+        Ok(matrix)
+    }
+
+    /// Bytes of row `r`; empty when `r` is out of range.
+    pub fn row(&self, r: usize) -> &'a [u8] {
+        let row_bytes = self.row_bytes();
+        let start = r.saturating_mul(row_bytes);
+        self.data.get(start..start.saturating_add(row_bytes)).unwrap_or(&[])
+    }
+
+    /// Bytes per row (0 if `cols` does not fill whole blocks; `new` rejects that).
+    pub fn row_bytes(&self) -> usize {
+        self.ty.row_bytes(self.cols).unwrap_or(0)
+    }
+
+    /// The fields are public, so products re-check them before trusting them.
+    fn validate(&self) -> Result<(), KernelError> {
+        let row_bytes = self.ty.row_bytes(self.cols)?;
+        let expected = row_bytes.checked_mul(self.rows).ok_or(KernelError::ByteLength {
+            what: "matrix data",
+            expected: usize::MAX,
+            got: self.data.len(),
+        })?;
+        if self.data.len() != expected {
+            return Err(KernelError::ByteLength {
+                what: "matrix data",
+                expected,
+                got: self.data.len(),
+            });
+        }
+        let align = element_align(self.ty);
+        if self.data.as_ptr() as usize % align != 0 {
+            return Err(KernelError::Misaligned {
+                what: "matrix data",
+                align,
+            });
+        }
+        Ok(())
+    }
+}
+
+/// Alignment of the block (or element) type GGML stores `ty` as.
+fn element_align(ty: GgmlType) -> usize {
+    match ty {
+        GgmlType::F32 | GgmlType::Q8K => 4,
+        _ => 2,
+    }
+}
+
+/// Activations converted once to a vec-dot type and reused by every matrix that
+/// shares that type. Capacity fixed at construction (no allocation afterwards).
+#[derive(Debug, Clone)]
+pub struct ActBuffer {
+    /// u64 backing keeps every block type's alignment for in-place views.
+    storage: Vec<u64>,
+    dot_ty: GgmlType,
+    n: usize,
+    cols: usize,
+    row_bytes: usize,
+}
+
+impl ActBuffer {
+    /// Room for `max_n` rows of `max_cols` values in any dot type (F32, the
+    /// widest, sets the size).
+    pub fn with_capacity(max_cols: usize, max_n: usize) -> Self {
+        let bytes = max_cols.saturating_mul(max_n).saturating_mul(4);
+        Self {
+            storage: vec![0u64; bytes.div_ceil(8)],
+            dot_ty: GgmlType::F32,
+            n: 0,
+            cols: 0,
+            row_bytes: 0,
+        }
+    }
+
+    /// Converts `n` rows of `cols` values (`x`, row-major) to `dot_ty`.
+    pub fn quantize(&mut self, dot_ty: GgmlType, x: &[f32], n: usize, cols: usize) -> Result<(), KernelError> {
+        let row_bytes = dot_ty.row_bytes(cols)?;
+        let values = n.checked_mul(cols).ok_or(KernelError::Length {
+            what: "activations",
+            expected: usize::MAX,
+            got: x.len(),
+        })?;
+        if x.len() != values {
+            return Err(KernelError::Length {
+                what: "activations",
+                expected: values,
+                got: x.len(),
+            });
+        }
+        let needed = row_bytes.saturating_mul(n);
+        let bytes: &mut [u8] = bytemuck::cast_slice_mut(&mut self.storage);
+        if needed > bytes.len() {
+            return Err(KernelError::ActBufferCapacity {
+                needed,
+                capacity: bytes.len(),
+            });
+        }
+        // Forget the previous contents first so a failed conversion leaves an
+        // empty buffer rather than a half-updated one.
+        self.n = 0;
+        if n > 0 && row_bytes > 0 {
+            let dst = &mut bytes[..needed];
+            if values >= PARALLEL_QUANTIZE_VALUES && n > 1 {
+                dst.par_chunks_mut(row_bytes)
+                    .zip(x.par_chunks(cols))
+                    .try_for_each(|(row, xs)| quantize_row(dot_ty, xs, row))?;
+            } else {
+                for (row, xs) in dst.chunks_mut(row_bytes).zip(x.chunks(cols)) {
+                    quantize_row(dot_ty, xs, row)?;
+                }
+            }
+        }
+        self.dot_ty = dot_ty;
+        self.n = n;
+        self.cols = cols;
+        self.row_bytes = row_bytes;
+        Ok(())
+    }
+
+    pub fn dot_type(&self) -> GgmlType {
+        self.dot_ty
+    }
+
+    pub fn n(&self) -> usize {
+        self.n
+    }
+
+    pub fn cols(&self) -> usize {
+        self.cols
+    }
+
+    /// Bytes of converted row `i`; empty when `i >= n()`.
+    pub fn row(&self, i: usize) -> &[u8] {
+        if i >= self.n {
+            return &[];
+        }
+        &self.bytes()[i * self.row_bytes..(i + 1) * self.row_bytes]
+    }
+
+    /// All `n()` converted rows, back to back.
+    pub fn bytes(&self) -> &[u8] {
+        let bytes: &[u8] = bytemuck::cast_slice(&self.storage);
+        &bytes[..self.n * self.row_bytes]
+    }
+}
+
+/// Below this many values, converting activations on one thread is cheaper
+/// than waking others.
+const PARALLEL_QUANTIZE_VALUES: usize = 1 << 16;
+/// Below this many multiply-adds, a product runs on the calling thread.
+const PARALLEL_MIN_MACS: usize = 1 << 17;
+/// Row chunks per rayon thread: enough to balance uneven progress.
+const CHUNKS_PER_THREAD: usize = 4;
+/// Activation rows handed to a kernel together (its tiles reuse weight blocks).
+const TOKEN_TILE: usize = 4;
+/// Weight rows handed to a kernel together (its tiles reuse activation blocks).
+const ROW_TILE: usize = 4;
+/// Weight bytes per row group: small enough to stay in L1/L2 while every
+/// token tile passes over the group.
+const ROW_GROUP_BYTES: usize = 32 * 1024;
+
+/// `out[t * w.rows + r] = dot(w row r, activation row t)`, on all rayon
+/// threads. Errors if the activations' dot type is not `w.ty.vec_dot_type()`
+/// or shapes disagree.
+pub fn matmul(w: &QMatrix, acts: &ActBuffer, out: &mut [f32]) -> Result<(), KernelError> {
+    run_matmul(w, acts, out, Path::Fastest, true)
+}
+
+/// Single-threaded scalar twin of [`matmul`] (GGML's generic dot formulas).
+pub fn matmul_scalar(w: &QMatrix, acts: &ActBuffer, out: &mut [f32]) -> Result<(), KernelError> {
+    run_matmul(w, acts, out, Path::Scalar, false)
+}
+
+fn run_matmul(w: &QMatrix, acts: &ActBuffer, out: &mut [f32], path: Path, parallel: bool) -> Result<(), KernelError> {
+    w.validate()?;
+    let expected_ty = w.ty.vec_dot_type();
+    if acts.dot_type() != expected_ty {
+        return Err(KernelError::TypeMismatch {
+            what: "matmul activations",
+            expected: expected_ty,
+            got: acts.dot_type(),
+        });
+    }
+    if acts.cols() != w.cols && acts.n() > 0 {
+        return Err(KernelError::Length {
+            what: "matmul activation columns",
+            expected: w.cols,
+            got: acts.cols(),
+        });
+    }
+    let outputs = acts.n() * w.rows;
+    if out.len() != outputs {
+        return Err(KernelError::Length {
+            what: "matmul output",
+            expected: outputs,
+            got: out.len(),
+        });
+    }
+    if outputs == 0 {
+        return Ok(());
+    }
+    let job = Product { w, acts, out, parallel };
+    with_kernel(w.ty, path, job)?
+}
+
+/// One matrix product waiting for its kernel.
+struct Product<'a, 'b> {
+    w: &'b QMatrix<'a>,
+    acts: &'b ActBuffer,
+    out: &'b mut [f32],
+    parallel: bool,
+}
+
+impl KernelUser for Product<'_, '_> {
+    type Output = Result<(), KernelError>;
+
+    fn run<W: Pod + Sync, A: Pod + Sync>(self, kernel: Kernel<W, A>) -> Self::Output {
+        let rows = self.w.rows;
+        let n = self.acts.n();
+        let blocks_per_row = self.w.cols / self.w.ty.block_size();
+        let weights = cast_blocks::<W>(self.w.data, "matrix data")?;
+        let acts = cast_blocks::<A>(self.acts.bytes(), "activations")?;
+        let shape = Shape {
+            rows,
+            n,
+            blocks_per_row,
+            row_bytes: self.w.row_bytes(),
+        };
+
+        let threads = rayon::current_num_threads();
+        let macs = rows.saturating_mul(n).saturating_mul(self.w.cols);
+        if !self.parallel || threads == 1 || macs < PARALLEL_MIN_MACS || rows < 2 {
+            let mut out = Scatter::new(self.out);
+            compute_rows(kernel, weights, acts, shape, 0..rows, &mut out);
+            return Ok(());
+        }
+
+        let chunks = (threads * CHUNKS_PER_THREAD).min(rows);
+        let chunk_rows = rows.div_ceil(chunks);
+        let out = Scatter::new(self.out);
+        (0..rows.div_ceil(chunk_rows)).into_par_iter().for_each(|c| {
+            let start = c * chunk_rows;
+            let end = (start + chunk_rows).min(rows);
+            let mut out = out.clone();
+            compute_rows(kernel, weights, acts, shape, start..end, &mut out);
+        });
+        Ok(())
+    }
+}
+
+#[derive(Clone, Copy)]
+struct Shape {
+    rows: usize,
+    n: usize,
+    blocks_per_row: usize,
+    row_bytes: usize,
+}
+
+/// All outputs of weight rows `row_range`, for every activation row.
+fn compute_rows<W, A>(
+    kernel: Kernel<W, A>,
+    weights: &[W],
+    acts: &[A],
+    shape: Shape,
+    row_range: std::ops::Range<usize>,
+    out: &mut Scatter,
+) {
+    if shape.n == 1 {
+        decode_rows(kernel, weights, acts, shape, row_range, out);
+    } else {
+        prompt_rows(kernel, weights, acts, shape, row_range, out);
+    }
+}
+
+/// One activation row: the weights stream through once. Kernels that gain
+/// from several rows per call get them from separate stretches of the range,
+/// so memory sees a few long sequential streams, which hardware prefetchers
+/// follow; adjacent rows side by side would be short interleaved streams that
+/// they do not (3x slower once the matrix is out of cache).
+fn decode_rows<W, A>(
+    kernel: Kernel<W, A>,
+    weights: &[W],
+    acts: &[A],
+    shape: Shape,
+    row_range: std::ops::Range<usize>,
+    out: &mut Scatter,
+) {
+    let bpr = shape.blocks_per_row;
+    let w_row = |r: usize| &weights[r * bpr..(r + 1) * bpr];
+    let a = [&acts[..bpr]];
+    let lanes = kernel.decode_rows().clamp(1, ROW_TILE);
+    let lane_len = row_range.len() / lanes;
+    let lane_start = |lane: usize| row_range.start + lane * lane_len;
+    let mut w_tile: [&[W]; ROW_TILE] = [&[]; ROW_TILE];
+    let mut results = [0.0f32; ROW_TILE];
+    for k in 0..lane_len {
+        for (lane, slot) in w_tile[..lanes].iter_mut().enumerate() {
+            *slot = w_row(lane_start(lane) + k);
+        }
+        kernel.dot(&w_tile[..lanes], &a, &mut results[..lanes]);
+        for (lane, &v) in results[..lanes].iter().enumerate() {
+            out.write(lane_start(lane) + k, v);
+        }
+    }
+    for r in lane_start(lanes)..row_range.end {
+        kernel.dot(&[w_row(r)], &a, &mut results[..1]);
+        out.write(r, results[0]);
+    }
+}
+
+/// Several activation rows: each cache-sized group of weight rows is swept
+/// by every tile of activation rows before moving on.
+fn prompt_rows<W, A>(
+    kernel: Kernel<W, A>,
+    weights: &[W],
+    acts: &[A],
+    shape: Shape,
+    row_range: std::ops::Range<usize>,
+    out: &mut Scatter,
+) {
+    let bpr = shape.blocks_per_row;
+    let w_row = |r: usize| &weights[r * bpr..(r + 1) * bpr];
+    let a_row = |t: usize| &acts[t * bpr..(t + 1) * bpr];
+    let mut w_tile: [&[W]; ROW_TILE] = [&[]; ROW_TILE];
+    let mut a_tile: [&[A]; TOKEN_TILE] = [&[]; TOKEN_TILE];
+    let mut results = [0.0f32; ROW_TILE * TOKEN_TILE];
+    let group_rows = (ROW_GROUP_BYTES / shape.row_bytes.max(1)).max(ROW_TILE);
+    let mut group_start = row_range.start;
+    while group_start < row_range.end {
+        let group_end = (group_start + group_rows).min(row_range.end);
+        for t0 in (0..shape.n).step_by(TOKEN_TILE) {
+            let tokens = TOKEN_TILE.min(shape.n - t0);
+            for (i, slot) in a_tile[..tokens].iter_mut().enumerate() {
+                *slot = a_row(t0 + i);
+            }
+            for r0 in (group_start..group_end).step_by(ROW_TILE) {
+                let rows = ROW_TILE.min(group_end - r0);
+                for (i, slot) in w_tile[..rows].iter_mut().enumerate() {
+                    *slot = w_row(r0 + i);
+                }
+                kernel.dot(&w_tile[..rows], &a_tile[..tokens], &mut results[..rows * tokens]);
+                for r in 0..rows {
+                    for t in 0..tokens {
+                        out.write((t0 + t) * shape.rows + r0 + r, results[r * tokens + t]);
+                    }
+                }
+            }
+        }
+        group_start = group_end;
+    }
+}
+
+/// Shared write access to the output for tasks that own disjoint sets of
+/// indices (each task owns whole weight rows `r`, so every `t * rows + r`).
+#[derive(Clone)]
+struct Scatter {
+    ptr: *mut f32,
+    len: usize,
+}
+
+// SAFETY: tasks write disjoint indices (see above), and the `&mut [f32]` the
+// pointer came from is borrowed for the whole parallel section.
+unsafe impl Send for Scatter {}
+unsafe impl Sync for Scatter {}
+
+impl Scatter {
+    fn new(out: &mut [f32]) -> Self {
+        Self {
+            ptr: out.as_mut_ptr(),
+            len: out.len(),
+        }
+    }
+
+    #[inline]
+    fn write(&mut self, index: usize, value: f32) {
+        if index < self.len {
+            // SAFETY: in bounds, and no other task writes this index.
+            unsafe { *self.ptr.add(index) = value }
+        }
+    }
+}

@@ -1,0 +1,274 @@
+//! Elementwise and row-wise ops of a transformer layer, with GGML's CPU
+//! numerics where they affect results (f64 accumulation in norms and
+//! softmax, GELU through an f16 round trip, iterated RoPE angles).
+
+use half::f16;
+
+/// `out = x / rms(x) * weight`, the sum of squares accumulated in f64 as GGML does.
+pub fn rms_norm(x: &[f32], weight: &[f32], eps: f32, out: &mut [f32]) {
+    debug_assert!(x.len() == weight.len() && x.len() == out.len());
+    let sum: f64 = x.iter().map(|&v| (v * v) as f64).sum();
+    let mean = (sum / x.len() as f64) as f32;
+    let scale = 1.0 / (mean + eps).sqrt();
+    for ((o, &v), &w) in out.iter_mut().zip(x).zip(weight) {
+        *o = (v * scale) * w;
+    }
+}
+
+/// In-place RMS norm of each `head_dim` chunk of `x` (per-head q/k norms).
+pub fn rms_norm_heads(x: &mut [f32], weight: &[f32], eps: f32) {
+    let d = weight.len();
+    for head in x.chunks_exact_mut(d) {
+        let sum: f64 = head.iter().map(|&v| (v * v) as f64).sum();
+        let mean = (sum / d as f64) as f32;
+        let scale = 1.0 / (mean + eps).sqrt();
+        for (v, &w) in head.iter_mut().zip(weight) {
+            *v = (*v * scale) * w;
+        }
+    }
+}
+
+/// `exp(x)` exactly as GGML's AVX-512 kernels compute it (a range reduction,
+/// a degree-5 polynomial and a power-of-two scale, ~1.5 ulp). Softmax
+/// probabilities are later rounded to f16, where a one-ulp difference in exp
+/// can flip a rounding, so matching llama.cpp needs its exp, not libm's.
+#[inline(always)]
+pub fn expf_ggml(x: f32) -> f32 {
+    let c = f32::from_bits;
+    let r = c(0x4b40_0000); // 0x1.8p23: rounds x/ln2 to an integer in the mantissa
+    let z = x.mul_add(c(0x3fb8_aa3b), r);
+    let n = z - r;
+    let b = (-n).mul_add(c(0x35bf_be8e), (-n).mul_add(c(0x3f31_7200), x));
+    if n.abs() > 192.0 {
+        return if n <= 0.0 { 0.0 } else { f32::INFINITY };
+    }
+    let u = b * b;
+    let j = c(0x3c07_2010)
+        .mul_add(b, c(0x3d2b_9f17))
+        .mul_add(u, c(0x3e2a_af33).mul_add(b, c(0x3eff_fedb)))
+        .mul_add(u, c(0x3f7f_fff6).mul_add(b, 1.0));
+    scalef(j, n)
+}
+
+/// `j * 2^n` for integral `n` in [-192, 192], rounding once like `vscalefps`.
+#[inline(always)]
+fn scalef(j: f32, n: f32) -> f32 {
+    let n = n as i32;
+    // Two steps keep each factor a normal float; the product rounds once.
+    let (a, b) = (n / 2, n - n / 2);
+    j * f32::from_bits(((a + 127) as u32) << 23) * f32::from_bits(((b + 127) as u32) << 23)
+}
+
+/// Numerically stable softmax in place. Exponentials come from `expf_ggml`
+/// and are summed as GGML's AVX-512 kernel does: sixteen lanes reduced in a
+/// fixed tree in f32, each group added into an f64 total. Groups are counted
+/// from the start of `x`, so callers align `x` to the cache position 0.
+pub fn softmax(x: &mut [f32]) {
+    #[cfg(target_arch = "x86_64")]
+    if crate::dot::has_avx2() {
+        // SAFETY: avx2 and fma were detected at run time.
+        return unsafe { softmax_fma(x) };
+    }
+    softmax_body(x)
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma")]
+unsafe fn softmax_fma(x: &mut [f32]) {
+    softmax_body(x)
+}
+
+#[inline(always)]
+fn softmax_body(x: &mut [f32]) {
+    let max = x.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+    let mut sum = 0.0f64;
+    for group in x.chunks_mut(16) {
+        let mut lanes = [0.0f32; 16];
+        for (lane, v) in lanes.iter_mut().zip(group.iter_mut()) {
+            *v = expf_ggml(*v - max);
+            *lane = *v;
+        }
+        sum += crate::f16dot::reduce16(&lanes) as f64;
+    }
+    let inv = (1.0 / sum) as f32;
+    for v in x.iter_mut() {
+        *v *= inv;
+    }
+}
+
+/// SiLU-gated unit: `gate[i] = silu(gate[i]) * up[i]`, with GGML's exp.
+pub fn swiglu(gate: &mut [f32], up: &[f32]) {
+    #[cfg(target_arch = "x86_64")]
+    if crate::dot::has_avx2() {
+        // SAFETY: avx2 and fma were detected at run time.
+        return unsafe { swiglu_fma(gate, up) };
+    }
+    swiglu_body(gate, up)
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma")]
+unsafe fn swiglu_fma(gate: &mut [f32], up: &[f32]) {
+    swiglu_body(gate, up)
+}
+
+#[inline(always)]
+fn swiglu_body(gate: &mut [f32], up: &[f32]) {
+    for (g, &u) in gate.iter_mut().zip(up) {
+        *g = *g / (1.0 + expf_ggml(-*g)) * u;
+    }
+}
+
+/// Tanh-approximated GELU as GGML's CPU backend evaluates it: through a
+/// table indexed by the input rounded to f16, whose entries are f16 too.
+pub fn gelu(x: f32) -> f32 {
+    const SQRT_2_OVER_PI: f32 = 0.797_884_6;
+    const COEF_A: f32 = 0.044715;
+    if x <= -10.0 {
+        return 0.0;
+    }
+    if x >= 10.0 {
+        return x;
+    }
+    let x = f16::from_f32(x).to_f32();
+    let y = 0.5 * x * (1.0 + (SQRT_2_OVER_PI * x * (1.0 + COEF_A * x * x)).tanh());
+    f16::from_f32(y).to_f32()
+}
+
+/// GELU-gated unit: `gate[i] = gelu(gate[i]) * up[i]`.
+pub fn geglu(gate: &mut [f32], up: &[f32]) {
+    for (g, &u) in gate.iter_mut().zip(up) {
+        *g = if *g >= 10.0 { *g * u } else { gelu(*g) * u };
+    }
+}
+
+/// How rotary embeddings pair up dimensions.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum RopeStyle {
+    /// Adjacent pairs (x[2i], x[2i+1]): Llama, Mistral, SmolLM.
+    Interleaved,
+    /// Split halves (x[i], x[i + n/2]): GPT-NeoX, Qwen2, Gemma.
+    Neox,
+}
+
+/// Cos/sin table for one position, base and rotary width; filled per token
+/// into a buffer allocated once.
+pub struct RopeTable {
+    cos: Vec<f32>,
+    sin: Vec<f32>,
+}
+
+impl RopeTable {
+    pub fn new(n_rot: usize) -> Self {
+        Self { cos: vec![0.0; n_rot / 2], sin: vec![0.0; n_rot / 2] }
+    }
+
+    /// Angles as GGML computes them: theta multiplied by `base^(-2/n_rot)`
+    /// once per pair rather than raised afresh, so rounding matches.
+    pub fn fill(&mut self, pos: usize, base: f32, freq_scale: f32) {
+        let n_rot = self.cos.len() * 2;
+        let theta_scale = base.powf(-2.0 / n_rot as f32);
+        let mut theta = pos as f32;
+        for (c, s) in self.cos.iter_mut().zip(self.sin.iter_mut()) {
+            let t = theta * freq_scale;
+            *c = t.cos();
+            *s = t.sin();
+            theta *= theta_scale;
+        }
+    }
+
+    /// Rotates every `head_dim` chunk of `x` (dims past n_rot pass through).
+    pub fn apply(&self, x: &mut [f32], head_dim: usize, style: RopeStyle) {
+        let half = self.cos.len();
+        for head in x.chunks_exact_mut(head_dim) {
+            for i in 0..half {
+                let (a, b) = match style {
+                    RopeStyle::Interleaved => (2 * i, 2 * i + 1),
+                    RopeStyle::Neox => (i, i + half),
+                };
+                let (x0, x1) = (head[a], head[b]);
+                head[a] = x0 * self.cos[i] - x1 * self.sin[i];
+                head[b] = x0 * self.sin[i] + x1 * self.cos[i];
+            }
+        }
+    }
+}
+
+/// `y += x`.
+pub fn add_assign(y: &mut [f32], x: &[f32]) {
+    for (a, &b) in y.iter_mut().zip(x) {
+        *a += b;
+    }
+}
+
+/// `x *= s`.
+pub fn scale(x: &mut [f32], s: f32) {
+    for v in x.iter_mut() {
+        *v *= s;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn softmax_sums_to_one_and_ignores_masked() {
+        let mut x = [1.0, 2.0, f32::NEG_INFINITY, 3.0];
+        softmax(&mut x);
+        assert_eq!(x[2], 0.0);
+        assert!((x.iter().sum::<f32>() - 1.0).abs() < 1e-6);
+        assert!(x[3] > x[1] && x[1] > x[0]);
+    }
+
+    #[test]
+    fn ggml_exp_is_close_to_libm_everywhere() {
+        for i in -2000..2000 {
+            let x = i as f32 * 0.05;
+            let (a, b) = (expf_ggml(x), x.exp());
+            assert!((a - b).abs() <= 4.0 * f32::EPSILON * b, "x={x}: {a} vs {b}");
+        }
+        assert_eq!(expf_ggml(f32::NEG_INFINITY), 0.0);
+        assert_eq!(expf_ggml(-200.0), 0.0);
+        assert_eq!(expf_ggml(0.0), 1.0);
+    }
+
+    #[test]
+    fn rms_norm_unit_weight_gives_unit_rms() {
+        let x: Vec<f32> = (0..64).map(|i| i as f32 - 20.0).collect();
+        let mut out = vec![0.0; 64];
+        rms_norm(&x, &vec![1.0; 64], 0.0, &mut out);
+        let rms = (out.iter().map(|v| v * v).sum::<f32>() / 64.0).sqrt();
+        assert!((rms - 1.0).abs() < 1e-5);
+    }
+
+    #[test]
+    fn rope_preserves_norm_and_position_zero_is_identity() {
+        let mut t = RopeTable::new(8);
+        let orig: Vec<f32> = (0..16).map(|i| (i as f32).sin()).collect();
+        t.fill(0, 10000.0, 1.0);
+        let mut x = orig.clone();
+        t.apply(&mut x, 8, RopeStyle::Neox);
+        assert_eq!(x, orig);
+        t.fill(17, 10000.0, 1.0);
+        for style in [RopeStyle::Neox, RopeStyle::Interleaved] {
+            let mut x = orig.clone();
+            t.apply(&mut x, 8, style);
+            let n0: f32 = orig.iter().map(|v| v * v).sum();
+            let n1: f32 = x.iter().map(|v| v * v).sum();
+            assert!((n0 - n1).abs() < 1e-4);
+            assert_ne!(x, orig);
+        }
+    }
+
+    #[test]
+    fn gelu_matches_tanh_formula_within_f16_precision() {
+        for i in -300..300 {
+            let x = i as f32 * 0.037;
+            let exact = 0.5 * x * (1.0 + (0.797_884_6 * x * (1.0 + 0.044715 * x * x)).tanh());
+            assert!((gelu(x) - exact).abs() <= 2e-3 * exact.abs().max(1.0), "x={x}");
+        }
+        assert_eq!(gelu(-11.0), 0.0);
+        assert_eq!(gelu(12.0), 12.0);
+    }
+}

@@ -1,0 +1,148 @@
+//! Matrix products: SIMD/threaded against the scalar twin, tiling against
+//! single dots, and shape/type errors.
+
+mod common;
+
+use common::{random_weight_row, Aligned, Rng, COLS, WEIGHT_TYPES};
+use leanstream_kernels::dequant::dequantize_row;
+use leanstream_kernels::dot::vec_dot;
+use leanstream_kernels::matmul::matmul_scalar;
+use leanstream_kernels::{matmul, ActBuffer, GgmlType, KernelError, QMatrix};
+
+/// Odd, so row chunks come out uneven; large enough for the threaded path at n = 1.
+const ROWS: usize = 301;
+
+fn random_matrix(ty: GgmlType, rows: usize, cols: usize, rng: &mut Rng) -> Aligned {
+    let mut bytes = Vec::new();
+    for _ in 0..rows {
+        bytes.extend_from_slice(random_weight_row(ty, cols, rng).as_ref());
+    }
+    Aligned::from_bytes(&bytes)
+}
+
+#[test]
+fn matmul_agrees_with_scalar_and_with_single_dots() {
+    let mut rng = Rng::new(42);
+    let mut acts = ActBuffer::with_capacity(COLS, 17);
+    for ty in WEIGHT_TYPES {
+        let data = random_matrix(ty, ROWS, COLS, &mut rng);
+        let w = QMatrix::new(ty, ROWS, COLS, data.as_ref()).unwrap();
+        for n in [1usize, 3, 17] {
+            let x = rng.activations(n * COLS);
+            acts.quantize(ty.vec_dot_type(), &x, n, COLS).unwrap();
+            let mut fast = vec![f32::NAN; n * ROWS];
+            let mut scalar = vec![f32::NAN; n * ROWS];
+            matmul(&w, &acts, &mut fast).unwrap();
+            matmul_scalar(&w, &acts, &mut scalar).unwrap();
+
+            let mut wf = vec![0.0f32; COLS];
+            let mut af = vec![0.0f32; COLS];
+            for t in 0..n {
+                dequantize_row(ty.vec_dot_type(), acts.row(t), &mut af).unwrap();
+                for r in 0..ROWS {
+                    let got = fast[t * ROWS + r];
+                    // Tiles and threads must not change a single bit.
+                    let single = vec_dot(ty, w.row(r), acts.row(t), COLS).unwrap();
+                    assert_eq!(got.to_bits(), single.to_bits(), "{ty} n={n} t={t} r={r}");
+
+                    dequantize_row(ty, w.row(r), &mut wf).unwrap();
+                    let mag: f64 = wf.iter().zip(&af).map(|(&p, &q)| (p as f64 * q as f64).abs()).sum();
+                    let tol = (COLS / 32 + 16) as f64 * f32::EPSILON as f64 * mag;
+                    let want = scalar[t * ROWS + r];
+                    assert!(
+                        (got as f64 - want as f64).abs() <= tol,
+                        "{ty} n={n} t={t} r={r}: {got} vs scalar {want}"
+                    );
+                }
+            }
+        }
+    }
+}
+
+#[test]
+fn matmul_rejects_mismatched_inputs() {
+    let mut rng = Rng::new(1);
+    let data = random_matrix(GgmlType::Q4_0, 8, 64, &mut rng);
+    let w = QMatrix::new(GgmlType::Q4_0, 8, 64, data.as_ref()).unwrap();
+    let mut acts = ActBuffer::with_capacity(64, 2);
+    let x = rng.activations(128);
+
+    // Wrong dot type.
+    acts.quantize(GgmlType::Q8_1, &x, 2, 64).unwrap();
+    let mut out = vec![0.0f32; 16];
+    assert!(matches!(
+        matmul(&w, &acts, &mut out),
+        Err(KernelError::TypeMismatch { .. })
+    ));
+
+    // Wrong output length.
+    acts.quantize(GgmlType::Q8_0, &x, 2, 64).unwrap();
+    let mut short = vec![0.0f32; 15];
+    assert!(matches!(matmul(&w, &acts, &mut short), Err(KernelError::Length { .. })));
+    assert!(matches!(
+        matmul_scalar(&w, &acts, &mut short),
+        Err(KernelError::Length { .. })
+    ));
+
+    // Wrong column count.
+    acts.quantize(GgmlType::Q8_0, &x, 4, 32).unwrap();
+    let mut out4 = vec![0.0f32; 32];
+    assert!(matches!(matmul(&w, &acts, &mut out4), Err(KernelError::Length { .. })));
+
+    // Matrix data of the wrong size, or a public field edited afterwards.
+    assert!(matches!(
+        QMatrix::new(GgmlType::Q4_0, 9, 64, data.as_ref()),
+        Err(KernelError::ByteLength { .. })
+    ));
+    assert!(matches!(
+        QMatrix::new(GgmlType::Q4_0, 8, 48, data.as_ref()),
+        Err(KernelError::RaggedRow { .. })
+    ));
+    let bent = QMatrix { rows: 9, ..w };
+    assert!(matmul(&bent, &acts, &mut out4).is_err());
+    assert!(bent.row(100).is_empty());
+}
+
+#[test]
+fn act_buffer_checks_capacity_and_shapes() {
+    let mut acts = ActBuffer::with_capacity(256, 2);
+    let x = vec![0.5f32; 256 * 3];
+    assert!(matches!(
+        acts.quantize(GgmlType::F32, &x, 3, 256),
+        Err(KernelError::ActBufferCapacity { .. })
+    ));
+    assert!(matches!(
+        acts.quantize(GgmlType::Q8_0, &x[..100], 1, 256),
+        Err(KernelError::Length { .. })
+    ));
+    assert!(matches!(
+        acts.quantize(GgmlType::Q8K, &x[..128], 1, 128),
+        Err(KernelError::RaggedRow { .. })
+    ));
+    assert!(acts.quantize(GgmlType::Q4_0, &x[..256], 1, 256).is_err());
+
+    // F32 is the widest dot type: a full buffer of it fits.
+    acts.quantize(GgmlType::F32, &x[..512], 2, 256).unwrap();
+    assert_eq!((acts.n(), acts.cols(), acts.dot_type()), (2, 256, GgmlType::F32));
+    assert_eq!(acts.row(1).len(), 1024);
+    assert!(acts.row(2).is_empty());
+    for ty in [
+        GgmlType::F16,
+        GgmlType::BF16,
+        GgmlType::Q8_0,
+        GgmlType::Q8_1,
+        GgmlType::Q8K,
+    ] {
+        acts.quantize(ty, &x[..512], 2, 256).unwrap();
+        assert_eq!(acts.row(0).len(), ty.row_bytes(256).unwrap());
+    }
+}
+
+#[test]
+fn empty_products_are_fine() {
+    let data = Aligned::zeroed(0);
+    let w = QMatrix::new(GgmlType::Q8_0, 0, 32, data.as_ref()).unwrap();
+    let mut acts = ActBuffer::with_capacity(32, 1);
+    acts.quantize(GgmlType::Q8_0, &[0.0; 32], 1, 32).unwrap();
+    matmul(&w, &acts, &mut []).unwrap();
+}

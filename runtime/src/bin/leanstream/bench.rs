@@ -1,0 +1,176 @@
+//! `leanstream bench`: llama-bench-style prompt (pp) and decode (tg) speed on
+//! random tokens, optionally running llama.cpp's llama-bench in the same
+//! invocation so the two are compared under the same machine conditions.
+
+use std::path::PathBuf;
+use std::process::Command;
+use std::time::Instant;
+
+use anyhow::{bail, Context, Result};
+use clap::Args;
+use leanstream_runtime::generate::sampler::Rng;
+use leanstream_runtime::model::Model;
+use serde_json::{json, Value};
+
+#[derive(Args)]
+pub struct BenchArgs {
+    #[arg(long)]
+    model: String,
+    #[arg(long, default_value_t = 512)]
+    prompt_tokens: usize,
+    #[arg(long, default_value_t = 128)]
+    gen_tokens: usize,
+    /// Repetitions of each test (after one warm-up).
+    #[arg(long, default_value_t = 3)]
+    reps: usize,
+    /// Print one JSON object (the default prints it too; kept for scripts).
+    #[arg(long)]
+    json: bool,
+    /// Path of llama.cpp's llama-bench: run it on the same GGUF and report ratios.
+    #[arg(long)]
+    llama_bench: Option<PathBuf>,
+}
+
+/// Peak resident set size of this process (VmHWM), in bytes.
+pub fn peak_rss_bytes() -> u64 {
+    std::fs::read_to_string("/proc/self/status")
+        .ok()
+        .and_then(|s| {
+            s.lines()
+                .find(|l| l.starts_with("VmHWM:"))
+                .and_then(|l| l.split_whitespace().nth(1))
+                .and_then(|kb| kb.parse::<u64>().ok())
+        })
+        .map_or(0, |kb| kb * 1024)
+}
+
+fn mean_std(xs: &[f64]) -> (f64, f64) {
+    let n = xs.len() as f64;
+    let mean = xs.iter().sum::<f64>() / n;
+    let var = if xs.len() > 1 { xs.iter().map(|x| (x - mean).powi(2)).sum::<f64>() / (n - 1.0) } else { 0.0 };
+    (mean, var.sqrt())
+}
+
+fn random_tokens(rng: &mut Rng, n: usize, n_vocab: usize) -> Vec<u32> {
+    (0..n).map(|_| (rng.next_u64() % n_vocab as u64) as u32).collect()
+}
+
+/// Tokens per second of processing `n` prompt tokens from an empty context.
+fn prompt_speed(model: &Model, st: &mut leanstream_runtime::model::RunState, tokens: &[u32]) -> Result<f64> {
+    let t = Instant::now();
+    leanstream_runtime::generate::ingest(model, st, tokens, 0)?;
+    let last = (tokens.len() - 1) % st.max_batch;
+    model.logits(st, last, 1)?;
+    Ok(tokens.len() as f64 / t.elapsed().as_secs_f64())
+}
+
+/// Tokens per second of decoding `n` tokens one at a time from an empty context.
+fn decode_speed(model: &Model, st: &mut leanstream_runtime::model::RunState, tokens: &[u32]) -> Result<f64> {
+    let t = Instant::now();
+    for (pos, &tok) in tokens.iter().enumerate() {
+        model.forward(st, &[tok], pos)?;
+        model.logits(st, 0, 1)?;
+    }
+    Ok(tokens.len() as f64 / t.elapsed().as_secs_f64())
+}
+
+pub fn run(a: BenchArgs) -> Result<()> {
+    if a.prompt_tokens == 0 && a.gen_tokens == 0 {
+        bail!("nothing to measure: --prompt-tokens and --gen-tokens are both 0");
+    }
+    let path = leanstream_runtime::fetch::resolve_model(&a.model)?;
+    let t0 = Instant::now();
+    let model = crate::load_path(&path)?;
+    let load_s = t0.elapsed().as_secs_f64();
+    let c = &model.config;
+    let ctx = a.prompt_tokens.max(a.gen_tokens).max(1);
+    let mut st = model.new_state(ctx, 512, 1);
+    let mut rng = Rng::new(1234);
+    let reps = a.reps.max(1);
+
+    let mut pp = Vec::new();
+    let mut tg = Vec::new();
+    for rep in 0..=reps {
+        // Repetition 0 warms caches and page mappings and is not counted.
+        if a.prompt_tokens > 0 {
+            let toks = random_tokens(&mut rng, a.prompt_tokens, c.n_vocab);
+            let s = prompt_speed(&model, &mut st, &toks)?;
+            if rep > 0 {
+                pp.push(s);
+            }
+        }
+        if a.gen_tokens > 0 {
+            let toks = random_tokens(&mut rng, a.gen_tokens, c.n_vocab);
+            let s = decode_speed(&model, &mut st, &toks)?;
+            if rep > 0 {
+                tg.push(s);
+            }
+        }
+    }
+    let threads = rayon::current_num_threads();
+    let (pp_mean, pp_std) = if pp.is_empty() { (0.0, 0.0) } else { mean_std(&pp) };
+    let (tg_mean, tg_std) = if tg.is_empty() { (0.0, 0.0) } else { mean_std(&tg) };
+    let mut report = json!({
+        "model": path.display().to_string(),
+        "arch": c.arch.name(),
+        "threads": threads,
+        "cpu_features": leanstream_kernels::Device::cpu_features(),
+        "prompt_tokens": a.prompt_tokens,
+        "gen_tokens": a.gen_tokens,
+        "reps": reps,
+        "prompt_tok_s": pp_mean,
+        "prompt_tok_s_std": pp_std,
+        "decode_tok_s": tg_mean,
+        "decode_tok_s_std": tg_std,
+        "load_s": load_s,
+        "weights_bytes": model.weights.matrix_bytes(),
+        "state_bytes": st.bytes(),
+        "peak_rss_bytes": peak_rss_bytes(),
+    });
+    if let Some(bin) = &a.llama_bench {
+        let theirs = llama_bench(bin, &path, a.prompt_tokens, a.gen_tokens, threads, reps)?;
+        let ratio = |ours: f64, key: &str| theirs.get(key).and_then(Value::as_f64).map(|t| ours / t);
+        report["llama_cpp"] = theirs.clone();
+        report["ratio_prompt"] = json!(ratio(pp_mean, "prompt_tok_s"));
+        report["ratio_decode"] = json!(ratio(tg_mean, "decode_tok_s"));
+    }
+    println!("{}", serde_json::to_string_pretty(&report)?);
+    Ok(())
+}
+
+/// Runs llama-bench with matching settings and extracts its mean speeds.
+fn llama_bench(bin: &PathBuf, model: &PathBuf, p: usize, g: usize, threads: usize, reps: usize) -> Result<Value> {
+    let out = Command::new(bin)
+        .arg("-m")
+        .arg(model)
+        .args(["-p", &p.to_string(), "-n", &g.to_string(), "-t", &threads.to_string()])
+        .args(["-r", &reps.to_string(), "-o", "json"])
+        .output()
+        .with_context(|| format!("starting {}", bin.display()))?;
+    if !out.status.success() {
+        bail!("{} failed: {}", bin.display(), String::from_utf8_lossy(&out.stderr));
+    }
+    let rows: Vec<Value> = serde_json::from_slice(&out.stdout).context("parsing llama-bench JSON")?;
+    let speed = |want_prompt: bool| {
+        rows.iter()
+            .find(|r| {
+                let n_prompt = r["n_prompt"].as_u64().unwrap_or(0);
+                let n_gen = r["n_gen"].as_u64().unwrap_or(0);
+                if want_prompt {
+                    n_prompt > 0 && n_gen == 0
+                } else {
+                    n_gen > 0 && n_prompt == 0
+                }
+            })
+            .map(|r| (r["avg_ts"].as_f64(), r["stddev_ts"].as_f64()))
+    };
+    let (pp, pp_std) = speed(true).unwrap_or((None, None));
+    let (tg, tg_std) = speed(false).unwrap_or((None, None));
+    Ok(json!({
+        "prompt_tok_s": pp,
+        "prompt_tok_s_std": pp_std,
+        "decode_tok_s": tg,
+        "decode_tok_s_std": tg_std,
+        "build": rows.first().map(|r| r["build_commit"].clone()),
+    }))
+}

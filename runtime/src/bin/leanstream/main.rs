@@ -1,0 +1,178 @@
+//! `leanstream`: run, tokenize, evaluate and benchmark GGUF models.
+
+use std::io::Write;
+use std::path::{Path, PathBuf};
+use std::process::ExitCode;
+use std::time::Instant;
+
+use anyhow::{bail, Context, Result};
+use clap::{Parser, Subcommand};
+use leanstream_runtime::fetch::{self, resolve_model};
+use leanstream_runtime::generate::{generate, ChatTemplate, Sampler, SamplerConfig};
+use leanstream_runtime::model::Model;
+use leanstream_runtime::perplexity::perplexity;
+use leanstream_runtime::tokenizer::StreamDecoder;
+
+mod bench;
+
+#[derive(Parser)]
+#[command(name = "leanstream", version, about = "Run LLMs larger than memory by streaming FFN weights from flash")]
+struct Cli {
+    /// Worker threads (default: all cores).
+    #[arg(long, global = true)]
+    threads: Option<usize>,
+    #[command(subcommand)]
+    command: Cmd,
+}
+
+#[derive(Subcommand)]
+enum Cmd {
+    /// Generate a continuation of a prompt; only the new text goes to stdout.
+    Run {
+        /// GGUF path, or a known model name (smollm2, gemma3) fetched on first use.
+        #[arg(long)]
+        model: String,
+        #[arg(long)]
+        prompt: String,
+        /// Tokens to generate.
+        #[arg(short = 'n', long = "n-predict", default_value_t = 128)]
+        n: usize,
+        /// Sampling temperature; 0 is greedy.
+        #[arg(long, default_value_t = 0.8)]
+        temp: f32,
+        #[arg(long, default_value_t = 0)]
+        seed: u64,
+        #[arg(long, default_value_t = 40)]
+        top_k: usize,
+        #[arg(long, default_value_t = 0.95)]
+        top_p: f32,
+        /// Wrap the prompt in the model's chat template as a user turn.
+        #[arg(long)]
+        chat: bool,
+        /// Context size (default: prompt plus n, within the model's limit).
+        #[arg(long)]
+        ctx: Option<usize>,
+    },
+    /// Print the token ids of TEXT as a JSON array (BOS added when the model asks for it).
+    Tokenize {
+        #[arg(long)]
+        model: String,
+        text: String,
+    },
+    /// Perplexity of a text file, computed as llama-perplexity does; prints JSON.
+    Perplexity {
+        #[arg(long)]
+        model: String,
+        #[arg(long)]
+        file: PathBuf,
+        #[arg(long, default_value_t = 512)]
+        ctx: usize,
+        /// Evaluate at most this many chunks.
+        #[arg(long)]
+        chunks: Option<usize>,
+    },
+    /// Measure prompt and decode speed; with --llama-bench, llama.cpp's too, in the same run.
+    Bench(bench::BenchArgs),
+    /// Download a known model into the cache and print its path.
+    Fetch {
+        /// smollm2 or gemma3
+        name: String,
+    },
+}
+
+fn main() -> ExitCode {
+    let cli = Cli::parse();
+    match real_main(cli) {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("error: {e:#}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+fn real_main(cli: Cli) -> Result<()> {
+    if let Some(n) = cli.threads {
+        rayon::ThreadPoolBuilder::new().num_threads(n).build_global().context("setting up the thread pool")?;
+    }
+    match cli.command {
+        Cmd::Run { model, prompt, n, temp, seed, top_k, top_p, chat, ctx } => {
+            let sampler = SamplerConfig { temperature: temp, top_k, top_p, seed };
+            run(&model, &prompt, n, sampler, chat, ctx)
+        }
+        Cmd::Tokenize { model, text } => {
+            let model = load(&model)?;
+            let ids = model.tokenizer.encode(&text, true, true);
+            println!("{}", serde_json::to_string(&ids)?);
+            Ok(())
+        }
+        Cmd::Perplexity { model, file, ctx, chunks } => {
+            let model = load(&model)?;
+            let text = std::fs::read_to_string(&file).with_context(|| format!("reading {}", file.display()))?;
+            let p = perplexity(&model, &text, ctx, chunks, true)?;
+            println!("{}", serde_json::to_string_pretty(&p)?);
+            Ok(())
+        }
+        Cmd::Bench(args) => bench::run(args),
+        Cmd::Fetch { name } => {
+            let m = fetch::known_model(&name).with_context(|| {
+                let names: Vec<_> = fetch::KNOWN_MODELS.iter().map(|m| m.name).collect();
+                format!("unknown model '{name}' (known: {})", names.join(", "))
+            })?;
+            let path = fetch::fetch(m)?;
+            println!("{}", path.display());
+            Ok(())
+        }
+    }
+}
+
+pub(crate) fn load(arg: &str) -> Result<Model> {
+    let path = resolve_model(arg)?;
+    load_path(&path)
+}
+
+fn load_path(path: &Path) -> Result<Model> {
+    if !path.exists() {
+        bail!("{}: no such model file (known model names: smollm2, gemma3)", path.display());
+    }
+    Ok(Model::load(path)?)
+}
+
+fn run(model_arg: &str, prompt: &str, n: usize, sampler: SamplerConfig, chat: bool, ctx: Option<usize>) -> Result<()> {
+    let t0 = Instant::now();
+    let model = load(model_arg)?;
+    let load_time = t0.elapsed();
+    let text = if chat {
+        let template = model.gguf.get_str("tokenizer.chat_template")?;
+        let t = ChatTemplate::detect(template, model.config.arch)
+            .context("the model's chat template is not one LeanStream recognises")?;
+        t.format_user(prompt)
+    } else {
+        prompt.to_string()
+    };
+    let ids = model.tokenizer.encode(&text, true, chat);
+    let ctx = ctx.unwrap_or(ids.len() + n + 1).min(model.config.context_length);
+    let mut st = model.new_state(ctx, 512, 1);
+    let mut sampler = Sampler::new(sampler, model.config.n_vocab);
+    let mut decoder = StreamDecoder::new();
+    let stdout = std::io::stdout();
+    let mut out = stdout.lock();
+    let stats = generate(&model, &mut st, &ids, n, &mut sampler, |tok| {
+        let piece = decoder.push(&model.tokenizer, tok);
+        out.write_all(piece.as_bytes())
+            .and_then(|_| out.flush())
+            .map_err(|e| leanstream_runtime::RuntimeError::Invalid(format!("writing to stdout: {e}")))
+    })?;
+    out.write_all(decoder.finish().as_bytes())?;
+    out.flush()?;
+    eprintln!(
+        "\nload {:.2} s | prompt {} tokens, {:.1} tok/s | decode {} tokens, {:.1} tok/s | peak RSS {:.1} MiB",
+        load_time.as_secs_f64(),
+        stats.prompt_tokens,
+        stats.prompt_tok_s(),
+        stats.generated_tokens,
+        stats.decode_tok_s(),
+        bench::peak_rss_bytes() as f64 / (1 << 20) as f64
+    );
+    Ok(())
+}

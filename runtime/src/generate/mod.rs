@@ -1,0 +1,98 @@
+//! Generation: prompt processing in batches, then token-by-token decoding
+//! with a sampler, streaming each token to a callback.
+
+pub mod chat;
+pub mod sampler;
+
+use std::time::{Duration, Instant};
+
+pub use chat::ChatTemplate;
+pub use sampler::{argmax, Sampler, SamplerConfig};
+
+use crate::model::{Model, RunState};
+use crate::{Result, RuntimeError};
+
+#[derive(Debug, Clone, Default)]
+pub struct GenerationStats {
+    pub prompt_tokens: usize,
+    pub generated_tokens: usize,
+    pub prompt_time: Duration,
+    pub decode_time: Duration,
+    /// True when generation ended on an end-of-generation token.
+    pub stopped_on_eog: bool,
+}
+
+impl GenerationStats {
+    pub fn prompt_tok_s(&self) -> f64 {
+        self.prompt_tokens as f64 / self.prompt_time.as_secs_f64().max(1e-9)
+    }
+
+    pub fn decode_tok_s(&self) -> f64 {
+        self.generated_tokens as f64 / self.decode_time.as_secs_f64().max(1e-9)
+    }
+}
+
+/// Feeds `tokens` starting at `pos0` in batches of the state's capacity and
+/// leaves the hidden state of the last one ready for `Model::logits`.
+pub fn ingest(model: &Model, st: &mut RunState, tokens: &[u32], pos0: usize) -> Result<()> {
+    let mut pos = pos0;
+    for chunk in tokens.chunks(st.max_batch) {
+        model.forward(st, chunk, pos)?;
+        pos += chunk.len();
+    }
+    Ok(())
+}
+
+/// Generates up to `n_predict` tokens after `prompt`, calling `on_token` with
+/// each new token as it is sampled. Stops early on an end-of-generation token
+/// (which is not passed on) or when the context is full.
+pub fn generate(
+    model: &Model,
+    st: &mut RunState,
+    prompt: &[u32],
+    n_predict: usize,
+    sampler: &mut Sampler,
+    mut on_token: impl FnMut(u32) -> Result<()>,
+) -> Result<GenerationStats> {
+    if prompt.is_empty() {
+        return Err(RuntimeError::Invalid("empty prompt: nothing to continue".into()));
+    }
+    if prompt.len() >= st.ctx {
+        return Err(RuntimeError::Invalid(format!(
+            "prompt of {} tokens does not fit a context of {}",
+            prompt.len(),
+            st.ctx
+        )));
+    }
+    let mut stats = GenerationStats { prompt_tokens: prompt.len(), ..Default::default() };
+    let t0 = Instant::now();
+    ingest(model, st, prompt, 0)?;
+    stats.prompt_time = t0.elapsed();
+
+    let t1 = Instant::now();
+    let mut pos = prompt.len();
+    let mut last_row = st_last_row(prompt.len(), st.max_batch);
+    for _ in 0..n_predict {
+        let logits = model.logits(st, last_row, 1)?;
+        let tok = sampler.sample(logits);
+        if model.tokenizer.is_end_of_generation(tok) {
+            stats.stopped_on_eog = true;
+            break;
+        }
+        on_token(tok)?;
+        stats.generated_tokens += 1;
+        if pos >= st.ctx {
+            break;
+        }
+        model.forward(st, &[tok], pos)?;
+        pos += 1;
+        last_row = 0;
+    }
+    stats.decode_time = t1.elapsed();
+    Ok(stats)
+}
+
+/// Row of the last prompt token within the final ingested batch.
+fn st_last_row(n_prompt: usize, max_batch: usize) -> usize {
+    (n_prompt - 1) % max_batch
+}

@@ -1,0 +1,12 @@
+//! The slim LeanStream engine: GGUF loading, tokenizers, the dense forward
+//! pass, sampling and generation. The `leanstream` binary sits on top.
+
+pub mod error;
+pub mod fetch;
+pub mod generate;
+pub mod gguf;
+pub mod model;
+pub mod perplexity;
+pub mod tokenizer;
+
+pub use error::{Result, RuntimeError};

@@ -1,0 +1,45 @@
+//! A loaded model: the mapped GGUF file, its architecture config, where its
+//! weights are, and its tokenizer. `forward` holds the dense forward pass.
+
+pub mod config;
+pub mod forward;
+pub mod weights;
+
+use std::path::Path;
+
+pub use config::{Arch, Config, FfnActivation};
+pub use forward::{KvCache, RunState};
+pub use weights::{LayerWeights, MatRef, Weights};
+
+use crate::gguf::GgufFile;
+use crate::tokenizer::Tokenizer;
+use crate::Result;
+
+pub struct Model {
+    pub gguf: GgufFile,
+    pub config: Config,
+    pub weights: Weights,
+    pub tokenizer: Tokenizer,
+}
+
+impl Model {
+    pub fn load(path: impl AsRef<Path>) -> Result<Self> {
+        let gguf = GgufFile::open(path)?;
+        let config = Config::from_gguf(&gguf)?;
+        let weights = Weights::load(&gguf, &config)?;
+        let tokenizer = Tokenizer::from_gguf(&gguf)?;
+        if tokenizer.vocab_size() != config.n_vocab {
+            return Err(gguf.bad_metadata(
+                "tokenizer.ggml.tokens",
+                format!("{} tokens, but the embedding has {} rows", tokenizer.vocab_size(), config.n_vocab),
+            ));
+        }
+        Ok(Self { gguf, config, weights, tokenizer })
+    }
+
+    /// Run state for up to `ctx` positions, `max_batch` tokens per forward
+    /// call and `max_logit_rows` rows of logits per projection.
+    pub fn new_state(&self, ctx: usize, max_batch: usize, max_logit_rows: usize) -> RunState {
+        RunState::new(&self.config, ctx, max_batch, max_logit_rows)
+    }
+}

@@ -1,0 +1,98 @@
+//! Perplexity the way `llama-perplexity` computes it: the text is cut into
+//! chunks of `ctx` tokens (the first replaced by BOS when the model adds
+//! one), each chunk is evaluated from an empty cache, and only the second
+//! half of each chunk is scored.
+
+use indicatif::{ProgressBar, ProgressStyle};
+use serde::Serialize;
+
+use crate::generate::ingest;
+use crate::model::Model;
+use crate::{Result, RuntimeError};
+
+#[derive(Debug, Clone, Serialize)]
+pub struct Perplexity {
+    pub ppl: f64,
+    /// Standard error of the estimate, as llama-perplexity reports it.
+    pub ppl_stderr: f64,
+    pub chunks: usize,
+    pub ctx: usize,
+    pub tokens_scored: usize,
+    pub text_tokens: usize,
+}
+
+/// Rows of logits projected at once: bounds memory at 32 × vocabulary floats.
+pub const LOGIT_ROWS: usize = 32;
+
+/// `max_chunks` caps the chunk count like llama-perplexity's `--chunks`.
+pub fn perplexity(model: &Model, text: &str, ctx: usize, max_chunks: Option<usize>, progress: bool) -> Result<Perplexity> {
+    if ctx < 4 {
+        return Err(RuntimeError::Invalid(format!("context {ctx} too small for perplexity")));
+    }
+    let tok = &model.tokenizer;
+    let tokens = tok.encode(text, true, false);
+    if tokens.len() < 2 * ctx {
+        return Err(RuntimeError::Invalid(format!(
+            "need at least {} tokens for a context of {ctx}; the text has {}",
+            2 * ctx,
+            tokens.len()
+        )));
+    }
+    let n_chunks = (tokens.len() / ctx).min(max_chunks.unwrap_or(usize::MAX));
+    let first = ctx / 2;
+    let mut st = model.new_state(ctx, ctx.min(512), LOGIT_ROWS);
+    let bar = if progress { ProgressBar::new(n_chunks as u64) } else { ProgressBar::hidden() };
+    bar.set_style(
+        ProgressStyle::with_template("perplexity {bar:30} {pos}/{len} chunks, ETA {eta} {msg}")
+            .expect("static template"),
+    );
+
+    let (mut nll, mut nll2, mut count) = (0.0f64, 0.0f64, 0usize);
+    let mut chunk_tokens = vec![0u32; ctx];
+    for i in 0..n_chunks {
+        let start = i * ctx;
+        chunk_tokens.copy_from_slice(&tokens[start..start + ctx]);
+        if tok.add_bos() {
+            if let Some(bos) = tok.bos() {
+                chunk_tokens[0] = bos;
+            }
+        }
+        // Batches of at most max_batch tokens; scored rows are read from the batch holding them.
+        let mut pos = 0;
+        for batch in chunk_tokens.chunks(st.max_batch) {
+            ingest(model, &mut st, batch, pos)?;
+            let batch_end = pos + batch.len();
+            let mut row = first.max(pos);
+            // Position ctx-1 predicts nothing inside the chunk.
+            let score_end = batch_end.min(ctx - 1);
+            while row < score_end {
+                let n = LOGIT_ROWS.min(score_end - row);
+                let logits = model.logits(&mut st, row - pos, n)?;
+                for (r, l) in logits.chunks_exact(model.config.n_vocab).enumerate() {
+                    let target = chunk_tokens[row + r + 1] as usize;
+                    let lp = log_softmax_at(l, target);
+                    nll -= lp;
+                    nll2 += lp * lp;
+                    count += 1;
+                }
+                row += n;
+            }
+            pos = batch_end;
+        }
+        bar.inc(1);
+        bar.set_message(format!("ppl {:.4}", (nll / count as f64).exp()));
+    }
+    bar.finish_and_clear();
+    let mean = nll / count as f64;
+    let ppl = mean.exp();
+    let var = nll2 / count as f64 - mean * mean;
+    let ppl_stderr = if var > 0.0 && count > 1 { (var / (count - 1) as f64).sqrt() * ppl } else { 0.0 };
+    Ok(Perplexity { ppl, ppl_stderr, chunks: n_chunks, ctx, tokens_scored: count, text_tokens: tokens.len() })
+}
+
+/// log p(target) under softmax(logits), normaliser summed in f64.
+fn log_softmax_at(logits: &[f32], target: usize) -> f64 {
+    let max = logits.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+    let sum: f64 = logits.iter().map(|&l| ((l - max).exp()) as f64).sum();
+    (logits[target] - max) as f64 - sum.ln()
+}

@@ -1,0 +1,160 @@
+//! The dense engine against llama.cpp's recorded outputs (data/golden/, made
+//! by scripts/golden/make_goldens.sh): prompt token ids, logits after the
+//! prompt, greedy 32-token continuations, and perplexity at ctx 256.
+
+mod common;
+
+use leanstream_runtime::generate::{argmax, generate, ingest, Sampler, SamplerConfig};
+use leanstream_runtime::model::Model;
+use leanstream_runtime::perplexity::perplexity;
+use serde_json::Value;
+
+fn golden_path(name: &str) -> std::path::PathBuf {
+    std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../data/golden").join(name)
+}
+
+fn cases(model: &str) -> Vec<Value> {
+    let text = std::fs::read_to_string(golden_path(&format!("generate-{model}.jsonl"))).unwrap();
+    text.lines().map(|l| serde_json::from_str(l).unwrap()).collect()
+}
+
+fn ids(v: &Value) -> Vec<u32> {
+    v.as_array().unwrap().iter().map(|x| x.as_u64().unwrap() as u32).collect()
+}
+
+/// Largest logit difference we accept between us and llama.cpp. The engines
+/// follow the same arithmetic (activation quantization, f16 KV cache, GGML's
+/// exp and summation orders) but not every kernel's float summation order.
+const LOGIT_TOL: f32 = 0.5;
+
+/// A greedy step is a near-tie when llama.cpp's best two logits are closer than this.
+const NEAR_TIE: f32 = 0.25;
+
+fn check_model(name: &str) {
+    let Some(path) = common::model_path(name) else { return };
+    let model = Model::load(&path).unwrap();
+    let mut diverged = Vec::new();
+    let mut worst_prompt = 0.0f32;
+    let mut worst_decode = 0.0f32;
+    for case in cases(name) {
+        let prompt = case["prompt"].as_str().unwrap();
+        let want_prompt = ids(&case["prompt_ids"]);
+        let got_prompt = model.tokenizer.encode(prompt, true, true);
+        assert_eq!(got_prompt, want_prompt, "{name}: prompt ids for {prompt:?}");
+
+        // Logits after the prompt: llama.cpp's top 20 and the first 32 ids.
+        let mut st = model.new_state(512, 512, 1);
+        ingest(&model, &mut st, &got_prompt, 0).unwrap();
+        let logits = model.logits(&mut st, got_prompt.len() - 1, 1).unwrap().to_vec();
+        for pair in case["top_logits"].as_array().unwrap() {
+            let (id, want) = (pair[0].as_u64().unwrap() as usize, pair[1].as_f64().unwrap() as f32);
+            worst_prompt = worst_prompt.max((logits[id] - want).abs());
+        }
+        for (id, want) in case["first_logits"].as_array().unwrap().iter().enumerate() {
+            worst_prompt = worst_prompt.max((logits[id] - want.as_f64().unwrap() as f32).abs());
+        }
+
+        // Greedy decoding, fed llama.cpp's own tokens so every step is compared
+        // on the same history; the first step where our choice differs is a divergence.
+        let want_gen = ids(&case["greedy_ids"]);
+        let steps = case["step_top2"].as_array().unwrap();
+        let mut first_diff = None;
+        for (i, step) in steps.iter().enumerate() {
+            let pos = got_prompt.len() + i;
+            let logits = if i == 0 {
+                model.logits(&mut st, got_prompt.len() - 1, 1).unwrap()
+            } else {
+                model.forward(&mut st, &[want_gen[i - 1]], pos - 1).unwrap();
+                model.logits(&mut st, 0, 1).unwrap()
+            };
+            let top = |k: usize| (step[k][0].as_u64().unwrap() as usize, step[k][1].as_f64().unwrap() as f32);
+            let ((id1, l1), (id2, l2)) = (top(0), top(1));
+            worst_decode = worst_decode.max((logits[id1] - l1).abs()).max((logits[id2] - l2).abs());
+            let ours = argmax(logits) as usize;
+            if ours != id1 && first_diff.is_none() {
+                first_diff = Some((i, l1 - l2, logits[ours] - logits[id1]));
+            }
+            if i >= want_gen.len() {
+                break; // llama.cpp stopped on end-of-generation here
+            }
+        }
+        if let Some((at, their_gap, our_gap)) = first_diff {
+            eprintln!("{name}: {prompt:?} diverges at step {at}: llama.cpp margin {their_gap}, ours {our_gap}");
+            diverged.push((prompt.to_string(), at, their_gap));
+        }
+    }
+    eprintln!("{name}: worst logit difference {worst_prompt} after prompts, {worst_decode} while decoding");
+    assert!(worst_prompt <= LOGIT_TOL, "{name}: prompt logits differ by {worst_prompt}");
+    assert!(worst_decode <= LOGIT_TOL, "{name}: decode logits differ by {worst_decode}");
+    assert!(diverged.len() <= 1, "{name}: {} prompts diverged from llama.cpp: {diverged:?}", diverged.len());
+    for (prompt, at, gap) in diverged {
+        assert!(gap <= NEAR_TIE, "{name}: {prompt:?} diverged at step {at} where llama.cpp's margin was {gap}");
+    }
+}
+
+/// Free-running generation must reproduce the recorded continuation of at least one prompt exactly.
+fn check_free_running(name: &str) {
+    let Some(path) = common::model_path(name) else { return };
+    let model = Model::load(&path).unwrap();
+    let mut exact = 0;
+    let all = cases(name);
+    for case in &all {
+        let prompt = model.tokenizer.encode(case["prompt"].as_str().unwrap(), true, true);
+        let mut st = model.new_state(512, 512, 1);
+        let mut sampler = Sampler::new(SamplerConfig { temperature: 0.0, ..Default::default() }, model.config.n_vocab);
+        let mut got = Vec::new();
+        generate(&model, &mut st, &prompt, 32, &mut sampler, |t| {
+            got.push(t);
+            Ok(())
+        })
+        .unwrap();
+        exact += usize::from(got == ids(&case["greedy_ids"]));
+    }
+    eprintln!("{name}: {exact} of {} free-running continuations identical to llama.cpp", all.len());
+    assert!(exact + 1 >= all.len(), "{name}: only {exact} of {} continuations identical", all.len());
+}
+
+fn check_perplexity(name: &str) {
+    let Some(path) = common::model_path(name) else { return };
+    let golden: Value =
+        serde_json::from_str(&std::fs::read_to_string(golden_path(&format!("perplexity-{name}.json"))).unwrap()).unwrap();
+    let text = std::fs::read_to_string(golden_path("../text/gpl-3.0-excerpt.txt")).unwrap();
+    let model = Model::load(&path).unwrap();
+    let ctx = golden["ctx"].as_u64().unwrap() as usize;
+    let p = perplexity(&model, &text, ctx, None, false).unwrap();
+    let want = golden["ppl"].as_f64().unwrap();
+    assert_eq!(p.chunks as u64, golden["chunks"].as_u64().unwrap(), "{name}: chunk count");
+    let rel = (p.ppl - want).abs() / want;
+    eprintln!("{name}: perplexity ours {:.4} llama.cpp {want:.4} ({:.3}% apart)", p.ppl, rel * 100.0);
+    assert!(rel < 0.01, "{name}: perplexity {} vs llama.cpp {want}", p.ppl);
+}
+
+#[test]
+fn smollm2_matches_llama_cpp_ids_logits_and_greedy_text() {
+    check_model("smollm2");
+}
+
+#[test]
+fn gemma3_matches_llama_cpp_ids_logits_and_greedy_text() {
+    check_model("gemma3");
+}
+
+#[test]
+fn smollm2_free_running_greedy_matches_llama_cpp() {
+    check_free_running("smollm2");
+}
+
+#[test]
+fn gemma3_free_running_greedy_matches_llama_cpp() {
+    check_free_running("gemma3");
+}
+
+#[test]
+fn smollm2_perplexity_matches_llama_cpp() {
+    check_perplexity("smollm2");
+}
+
+#[test]
+fn gemma3_perplexity_matches_llama_cpp() {
+    check_perplexity("gemma3");
+}

@@ -1,0 +1,55 @@
+#!/usr/bin/env bash
+# Regenerates LeanStream's llama.cpp golden outputs in data/golden/.
+#
+# llama.cpp comes from the llama-cpp-python source package on PyPI, which
+# vendors it (version pinned below), built for the CPU:
+#   pip download --no-deps --no-binary llama-cpp-python llama-cpp-python==0.3.36 -d /tmp/llcpp
+#   tar xzf /tmp/llcpp/llama_cpp_python-0.3.36.tar.gz -C /tmp/llcpp
+#   cmake -S $LLAMA -B $LLAMA/build -G Ninja -DCMAKE_BUILD_TYPE=Release -DGGML_NATIVE=ON -DLLAMA_CURL=OFF
+#   cmake --build $LLAMA/build -j2 --target llama-tokenize llama-completion llama-perplexity llama-bench
+# Then: scripts/golden/make_goldens.sh  (models from `leanstream fetch`, or env LEANSTREAM_SMOLLM2/_GEMMA3)
+set -euo pipefail
+here=$(cd "$(dirname "$0")" && pwd)
+root=$(cd "$here/../.." && pwd)
+LLAMA=${LLAMA:-/tmp/llcpp/llama_cpp_python-0.3.36/vendor/llama.cpp}
+home=${LEANSTREAM_HOME:-$HOME/.cache/leanstream}
+SMOLLM2=${LEANSTREAM_SMOLLM2:-$home/models/smollm2/SmolLM2-135M-Instruct.Q4_1.gguf}
+GEMMA3=${LEANSTREAM_GEMMA3:-$home/models/gemma3/gemma-3-270m-q4_k_m.gguf}
+out=$root/data/golden
+tool=/tmp/llcpp/golden_llama
+
+g++ -O2 -std=c++17 -I"$LLAMA/include" -I"$LLAMA/ggml/include" "$here/golden_llama.cpp" \
+    -L"$LLAMA/build/bin" -lllama -lggml -lggml-base -Wl,-rpath,"$LLAMA/build/bin" -o "$tool"
+
+prompts=(
+  "The capital of France is"
+  "Once upon a time, in a small village by the sea,"
+  "def fibonacci(n):"
+  "The three primary colors are"
+  "Water boils at a temperature of"
+  "In 1969, the first humans to walk on the Moon were"
+)
+
+run_model() { # name path chat_prompt
+  local name=$1 path=$2 chat=$3
+  "$tool" "$path" 32 "${prompts[@]}" "$chat" > "$out/generate-$name.jsonl"
+  local ppl
+  ppl=$("$LLAMA/build/bin/llama-perplexity" -m "$path" -f "$root/data/text/gpl-3.0-excerpt.txt" \
+        -c 256 -b 256 -t 2 -fa off 2>&1 | sed -n 's/.*Final estimate: PPL = \([0-9.]*\) +\/- \([0-9.]*\).*/\1 \2/p')
+  local chunks
+  chunks=$("$LLAMA/build/bin/llama-perplexity" -m "$path" -f "$root/data/text/gpl-3.0-excerpt.txt" \
+        -c 256 -b 256 -t 2 -fa off 2>&1 | sed -n 's/.*calculating perplexity over \([0-9]*\) chunks.*/\1/p')
+  printf '{"model":"%s","file":"data/text/gpl-3.0-excerpt.txt","ctx":256,"chunks":%s,"ppl":%s,"ppl_stderr":%s}\n' \
+    "$name" "$chunks" ${ppl% *} ${ppl#* } > "$out/perplexity-$name.json"
+}
+
+run_model smollm2 "$SMOLLM2" $'<|im_start|>user\nWhat is the tallest mountain on Earth?<|im_end|>\n<|im_start|>assistant\n'
+run_model gemma3 "$GEMMA3" $'<start_of_turn>user\nWhat is the tallest mountain on Earth?<end_of_turn>\n<start_of_turn>model\n'
+
+commit=$(git -C "$LLAMA" log -1 --format=%H 2>/dev/null || echo unknown)
+cat > "$out/llama_cpp_version.txt" <<INFO
+llama.cpp vendored by llama-cpp-python 0.3.36 (PyPI sdist), commit $commit
+built: cmake -DCMAKE_BUILD_TYPE=Release -DGGML_NATIVE=ON; run with 2 threads, flash attention off
+command: scripts/golden/make_goldens.sh
+INFO
+echo "goldens written to $out"
