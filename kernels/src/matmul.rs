@@ -193,7 +193,7 @@ const PARALLEL_MIN_MACS: usize = 1 << 17;
 /// Row chunks per rayon thread: enough to balance uneven progress.
 const CHUNKS_PER_THREAD: usize = 4;
 /// Activation rows handed to a kernel together (its tiles reuse weight blocks).
-const TOKEN_TILE: usize = 4;
+const TOKEN_TILE: usize = 8;
 /// Weight rows handed to a kernel together (its tiles reuse activation blocks).
 const ROW_TILE: usize = 4;
 /// Weight bytes per row group: small enough to stay in L1/L2 while every

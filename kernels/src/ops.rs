@@ -187,8 +187,10 @@ impl RopeTable {
                     RopeStyle::Neox => (i, i + half),
                 };
                 let (x0, x1) = (head[a], head[b]);
-                head[a] = x0 * self.cos[i] - x1 * self.sin[i];
-                head[b] = x0 * self.sin[i] + x1 * self.cos[i];
+                // GGML's C compiler contracts these into fused multiply-adds;
+                // doing the same keeps keys identical before their f16 rounding.
+                head[a] = x0.mul_add(self.cos[i], -(x1 * self.sin[i]));
+                head[b] = x0.mul_add(self.sin[i], x1 * self.cos[i]);
             }
         }
     }

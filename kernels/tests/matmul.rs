@@ -20,14 +20,16 @@ fn random_matrix(ty: GgmlType, rows: usize, cols: usize, rng: &mut Rng) -> Align
     Aligned::from_bytes(&bytes)
 }
 
+/// n = 1 (decode), and prompt sizes that reach every tile shape the
+/// kernels use (up to 8 tokens per tile) plus ragged tails.
 #[test]
 fn matmul_agrees_with_scalar_and_with_single_dots() {
     let mut rng = Rng::new(42);
-    let mut acts = ActBuffer::with_capacity(COLS, 17);
+    let mut acts = ActBuffer::with_capacity(COLS, 23);
     for ty in WEIGHT_TYPES {
         let data = random_matrix(ty, ROWS, COLS, &mut rng);
         let w = QMatrix::new(ty, ROWS, COLS, data.as_ref()).unwrap();
-        for n in [1usize, 3, 17] {
+        for n in [1usize, 3, 6, 13, 17, 23] {
             let x = rng.activations(n * COLS);
             acts.quantize(ty.vec_dot_type(), &x, n, COLS).unwrap();
             let mut fast = vec![f32::NAN; n * ROWS];

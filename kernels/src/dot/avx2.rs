@@ -23,29 +23,28 @@ use crate::blocks::*;
 /// Most weight rows per tile when there is a single activation row (decode;
 /// how many a caller passes per call is its choice, see `Kernel::decode_rows`).
 const DECODE_ROWS: usize = 4;
-/// Activation rows per tile.
-const TOKENS: usize = 4;
 
 /// Wraps a const-generic tile kernel `$tile::<R, T>([w; R], [a; T]) -> [[f32; T]; R]`
 /// into the slice form `(ws, as, out)` with `out[r * as.len() + t]`, cutting
-/// the operands into tiles. `$rows` is the weight rows per tile when several
-/// activation rows share it (1 or 2: K kernels hold more state per pair).
+/// the operands into tiles. With several activation rows, tiles are
+/// `$rows` x `$tokens`: one row x 8 tokens where unpacking a weight block
+/// dominates, 2 x 4 where sharing activation loads matters more.
 macro_rules! tiled {
-    ($(#[$doc:meta])* $name:ident => $tile:ident($W:ty, $A:ty), prompt_rows = $rows:literal) => {
+    ($(#[$doc:meta])* $name:ident => $tile:ident($W:ty, $A:ty), prompt_tile = ($rows:literal, $tokens:literal)) => {
         $(#[$doc])*
         ///
         /// # Safety
         /// The CPU must support AVX2, FMA and F16C ([`super::has_avx2`]).
         pub unsafe fn $name(ws: &[&[$W]], ys: &[&[$A]], out: &mut [f32]) {
-            const _: () = assert!($rows == 1 || $rows == 2);
+            const _: () = assert!(($rows == 1 && $tokens <= 8) || ($rows == 2 && $tokens <= 4));
             let n = ys.len();
             if out.len() < ws.len() * n {
                 return;
             }
-            let row_tile = if n == 1 { DECODE_ROWS } else { $rows };
+            let (row_tile, token_tile) = if n == 1 { (DECODE_ROWS, 1) } else { ($rows, $tokens) };
             for (rc, w_chunk) in ws.chunks(row_tile).enumerate() {
-                for (tc, y_chunk) in ys.chunks(TOKENS).enumerate() {
-                    let (r0, t0) = (rc * row_tile, tc * TOKENS);
+                for (tc, y_chunk) in ys.chunks(token_tile).enumerate() {
+                    let (r0, t0) = (rc * row_tile, tc * token_tile);
                     macro_rules! run {
                         ($R:literal, $T:literal) => {{
                             let w: [&[$W]; $R] = std::array::from_fn(|i| w_chunk[i]);
@@ -64,10 +63,14 @@ macro_rules! tiled {
                         (1, 2) => run!(1, 2),
                         (1, 3) => run!(1, 3),
                         (1, 4) => run!(1, 4),
+                        (1, 5) => run!(1, 5),
+                        (1, 6) => run!(1, 6),
+                        (1, 7) => run!(1, 7),
+                        (1, 8) => run!(1, 8),
                         (2, 2) => run!(2, 2),
                         (2, 3) => run!(2, 3),
                         (2, 4) => run!(2, 4),
-                        // Chunks are at most DECODE_ROWS x 1 or $rows x TOKENS.
+                        // Chunks are at most DECODE_ROWS x 1 or $rows x $tokens.
                         _ => {}
                     }
                 }
@@ -96,35 +99,35 @@ macro_rules! per_row {
 
 tiled!(
     /// Q4_0 weights · Q8_0 activations.
-    q4_0_q8_0 => q4_0_tile(BlockQ4_0, BlockQ8_0), prompt_rows = 2
+    q4_0_q8_0 => q4_0_tile(BlockQ4_0, BlockQ8_0), prompt_tile = (1, 8)
 );
 tiled!(
     /// Q4_1 weights · Q8_1 activations.
-    q4_1_q8_1 => q4_1_tile(BlockQ4_1, BlockQ8_1), prompt_rows = 2
+    q4_1_q8_1 => q4_1_tile(BlockQ4_1, BlockQ8_1), prompt_tile = (2, 4)
 );
 tiled!(
     /// Q5_0 weights · Q8_0 activations.
-    q5_0_q8_0 => q5_0_tile(BlockQ5_0, BlockQ8_0), prompt_rows = 2
+    q5_0_q8_0 => q5_0_tile(BlockQ5_0, BlockQ8_0), prompt_tile = (1, 8)
 );
 tiled!(
     /// Q5_1 weights · Q8_1 activations.
-    q5_1_q8_1 => q5_1_tile(BlockQ5_1, BlockQ8_1), prompt_rows = 2
+    q5_1_q8_1 => q5_1_tile(BlockQ5_1, BlockQ8_1), prompt_tile = (1, 8)
 );
 tiled!(
     /// Q8_0 weights · Q8_0 activations.
-    q8_0_q8_0 => q8_0_tile(BlockQ8_0, BlockQ8_0), prompt_rows = 2
+    q8_0_q8_0 => q8_0_tile(BlockQ8_0, BlockQ8_0), prompt_tile = (2, 4)
 );
 tiled!(
     /// Q4_K weights · Q8_K activations.
-    q4_k_q8_k => q4_k_tile(BlockQ4K, BlockQ8K), prompt_rows = 1
+    q4_k_q8_k => q4_k_tile(BlockQ4K, BlockQ8K), prompt_tile = (1, 8)
 );
 tiled!(
     /// Q5_K weights · Q8_K activations.
-    q5_k_q8_k => q5_k_tile(BlockQ5K, BlockQ8K), prompt_rows = 1
+    q5_k_q8_k => q5_k_tile(BlockQ5K, BlockQ8K), prompt_tile = (1, 8)
 );
 tiled!(
     /// Q6_K weights · Q8_K activations.
-    q6_k_q8_k => q6_k_tile(BlockQ6K, BlockQ8K), prompt_rows = 1
+    q6_k_q8_k => q6_k_tile(BlockQ6K, BlockQ8K), prompt_tile = (1, 8)
 );
 per_row!(
     /// F32 · F32 (`ggml_vec_dot_f32`).
@@ -192,19 +195,6 @@ unsafe fn hsum_each<const R: usize, const T: usize>(acc: [[__m256; T]; R]) -> [[
     out
 }
 
-/// `scale` of block `ib` of each activation row.
-///
-/// # Safety
-/// `ib` must be below every row's length.
-#[inline]
-unsafe fn block_scales<A, const T: usize>(ys: &[&[A]; T], ib: usize, scale: impl Fn(&A) -> f32) -> [f32; T] {
-    let mut d = [0.0f32; T];
-    for t in 0..T {
-        d[t] = scale(ys[t].get_unchecked(ib));
-    }
-    d
-}
-
 /// `mul_sum_us8_pairs_float`: unsigned × signed bytes, summed in fours.
 #[inline]
 #[target_feature(enable = "avx2,fma")]
@@ -253,18 +243,19 @@ unsafe fn q4_0_tile<const R: usize, const T: usize>(xs: [&[BlockQ4_0]; R], ys: [
     let offset = _mm256_set1_epi8(8);
     let mut acc = [[_mm256_setzero_ps(); T]; R];
     for ib in 0..nb {
-        let dy = block_scales(&ys, ib, |y| fp16(y.d));
         for r in 0..R {
             let xb = xs[r].get_unchecked(ib);
             // [0, 15] -> [-8, 7]; the sign trick turns signed x signed into
             // maddubs' unsigned x signed form.
             let qx = _mm256_sub_epi8(bytes_from_nibbles_32(&xb.qs), offset);
             let ax = _mm256_sign_epi8(qx, qx);
-            let dx = fp16(xb.d);
+            let dx = _mm256_set1_ps(fp16(xb.d));
             for t in 0..T {
-                let qy = load_256(ys[t].get_unchecked(ib).qs.as_ptr());
-                let q = mul_sum_us8_pairs_float(ax, _mm256_sign_epi8(qy, qx));
-                acc[r][t] = _mm256_fmadd_ps(_mm256_set1_ps(dx * dy[t]), q, acc[r][t]);
+                let yb = ys[t].get_unchecked(ib);
+                // dx * dy in every lane: the product GGML broadcasts.
+                let d = _mm256_mul_ps(dx, _mm256_set1_ps(fp16(yb.d)));
+                let q = mul_sum_us8_pairs_float(ax, _mm256_sign_epi8(load_256(yb.qs.as_ptr()), qx));
+                acc[r][t] = _mm256_fmadd_ps(d, q, acc[r][t]);
             }
         }
     }
@@ -278,18 +269,16 @@ unsafe fn q4_1_tile<const R: usize, const T: usize>(xs: [&[BlockQ4_1]; R], ys: [
     // The offset terms m * s, summed apart from the lanes as GGML does.
     let mut summs = [[0.0f32; T]; R];
     for ib in 0..nb {
-        let dy = block_scales(&ys, ib, |y| fp16(y.d));
-        let sy = block_scales(&ys, ib, |y| fp16(y.s));
         for r in 0..R {
             let xb = xs[r].get_unchecked(ib);
             let d0 = _mm256_set1_ps(fp16(xb.d));
             let m = fp16(xb.m);
             let qx = bytes_from_nibbles_32(&xb.qs);
             for t in 0..T {
-                summs[r][t] = m.mul_add(sy[t], summs[r][t]);
-                let d0d1 = _mm256_mul_ps(d0, _mm256_set1_ps(dy[t]));
-                let qy = load_256(ys[t].get_unchecked(ib).qs.as_ptr());
-                let xy = mul_sum_us8_pairs_float(qx, qy);
+                let yb = ys[t].get_unchecked(ib);
+                summs[r][t] = m.mul_add(fp16(yb.s), summs[r][t]);
+                let d0d1 = _mm256_mul_ps(d0, _mm256_set1_ps(fp16(yb.d)));
+                let xy = mul_sum_us8_pairs_float(qx, load_256(yb.qs.as_ptr()));
                 acc[r][t] = _mm256_fmadd_ps(d0d1, xy, acc[r][t]);
             }
         }
@@ -302,7 +291,6 @@ unsafe fn q5_0_tile<const R: usize, const T: usize>(xs: [&[BlockQ5_0]; R], ys: [
     let nb = common_len(&xs, &ys);
     let mut acc = [[_mm256_setzero_ps(); T]; R];
     for ib in 0..nb {
-        let dy = block_scales(&ys, ib, |y| fp16(y.d));
         for r in 0..R {
             let xb = xs[r].get_unchecked(ib);
             // A clear 5th bit means value - 16 < 0: OR-ing 0xF0 into the
@@ -310,11 +298,13 @@ unsafe fn q5_0_tile<const R: usize, const T: usize>(xs: [&[BlockQ5_0]; R], ys: [
             let high = _mm256_andnot_si256(bytes_from_bits_32(xb.qh), _mm256_set1_epi8(0xF0u8 as i8));
             let qx = _mm256_or_si256(bytes_from_nibbles_32(&xb.qs), high);
             let ax = _mm256_sign_epi8(qx, qx);
-            let dx = fp16(xb.d);
+            let dx = _mm256_set1_ps(fp16(xb.d));
             for t in 0..T {
-                let qy = load_256(ys[t].get_unchecked(ib).qs.as_ptr());
-                let q = mul_sum_us8_pairs_float(ax, _mm256_sign_epi8(qy, qx));
-                acc[r][t] = _mm256_fmadd_ps(_mm256_set1_ps(dx * dy[t]), q, acc[r][t]);
+                let yb = ys[t].get_unchecked(ib);
+                // dx * dy in every lane: the product GGML broadcasts.
+                let d = _mm256_mul_ps(dx, _mm256_set1_ps(fp16(yb.d)));
+                let q = mul_sum_us8_pairs_float(ax, _mm256_sign_epi8(load_256(yb.qs.as_ptr()), qx));
+                acc[r][t] = _mm256_fmadd_ps(d, q, acc[r][t]);
             }
         }
     }
@@ -327,8 +317,6 @@ unsafe fn q5_1_tile<const R: usize, const T: usize>(xs: [&[BlockQ5_1]; R], ys: [
     let mut acc = [[_mm256_setzero_ps(); T]; R];
     let mut summs = [[0.0f32; T]; R];
     for ib in 0..nb {
-        let dy = block_scales(&ys, ib, |y| fp16(y.d));
-        let sy = block_scales(&ys, ib, |y| fp16(y.s));
         for r in 0..R {
             let xb = xs[r].get_unchecked(ib);
             let dx = _mm256_set1_ps(fp16(xb.d));
@@ -336,10 +324,10 @@ unsafe fn q5_1_tile<const R: usize, const T: usize>(xs: [&[BlockQ5_1]; R], ys: [
             let high = _mm256_and_si256(bytes_from_bits_32(xb.qh), _mm256_set1_epi8(0x10));
             let qx = _mm256_or_si256(bytes_from_nibbles_32(&xb.qs), high);
             for t in 0..T {
-                summs[r][t] = m.mul_add(sy[t], summs[r][t]);
-                let qy = load_256(ys[t].get_unchecked(ib).qs.as_ptr());
-                let q = mul_sum_us8_pairs_float(qx, qy);
-                acc[r][t] = _mm256_fmadd_ps(q, _mm256_mul_ps(dx, _mm256_set1_ps(dy[t])), acc[r][t]);
+                let yb = ys[t].get_unchecked(ib);
+                summs[r][t] = m.mul_add(fp16(yb.s), summs[r][t]);
+                let q = mul_sum_us8_pairs_float(qx, load_256(yb.qs.as_ptr()));
+                acc[r][t] = _mm256_fmadd_ps(q, _mm256_mul_ps(dx, _mm256_set1_ps(fp16(yb.d))), acc[r][t]);
             }
         }
     }
@@ -351,7 +339,12 @@ unsafe fn q8_0_tile<const R: usize, const T: usize>(xs: [&[BlockQ8_0]; R], ys: [
     let nb = common_len(&xs, &ys);
     let mut acc = [[_mm256_setzero_ps(); T]; R];
     for ib in 0..nb {
-        let dy = block_scales(&ys, ib, |y| fp16(y.d));
+        // Nothing to unpack here, so the activation scales are worth
+        // converting once for all rows of the tile.
+        let mut dy = [0.0f32; T];
+        for t in 0..T {
+            dy[t] = fp16(ys[t].get_unchecked(ib).d);
+        }
         for r in 0..R {
             let xb = xs[r].get_unchecked(ib);
             let qx = load_256(xb.qs.as_ptr());

@@ -72,7 +72,7 @@ pub fn generate(
     let t1 = Instant::now();
     let mut pos = prompt.len();
     let mut last_row = st_last_row(prompt.len(), st.max_batch);
-    for _ in 0..n_predict {
+    for i in 0..n_predict {
         let logits = model.logits(st, last_row, 1)?;
         let tok = sampler.sample(logits);
         if model.tokenizer.is_end_of_generation(tok) {
@@ -81,7 +81,8 @@ pub fn generate(
         }
         on_token(tok)?;
         stats.generated_tokens += 1;
-        if pos >= st.ctx {
+        // The last token needs no forward pass: nothing will read its logits.
+        if i + 1 == n_predict || pos >= st.ctx {
             break;
         }
         model.forward(st, &[tok], pos)?;

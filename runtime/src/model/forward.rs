@@ -194,16 +194,12 @@ impl Model {
                 ops::scale(x, s);
             }
         }
-
-        let tr = std::env::var("LSTRACE").is_ok();
-        macro_rules! trace { ($name:expr, $il:expr, $v:expr) => { if tr && $il < 100 { eprintln!("{}-{} sum = {:.6}", $name, $il, $v.iter().sum::<f32>()); } } }
-        trace!("embd", 0, &st.x[..n * d]);
+        } }
         for (il, l) in self.weights.layers.iter().enumerate() {
             // Attention: norm, q/k/v projections.
             for t in 0..n {
                 ops::rms_norm(&st.x[t * d..(t + 1) * d], &l.attn_norm, c.rms_eps, &mut st.xb[t * d..(t + 1) * d]);
             }
-            trace!("attn_norm", il, &st.xb[..n * d]);
             let mut fresh = false;
             prepare(&mut st.acts, &l.wq, &st.xb, n, &mut fresh)?;
             matmul(&mat(file, &l.wq), &st.acts, &mut st.q[..n * c.q_dim()])?;
@@ -211,9 +207,6 @@ impl Model {
             matmul(&mat(file, &l.wk), &st.acts, &mut st.k[..n * c.kv_dim()])?;
             prepare(&mut st.acts, &l.wv, &st.xb, n, &mut fresh)?;
             matmul(&mat(file, &l.wv), &st.acts, &mut st.v[..n * c.kv_dim()])?;
-            trace!("Qcur", il, &st.q[..n * c.q_dim()]);
-            trace!("Kcur", il, &st.k[..n * c.kv_dim()]);
-            trace!("Vcur", il, &st.v[..n * c.kv_dim()]);
             add_bias(&mut st.q[..n * c.q_dim()], &l.bq);
             add_bias(&mut st.k[..n * c.kv_dim()], &l.bk);
             add_bias(&mut st.v[..n * c.kv_dim()], &l.bv);
@@ -237,20 +230,14 @@ impl Model {
                 }
                 st.kv.store(il, pos, k, &st.v[t * c.kv_dim()..(t + 1) * c.kv_dim()]);
             }
-            trace!("Qrope", il, &st.q[..n * c.q_dim()]);
-            trace!("Krope", il, &st.k[..n * c.kv_dim()]);
             for (dst, &src) in st.q16[..n * c.q_dim()].iter_mut().zip(&st.q[..n * c.q_dim()]) {
                 *dst = f16::from_f32(src);
             }
             attention(c, il, &st.kv, &st.q16[..n * c.q_dim()], pos0, &mut st.scores, &mut st.probs, &mut st.att[..n * c.q_dim()]);
-
-            trace!("kqv_out", il, &st.att[..n * c.q_dim()]);
             let mut fresh = false;
             prepare(&mut st.acts, &l.wo, &st.att, n, &mut fresh)?;
             matmul(&mat(file, &l.wo), &st.acts, &mut st.proj[..n * d])?;
-            trace!("attn_out", il, &st.proj[..n * d]);
             residual(&mut st.x[..n * d], &mut st.proj[..n * d], l.attn_post_norm.as_deref(), c.rms_eps, &mut st.xb[..n * d]);
-            trace!("ffn_inp", il, &st.x[..n * d]);
 
             // Feed-forward: norm, gate and up, gated activation, down, optional post-norm, residual.
             for t in 0..n {
@@ -262,18 +249,14 @@ impl Model {
             matmul(&mat(file, &l.ffn_gate), &st.acts, &mut st.gate[..n * ff])?;
             prepare(&mut st.acts, &l.ffn_up, &st.xb, n, &mut fresh)?;
             matmul(&mat(file, &l.ffn_up), &st.acts, &mut st.up[..n * ff])?;
-            trace!("ffn_gate", il, &st.gate[..n * ff]);
-            trace!("ffn_up", il, &st.up[..n * ff]);
             match c.ffn_activation {
                 FfnActivation::Silu => ops::swiglu(&mut st.gate[..n * ff], &st.up[..n * ff]),
                 FfnActivation::GeluTanh => ops::geglu(&mut st.gate[..n * ff], &st.up[..n * ff]),
             }
-            trace!("swiglu", il, &st.gate[..n * ff]);
             let mut fresh = false;
             prepare(&mut st.acts, &l.ffn_down, &st.gate, n, &mut fresh)?;
             matmul(&mat(file, &l.ffn_down), &st.acts, &mut st.proj[..n * d])?;
             residual(&mut st.x[..n * d], &mut st.proj[..n * d], l.ffn_post_norm.as_deref(), c.rms_eps, &mut st.xb[..n * d]);
-            if tr { eprintln!("l_out-{} sum = {:.6}", il, st.x[..n*d].iter().sum::<f32>()); }
         }
 
         for t in 0..n {
