@@ -194,7 +194,7 @@ impl Model {
                 ops::scale(x, s);
             }
         }
-        } }
+
         for (il, l) in self.weights.layers.iter().enumerate() {
             // Attention: norm, q/k/v projections.
             for t in 0..n {
