@@ -43,6 +43,11 @@ run_model() { # name path chat_prompt
     "$name" "$chunks" ${ppl% *} ${ppl#* } > "$out/perplexity-$name.json"
 }
 
+# Kernel-level: activation quantization + dot products on deterministic rows.
+gcc -O2 -I"$LLAMA/ggml/include" "$here/golden_vec_dot.c" -L"$LLAMA/build/bin" -lggml -lggml-base -lggml-cpu \
+    -Wl,-rpath,"$LLAMA/build/bin" -o /tmp/llcpp/golden_vec_dot
+/tmp/llcpp/golden_vec_dot > "$out/vec_dot.json"
+
 run_model smollm2 "$SMOLLM2" $'<|im_start|>user\nWhat is the tallest mountain on Earth?<|im_end|>\n<|im_start|>assistant\n'
 run_model gemma3 "$GEMMA3" $'<start_of_turn>user\nWhat is the tallest mountain on Earth?<end_of_turn>\n<start_of_turn>model\n'
 
