@@ -1,9 +1,11 @@
 //! Dot products of a weight row with an activation row already converted to
 //! the weight type's vec-dot type ([`GgmlType::vec_dot_type`]).
 //!
-//! Two implementations per type: AVX2+FMA kernels that reproduce GGML's x86
-//! arithmetic (used when the CPU has them), and portable scalar twins that
-//! follow GGML's generic C. They agree to rounding; the tests hold them to it.
+//! Two implementations per type: AVX2+FMA kernels that reproduce, bit for
+//! bit, the CPU backend of the reference llama.cpp build (GCC, `GGML_NATIVE`
+//! on an AVX-512 machine; its quantized kernels are its AVX2 ones), used when
+//! the CPU has AVX2; and portable scalar twins that follow GGML's generic C.
+//! They agree to rounding; the tests hold them to it.
 
 use std::sync::atomic::{AtomicU8, Ordering};
 

@@ -228,7 +228,9 @@ mod tests {
         for i in -2000..2000 {
             let x = i as f32 * 0.05;
             let (a, b) = (expf_ggml(x), x.exp());
-            assert!((a - b).abs() <= 4.0 * f32::EPSILON * b, "x={x}: {a} vs {b}");
+            // Relative accuracy holds for normal results; subnormals keep fewer bits.
+            let tol = if b >= f32::MIN_POSITIVE { 4.0 * f32::EPSILON * b } else { 1e-44 };
+            assert!(a == b || (a - b).abs() <= tol, "x={x}: {a} vs {b}");
         }
         assert_eq!(expf_ggml(f32::NEG_INFINITY), 0.0);
         assert_eq!(expf_ggml(-200.0), 0.0);

@@ -1,11 +1,12 @@
 //! AVX2 + FMA (+ F16C) dot kernels.
 //!
-//! Each kernel repeats the arithmetic of GGML's AVX2 `ggml_vec_dot_*` in
-//! `ggml-cpu/arch/x86/quants.c` (and `vec.cpp` for the float types): the same
-//! integer lanes, the same per-block `fmadd` into eight float lanes and the
-//! same horizontal sums, so results match llama.cpp's bit for bit. Scalar
-//! `a += b * c` accumulations are FMAs because GCC contracts them in
-//! llama.cpp's `-march` builds (checked in its `libggml-cpu.so`).
+//! Each quantized kernel repeats the arithmetic of GGML's AVX2
+//! `ggml_vec_dot_*` in `ggml-cpu/arch/x86/quants.c`: the same integer lanes,
+//! the same per-block `fmadd` into eight float lanes and the same horizontal
+//! sums, so results match llama.cpp's bit for bit. Scalar `a += b * c`
+//! accumulations are FMAs because GCC contracts them in llama.cpp's `-march`
+//! builds (checked in the reference `libggml-cpu.so`). The float kernels
+//! (`vec.cpp`) follow that build's AVX-512 code paths; see "Float rows".
 //!
 //! The quantized kernels are tiled: `R` weight rows against `T` activation
 //! rows at once, so each weight block is unpacked once per `T` tokens, each
@@ -590,18 +591,53 @@ unsafe fn q6_k_tile<const R: usize, const T: usize>(xs: [&[BlockQ6K]; R], ys: [&
 }
 
 // ---------------------------------------------------------------------------
-// Float rows: four 8-lane accumulators over steps of 32 (GGML_F32_STEP).
+// Float rows.
+//
+// These follow the reference llama.cpp build (`GGML_NATIVE` on an AVX-512
+// machine), whose float dots keep 16-lane accumulators: each is emulated
+// here as two 8-lane halves, which is exact since every operation is per
+// lane. The quantized kernels above are the same in AVX2 and AVX-512 builds.
 
-/// `GGML_F32x8_REDUCE` of four accumulators.
+/// A 16-lane f32 vector as two AVX halves: lanes 0..8 and 8..16.
+#[derive(Clone, Copy)]
+struct F32x16 {
+    lo: __m256,
+    hi: __m256,
+}
+
+impl F32x16 {
+    #[inline]
+    #[target_feature(enable = "avx2,fma")]
+    unsafe fn zero() -> Self {
+        Self {
+            lo: _mm256_setzero_ps(),
+            hi: _mm256_setzero_ps(),
+        }
+    }
+
+    #[inline]
+    #[target_feature(enable = "avx2,fma")]
+    unsafe fn add(self, other: Self) -> Self {
+        Self {
+            lo: _mm256_add_ps(self.lo, other.lo),
+            hi: _mm256_add_ps(self.hi, other.hi),
+        }
+    }
+
+    /// `_mm512_reduce_add_ps` as GCC expands it: halves, quarters, then
+    /// pairs, which is `hsum_float_8` of the sum of the halves.
+    #[inline]
+    #[target_feature(enable = "avx2,fma")]
+    unsafe fn reduce_add(self) -> f32 {
+        hsum_float_8(_mm256_add_ps(self.hi, self.lo))
+    }
+}
+
+/// `GGML_F32x16_REDUCE` of GGML's four accumulators: (0+2) + (1+3), reduced.
 #[inline]
 #[target_feature(enable = "avx2,fma")]
-unsafe fn reduce_f32x8_4(sum: [__m256; 4]) -> f32 {
-    let s0 = _mm256_add_ps(sum[0], sum[2]);
-    let s1 = _mm256_add_ps(sum[1], sum[3]);
-    let s = _mm256_add_ps(s0, s1);
-    let t0 = _mm_add_ps(_mm256_castps256_ps128(s), _mm256_extractf128_ps(s, 1));
-    let t1 = _mm_hadd_ps(t0, t0);
-    _mm_cvtss_f32(_mm_hadd_ps(t1, t1))
+unsafe fn reduce_4x16(sum: [F32x16; 4]) -> f32 {
+    sum[0].add(sum[2]).add(sum[1].add(sum[3])).reduce_add()
 }
 
 #[inline]
@@ -610,76 +646,96 @@ unsafe fn load_f16x8(p: *const f16) -> __m256 {
     _mm256_cvtph_ps(_mm_loadu_si128(p as *const __m128i))
 }
 
-/// bf16 is the top half of an f32: widen and shift into place.
-#[inline]
-#[target_feature(enable = "avx2,fma")]
-unsafe fn load_bf16x8(p: *const bf16) -> __m256 {
-    _mm256_castsi256_ps(_mm256_slli_epi32(
-        _mm256_cvtepu16_epi32(_mm_loadu_si128(p as *const __m128i)),
-        16,
-    ))
-}
-
+/// `ggml_vec_dot_f32`: four 16-lane FMA accumulators over steps of 64.
 #[target_feature(enable = "avx2,fma,f16c")]
 unsafe fn dot_f32(x: &[f32], y: &[f32]) -> f32 {
     let n = x.len().min(y.len());
-    let np = n & !31;
+    let np = n & !63;
     let (xp, yp) = (x.as_ptr(), y.as_ptr());
-    let mut sum = [_mm256_setzero_ps(); 4];
-    for i in (0..np).step_by(32) {
+    let mut sum = [F32x16::zero(); 4];
+    for i in (0..np).step_by(64) {
         for (j, s) in sum.iter_mut().enumerate() {
-            let ax = _mm256_loadu_ps(xp.add(i + 8 * j));
-            let ay = _mm256_loadu_ps(yp.add(i + 8 * j));
-            *s = _mm256_fmadd_ps(ax, ay, *s);
+            let p = i + 16 * j;
+            s.lo = _mm256_fmadd_ps(_mm256_loadu_ps(xp.add(p)), _mm256_loadu_ps(yp.add(p)), s.lo);
+            s.hi = _mm256_fmadd_ps(_mm256_loadu_ps(xp.add(p + 8)), _mm256_loadu_ps(yp.add(p + 8)), s.hi);
         }
     }
-    let mut sumf = reduce_f32x8_4(sum);
-    for i in np..n {
+    let mut sumf = reduce_4x16(sum);
+    // The tail `sumf += x[i] * y[i]`, as GCC compiled it in the reference
+    // build: runs of 16, then one of 8, have their products rounded before
+    // the in-order adds (vectorized multiplies); the last few are fused.
+    let mut i = np;
+    let unfused = (n - np) / 16 * 16 + if (n - np) % 16 >= 8 { 8 } else { 0 };
+    while i < np + unfused {
+        sumf += x.get_unchecked(i) * y.get_unchecked(i);
+        i += 1;
+    }
+    while i < n {
         sumf = x.get_unchecked(i).mul_add(*y.get_unchecked(i), sumf);
+        i += 1;
     }
     sumf
 }
 
+/// `ggml_vec_dot_f16`: as the f32 dot on converted halves, with the reduced
+/// sum and the tail accumulated in f64.
 #[target_feature(enable = "avx2,fma,f16c")]
 unsafe fn dot_f16(x: &[f16], y: &[f16]) -> f32 {
     let n = x.len().min(y.len());
-    let np = n & !31;
+    let np = n & !63;
     let (xp, yp) = (x.as_ptr(), y.as_ptr());
-    let mut sum = [_mm256_setzero_ps(); 4];
-    for i in (0..np).step_by(32) {
+    let mut sum = [F32x16::zero(); 4];
+    for i in (0..np).step_by(64) {
         for (j, s) in sum.iter_mut().enumerate() {
-            *s = _mm256_fmadd_ps(load_f16x8(xp.add(i + 8 * j)), load_f16x8(yp.add(i + 8 * j)), *s);
+            let p = i + 16 * j;
+            s.lo = _mm256_fmadd_ps(load_f16x8(xp.add(p)), load_f16x8(yp.add(p)), s.lo);
+            s.hi = _mm256_fmadd_ps(load_f16x8(xp.add(p + 8)), load_f16x8(yp.add(p + 8)), s.hi);
         }
     }
-    // GGML accumulates the reduced sum and the tail in f64 here.
-    let mut sumf = reduce_f32x8_4(sum) as f64;
+    let mut sumf = reduce_4x16(sum) as f64;
     for i in np..n {
         sumf += (fp16(*x.get_unchecked(i)) * fp16(*y.get_unchecked(i))) as f64;
     }
     sumf as f32
 }
 
+/// One `vdpbf16ps` step on 8 lanes: each lane takes the pair of bf16 values
+/// in its 32 bits, adding the odd (high) product and then the even one, each
+/// add rounded (checked on the reference CPU). bf16 x bf16 products are exact
+/// in f32. Denormals, which the instruction flushes, are not.
+#[inline]
+#[target_feature(enable = "avx2,fma")]
+unsafe fn dpbf16_8(acc: __m256, x: *const bf16, y: *const bf16) -> __m256 {
+    let xw = _mm256_loadu_si256(x as *const __m256i);
+    let yw = _mm256_loadu_si256(y as *const __m256i);
+    let high = _mm256_set1_epi32(0xFFFF_0000u32 as i32);
+    let x_odd = _mm256_castsi256_ps(_mm256_and_si256(xw, high));
+    let y_odd = _mm256_castsi256_ps(_mm256_and_si256(yw, high));
+    let x_even = _mm256_castsi256_ps(_mm256_slli_epi32(xw, 16));
+    let y_even = _mm256_castsi256_ps(_mm256_slli_epi32(yw, 16));
+    let acc = _mm256_add_ps(acc, _mm256_mul_ps(x_odd, y_odd));
+    _mm256_add_ps(acc, _mm256_mul_ps(x_even, y_even))
+}
+
+/// `ggml_vec_dot_bf16` on AVX512-BF16: two 16-lane `vdpbf16ps` accumulators
+/// over steps of 64, reduced into an f64 sum that also takes the tail.
 #[target_feature(enable = "avx2,fma,f16c")]
 unsafe fn dot_bf16(x: &[bf16], y: &[bf16]) -> f32 {
     let n = x.len().min(y.len());
     let (xp, yp) = (x.as_ptr(), y.as_ptr());
-    let mut c = [_mm256_setzero_ps(); 4];
+    let mut c1 = F32x16::zero();
+    let mut c2 = F32x16::zero();
     let mut i = 0;
-    while i + 32 <= n {
-        for (j, c) in c.iter_mut().enumerate() {
-            // GGML multiplies and adds separately here (no FMA).
-            *c = _mm256_add_ps(
-                _mm256_mul_ps(load_bf16x8(xp.add(i + 8 * j)), load_bf16x8(yp.add(i + 8 * j))),
-                *c,
-            );
-        }
-        i += 32;
+    while i + 64 <= n {
+        c1.lo = dpbf16_8(c1.lo, xp.add(i), yp.add(i));
+        c1.hi = dpbf16_8(c1.hi, xp.add(i + 16), yp.add(i + 16));
+        c2.lo = dpbf16_8(c2.lo, xp.add(i + 32), yp.add(i + 32));
+        c2.hi = dpbf16_8(c2.hi, xp.add(i + 48), yp.add(i + 48));
+        i += 64;
     }
-    let c1 = _mm256_add_ps(_mm256_add_ps(c[0], c[2]), _mm256_add_ps(c[1], c[3]));
-    let mut g = _mm_add_ps(_mm256_extractf128_ps(c1, 1), _mm256_castps256_ps128(c1));
-    g = _mm_add_ps(g, _mm_movehl_ps(g, g));
-    g = _mm_add_ss(g, _mm_movehdup_ps(g));
-    let mut sumf = _mm_cvtss_f32(g) as f64;
+    let mut sumf = 0.0f64;
+    sumf += c1.reduce_add() as f64;
+    sumf += c2.reduce_add() as f64;
     for k in i..n {
         sumf += (x.get_unchecked(k).to_f32() * y.get_unchecked(k).to_f32()) as f64;
     }
