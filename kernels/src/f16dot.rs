@@ -32,15 +32,11 @@ pub fn dot_f16_gemm_scalar(x: &[f16], y: &[f16]) -> f32 {
     reduce16(&lanes)
 }
 
+#[cfg(target_arch = "x86_64")]
 fn has_f16c() -> bool {
-    #[cfg(target_arch = "x86_64")]
-    {
-        use std::sync::OnceLock;
-        static F16C: OnceLock<bool> = OnceLock::new();
-        *F16C.get_or_init(|| crate::dot::has_avx2() && std::arch::is_x86_feature_detected!("f16c"))
-    }
-    #[cfg(not(target_arch = "x86_64"))]
-    false
+    use std::sync::OnceLock;
+    static F16C: OnceLock<bool> = OnceLock::new();
+    *F16C.get_or_init(|| crate::dot::has_avx2() && std::arch::is_x86_feature_detected!("f16c"))
 }
 
 /// Dot product in tinyBLAS order (the shorter length wins).
@@ -141,9 +137,14 @@ mod avx2 {
         let mut i = 0;
         while i < full {
             // SAFETY: i + 16 <= n, so both 8-element loads are in bounds.
-            let (x0, y0) = (_mm256_cvtph_ps(_mm_loadu_si128(xp.add(i / 8))), _mm256_cvtph_ps(_mm_loadu_si128(yp.add(i / 8))));
-            let (x1, y1) =
-                (_mm256_cvtph_ps(_mm_loadu_si128(xp.add(i / 8 + 1))), _mm256_cvtph_ps(_mm_loadu_si128(yp.add(i / 8 + 1))));
+            let (x0, y0) = (
+                _mm256_cvtph_ps(_mm_loadu_si128(xp.add(i / 8))),
+                _mm256_cvtph_ps(_mm_loadu_si128(yp.add(i / 8))),
+            );
+            let (x1, y1) = (
+                _mm256_cvtph_ps(_mm_loadu_si128(xp.add(i / 8 + 1))),
+                _mm256_cvtph_ps(_mm_loadu_si128(yp.add(i / 8 + 1))),
+            );
             lo = _mm256_fmadd_ps(x0, y0, lo);
             hi = _mm256_fmadd_ps(x1, y1, hi);
             i += 16;
@@ -165,15 +166,22 @@ mod tests {
     #[test]
     fn simd_and_scalar_agree_exactly() {
         for n in [1usize, 15, 16, 17, 63, 64, 65, 100, 256, 1000] {
-            let x: Vec<f16> = (0..n).map(|i| f16::from_f32(((i * 7919) % 97) as f32 / 13.0 - 3.0)).collect();
-            let y: Vec<f16> = (0..n).map(|i| f16::from_f32(((i * 104729) % 89) as f32 / 29.0 - 1.5)).collect();
+            let x: Vec<f16> = (0..n)
+                .map(|i| f16::from_f32(((i * 7919) % 97) as f32 / 13.0 - 3.0))
+                .collect();
+            let y: Vec<f16> = (0..n)
+                .map(|i| f16::from_f32(((i * 104729) % 89) as f32 / 29.0 - 1.5))
+                .collect();
             let exact: f64 = x.iter().zip(&y).map(|(a, b)| a.to_f64() * b.to_f64()).sum();
             for (fast, slow) in [
                 (dot_f16_gemm(&x, &y), dot_f16_gemm_scalar(&x, &y)),
                 (dot_f16_vec(&x, &y), dot_f16_vec_scalar(&x, &y)),
             ] {
                 assert_eq!(fast.to_bits(), slow.to_bits(), "n={n}");
-                assert!((fast as f64 - exact).abs() <= 1e-4 * exact.abs().max(1.0), "n={n}: {fast} vs {exact}");
+                assert!(
+                    (fast as f64 - exact).abs() <= 1e-4 * exact.abs().max(1.0),
+                    "n={n}: {fast} vs {exact}"
+                );
             }
         }
     }

@@ -2,6 +2,8 @@
 //! numerics where they affect results (f64 accumulation in norms and
 //! softmax, GELU through an f16 round trip, iterated RoPE angles).
 
+use std::sync::OnceLock;
+
 use half::f16;
 
 /// `out = x / rms(x) * weight`, the sum of squares accumulated in f64 as GGML does.
@@ -119,26 +121,49 @@ fn swiglu_body(gate: &mut [f32], up: &[f32]) {
     }
 }
 
-/// Tanh-approximated GELU as GGML's CPU backend evaluates it: through a
-/// table indexed by the input rounded to f16, whose entries are f16 too.
-pub fn gelu(x: f32) -> f32 {
+/// Tanh-approximated GELU in f32, with the fused multiply-add GGML's C
+/// compiler forms for `1 + a·x·x`.
+fn gelu_f32(x: f32) -> f32 {
     const SQRT_2_OVER_PI: f32 = 0.797_884_6;
     const COEF_A: f32 = 0.044715;
+    0.5 * x * (1.0 + (SQRT_2_OVER_PI * x * (COEF_A * x).mul_add(x, 1.0)).tanh())
+}
+
+/// GGML's CPU backend evaluates GELU through a table indexed by the input
+/// rounded to f16, whose entries are f16 too. We keep the same table (as f32
+/// values of those f16 entries): it is both what makes our outputs match and
+/// far cheaper than `tanh` per element.
+fn gelu_table() -> &'static [f32] {
+    static TABLE: OnceLock<Vec<f32>> = OnceLock::new();
+    TABLE.get_or_init(|| {
+        (0..=u16::MAX)
+            .map(|bits| f16::from_f32(gelu_f32(f16::from_bits(bits).to_f32())).to_f32())
+            .collect()
+    })
+}
+
+/// GELU of one value, as GGML's CPU backend computes it.
+pub fn gelu(x: f32) -> f32 {
     if x <= -10.0 {
-        return 0.0;
+        0.0
+    } else if x >= 10.0 {
+        x
+    } else {
+        gelu_table()[f16::from_f32(x).to_bits() as usize]
     }
-    if x >= 10.0 {
-        return x;
-    }
-    let x = f16::from_f32(x).to_f32();
-    let y = 0.5 * x * (1.0 + (SQRT_2_OVER_PI * x * (1.0 + COEF_A * x * x)).tanh());
-    f16::from_f32(y).to_f32()
 }
 
 /// GELU-gated unit: `gate[i] = gelu(gate[i]) * up[i]`.
 pub fn geglu(gate: &mut [f32], up: &[f32]) {
+    let table = gelu_table();
     for (g, &u) in gate.iter_mut().zip(up) {
-        *g = if *g >= 10.0 { *g * u } else { gelu(*g) * u };
+        *g = if *g <= -10.0 {
+            0.0
+        } else if *g >= 10.0 {
+            *g * u
+        } else {
+            table[f16::from_f32(*g).to_bits() as usize] * u
+        };
     }
 }
 
@@ -160,7 +185,10 @@ pub struct RopeTable {
 
 impl RopeTable {
     pub fn new(n_rot: usize) -> Self {
-        Self { cos: vec![0.0; n_rot / 2], sin: vec![0.0; n_rot / 2] }
+        Self {
+            cos: vec![0.0; n_rot / 2],
+            sin: vec![0.0; n_rot / 2],
+        }
     }
 
     /// Angles as GGML computes them: theta multiplied by `base^(-2/n_rot)`
@@ -229,7 +257,11 @@ mod tests {
             let x = i as f32 * 0.05;
             let (a, b) = (expf_ggml(x), x.exp());
             // Relative accuracy holds for normal results; subnormals keep fewer bits.
-            let tol = if b >= f32::MIN_POSITIVE { 4.0 * f32::EPSILON * b } else { 1e-44 };
+            let tol = if b >= f32::MIN_POSITIVE {
+                4.0 * f32::EPSILON * b
+            } else {
+                1e-44
+            };
             assert!(a == b || (a - b).abs() <= tol, "x={x}: {a} vs {b}");
         }
         assert_eq!(expf_ggml(f32::NEG_INFINITY), 0.0);

@@ -79,4 +79,3 @@ fn dequantization_matches_gguf_reference() {
         assert!(types_seen.contains(needed), "golden data lacks {needed}");
     }
 }
-

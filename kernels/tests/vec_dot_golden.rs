@@ -13,7 +13,10 @@ struct Lcg(u64);
 
 impl Lcg {
     fn next_value(&mut self) -> f32 {
-        self.0 = self.0.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+        self.0 = self
+            .0
+            .wrapping_mul(6364136223846793005)
+            .wrapping_add(1442695040888963407);
         let u = (self.0 >> 40) as f32 / 16777216.0 - 0.5;
         if (self.0 >> 20) % 61 == 0 {
             u * 40.0
@@ -40,7 +43,10 @@ fn ty(name: &str) -> GgmlType {
 }
 
 fn hex(s: &str) -> Vec<u8> {
-    (0..s.len()).step_by(2).map(|i| u8::from_str_radix(&s[i..i + 2], 16).unwrap()).collect()
+    (0..s.len())
+        .step_by(2)
+        .map(|i| u8::from_str_radix(&s[i..i + 2], 16).unwrap())
+        .collect()
 }
 
 #[test]
@@ -66,7 +72,14 @@ fn dot_products_match_llama_cpp_bit_for_bit() {
             mismatches.push(format!("{t} n={n}: ours {got:e}, llama.cpp {want:e}"));
         }
         // The portable twin may sum in another order, but not by more than rounding.
-        assert!((scalar - want).abs() <= 1e-4 * want.abs().max(1.0), "{t} n={n}: scalar {scalar} vs {want}");
+        assert!(
+            (scalar - want).abs() <= 1e-4 * want.abs().max(1.0),
+            "{t} n={n}: scalar {scalar} vs {want}"
+        );
     }
-    assert!(mismatches.is_empty(), "dot products differ from llama.cpp:\n{}", mismatches.join("\n"));
+    assert!(
+        mismatches.is_empty(),
+        "dot products differ from llama.cpp:\n{}",
+        mismatches.join("\n")
+    );
 }

@@ -13,9 +13,17 @@ pub enum RuntimeError {
     #[error("{path}: {problem}")]
     Corrupt { path: PathBuf, problem: String },
     #[error("{path}: metadata '{key}': {problem}")]
-    Metadata { path: PathBuf, key: String, problem: String },
+    Metadata {
+        path: PathBuf,
+        key: String,
+        problem: String,
+    },
     #[error("{path}: tensor '{name}': {problem}")]
-    Tensor { path: PathBuf, name: String, problem: String },
+    Tensor {
+        path: PathBuf,
+        name: String,
+        problem: String,
+    },
     #[error("unsupported model: {0}")]
     Unsupported(String),
     #[error("tokenizer: {0}")]
@@ -32,6 +40,9 @@ pub type Result<T, E = RuntimeError> = std::result::Result<T, E>;
 
 impl RuntimeError {
     pub(crate) fn io(path: impl Into<PathBuf>, source: std::io::Error) -> Self {
-        Self::Io { path: path.into(), source }
+        Self::Io {
+            path: path.into(),
+            source,
+        }
     }
 }

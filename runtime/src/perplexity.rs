@@ -25,7 +25,13 @@ pub struct Perplexity {
 pub const LOGIT_ROWS: usize = 32;
 
 /// `max_chunks` caps the chunk count like llama-perplexity's `--chunks`.
-pub fn perplexity(model: &Model, text: &str, ctx: usize, max_chunks: Option<usize>, progress: bool) -> Result<Perplexity> {
+pub fn perplexity(
+    model: &Model,
+    text: &str,
+    ctx: usize,
+    max_chunks: Option<usize>,
+    progress: bool,
+) -> Result<Perplexity> {
     if ctx < 4 {
         return Err(RuntimeError::Invalid(format!("context {ctx} too small for perplexity")));
     }
@@ -41,7 +47,11 @@ pub fn perplexity(model: &Model, text: &str, ctx: usize, max_chunks: Option<usiz
     let n_chunks = (tokens.len() / ctx).min(max_chunks.unwrap_or(usize::MAX));
     let first = ctx / 2;
     let mut st = model.new_state(ctx, ctx.min(512), LOGIT_ROWS);
-    let bar = if progress { ProgressBar::new(n_chunks as u64) } else { ProgressBar::hidden() };
+    let bar = if progress {
+        ProgressBar::new(n_chunks as u64)
+    } else {
+        ProgressBar::hidden()
+    };
     bar.set_style(
         ProgressStyle::with_template("perplexity {bar:30} {pos}/{len} chunks, ETA {eta} {msg}")
             .expect("static template"),
@@ -86,8 +96,19 @@ pub fn perplexity(model: &Model, text: &str, ctx: usize, max_chunks: Option<usiz
     let mean = nll / count as f64;
     let ppl = mean.exp();
     let var = nll2 / count as f64 - mean * mean;
-    let ppl_stderr = if var > 0.0 && count > 1 { (var / (count - 1) as f64).sqrt() * ppl } else { 0.0 };
-    Ok(Perplexity { ppl, ppl_stderr, chunks: n_chunks, ctx, tokens_scored: count, text_tokens: tokens.len() })
+    let ppl_stderr = if var > 0.0 && count > 1 {
+        (var / (count - 1) as f64).sqrt() * ppl
+    } else {
+        0.0
+    };
+    Ok(Perplexity {
+        ppl,
+        ppl_stderr,
+        chunks: n_chunks,
+        ctx,
+        tokens_scored: count,
+        text_tokens: tokens.len(),
+    })
 }
 
 /// log p(target) under softmax(logits), normaliser summed in f64.

@@ -29,7 +29,10 @@ fn valid_file() -> GgufWriter {
         .meta("llama.embedding_length", MetaValue::U32(32))
         .meta("llama.feed_forward_length", MetaValue::U32(64))
         .meta("llama.attention.head_count", MetaValue::U32(4))
-        .meta("tokenizer.ggml.tokens", MetaValue::Array(MetaArray::String(vec!["a".into(), "b".into()])))
+        .meta(
+            "tokenizer.ggml.tokens",
+            MetaValue::Array(MetaArray::String(vec!["a".into(), "b".into()])),
+        )
         .tensor("output_norm.weight", &[32], GgmlType::F32, f32_bytes(&[1.0; 32]))
         .tensor("token_embd.weight", &[32, 2], GgmlType::F32, f32_bytes(&[0.5; 64]));
     w
@@ -110,7 +113,10 @@ fn every_truncation_is_an_error_not_a_panic() {
 fn truncated_tensor_data_names_the_tensor() {
     let full = valid_file().to_bytes();
     let msg = open_err("tdata.gguf", &full[..full.len() - 4]);
-    assert!(msg.contains("token_embd.weight") && msg.contains("past the end"), "{msg}");
+    assert!(
+        msg.contains("token_embd.weight") && msg.contains("past the end"),
+        "{msg}"
+    );
 }
 
 #[test]

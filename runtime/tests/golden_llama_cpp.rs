@@ -10,7 +10,9 @@ use leanstream_runtime::perplexity::perplexity;
 use serde_json::Value;
 
 fn golden_path(name: &str) -> std::path::PathBuf {
-    std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../data/golden").join(name)
+    std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("../data/golden")
+        .join(name)
 }
 
 fn cases(model: &str) -> Vec<Value> {
@@ -19,7 +21,11 @@ fn cases(model: &str) -> Vec<Value> {
 }
 
 fn ids(v: &Value) -> Vec<u32> {
-    v.as_array().unwrap().iter().map(|x| x.as_u64().unwrap() as u32).collect()
+    v.as_array()
+        .unwrap()
+        .iter()
+        .map(|x| x.as_u64().unwrap() as u32)
+        .collect()
 }
 
 /// Largest logit difference we accept between us and llama.cpp. The engines
@@ -67,7 +73,12 @@ fn check_model(name: &str) {
                 model.forward(&mut st, &[want_gen[i - 1]], pos - 1).unwrap();
                 model.logits(&mut st, 0, 1).unwrap()
             };
-            let top = |k: usize| (step[k][0].as_u64().unwrap() as usize, step[k][1].as_f64().unwrap() as f32);
+            let top = |k: usize| {
+                (
+                    step[k][0].as_u64().unwrap() as usize,
+                    step[k][1].as_f64().unwrap() as f32,
+                )
+            };
             let ((id1, l1), (id2, l2)) = (top(0), top(1));
             worst_decode = worst_decode.max((logits[id1] - l1).abs()).max((logits[id2] - l2).abs());
             let ours = argmax(logits) as usize;
@@ -84,11 +95,24 @@ fn check_model(name: &str) {
         }
     }
     eprintln!("{name}: worst logit difference {worst_prompt} after prompts, {worst_decode} while decoding");
-    assert!(worst_prompt <= LOGIT_TOL, "{name}: prompt logits differ by {worst_prompt}");
-    assert!(worst_decode <= LOGIT_TOL, "{name}: decode logits differ by {worst_decode}");
-    assert!(diverged.len() <= 1, "{name}: {} prompts diverged from llama.cpp: {diverged:?}", diverged.len());
+    assert!(
+        worst_prompt <= LOGIT_TOL,
+        "{name}: prompt logits differ by {worst_prompt}"
+    );
+    assert!(
+        worst_decode <= LOGIT_TOL,
+        "{name}: decode logits differ by {worst_decode}"
+    );
+    assert!(
+        diverged.len() <= 1,
+        "{name}: {} prompts diverged from llama.cpp: {diverged:?}",
+        diverged.len()
+    );
     for (prompt, at, gap) in diverged {
-        assert!(gap <= NEAR_TIE, "{name}: {prompt:?} diverged at step {at} where llama.cpp's margin was {gap}");
+        assert!(
+            gap <= NEAR_TIE,
+            "{name}: {prompt:?} diverged at step {at} where llama.cpp's margin was {gap}"
+        );
     }
 }
 
@@ -101,7 +125,13 @@ fn check_free_running(name: &str) {
     for case in &all {
         let prompt = model.tokenizer.encode(case["prompt"].as_str().unwrap(), true, true);
         let mut st = model.new_state(512, 512, 1);
-        let mut sampler = Sampler::new(SamplerConfig { temperature: 0.0, ..Default::default() }, model.config.n_vocab);
+        let mut sampler = Sampler::new(
+            SamplerConfig {
+                temperature: 0.0,
+                ..Default::default()
+            },
+            model.config.n_vocab,
+        );
         let mut got = Vec::new();
         generate(&model, &mut st, &prompt, 32, &mut sampler, |t| {
             got.push(t);
@@ -110,22 +140,38 @@ fn check_free_running(name: &str) {
         .unwrap();
         exact += usize::from(got == ids(&case["greedy_ids"]));
     }
-    eprintln!("{name}: {exact} of {} free-running continuations identical to llama.cpp", all.len());
-    assert!(exact + 1 >= all.len(), "{name}: only {exact} of {} continuations identical", all.len());
+    eprintln!(
+        "{name}: {exact} of {} free-running continuations identical to llama.cpp",
+        all.len()
+    );
+    assert!(
+        exact + 1 >= all.len(),
+        "{name}: only {exact} of {} continuations identical",
+        all.len()
+    );
 }
 
 fn check_perplexity(name: &str) {
     let Some(path) = common::model_path(name) else { return };
     let golden: Value =
-        serde_json::from_str(&std::fs::read_to_string(golden_path(&format!("perplexity-{name}.json"))).unwrap()).unwrap();
+        serde_json::from_str(&std::fs::read_to_string(golden_path(&format!("perplexity-{name}.json"))).unwrap())
+            .unwrap();
     let text = std::fs::read_to_string(golden_path("../text/gpl-3.0-excerpt.txt")).unwrap();
     let model = Model::load(&path).unwrap();
     let ctx = golden["ctx"].as_u64().unwrap() as usize;
     let p = perplexity(&model, &text, ctx, None, false).unwrap();
     let want = golden["ppl"].as_f64().unwrap();
-    assert_eq!(p.chunks as u64, golden["chunks"].as_u64().unwrap(), "{name}: chunk count");
+    assert_eq!(
+        p.chunks as u64,
+        golden["chunks"].as_u64().unwrap(),
+        "{name}: chunk count"
+    );
     let rel = (p.ppl - want).abs() / want;
-    eprintln!("{name}: perplexity ours {:.4} llama.cpp {want:.4} ({:.3}% apart)", p.ppl, rel * 100.0);
+    eprintln!(
+        "{name}: perplexity ours {:.4} llama.cpp {want:.4} ({:.3}% apart)",
+        p.ppl,
+        rel * 100.0
+    );
     assert!(rel < 0.01, "{name}: perplexity {} vs llama.cpp {want}", p.ppl);
 }
 

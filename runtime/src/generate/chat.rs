@@ -20,7 +20,9 @@ impl ChatTemplate {
     /// Detects the family from the file's template text, falling back on the architecture.
     pub fn detect(template: Option<&str>, arch: Arch) -> Option<Self> {
         match template {
-            Some(t) if t.contains("<|im_start|>") => Some(Self::ChatMl { default_system: chatml_default_system(t) }),
+            Some(t) if t.contains("<|im_start|>") => Some(Self::ChatMl {
+                default_system: chatml_default_system(t),
+            }),
             Some(t) if t.contains("<start_of_turn>") => Some(Self::Gemma),
             Some(t) if t.contains("<|start_header_id|>") => Some(Self::Llama3),
             Some(t) if t.contains("[INST]") => Some(Self::Inst),
@@ -56,9 +58,10 @@ impl ChatTemplate {
 /// The system prompt a ChatML template inserts when the conversation has
 /// none (SmolLM2 and Qwen2 templates do this), read from its literal text.
 fn chatml_default_system(template: &str) -> Option<String> {
-    let start = template.find("<|im_start|>system\\n").map(|i| (i, 20)).or_else(|| {
-        template.find("<|im_start|>system\n").map(|i| (i, 19))
-    })?;
+    let start = template
+        .find("<|im_start|>system\\n")
+        .map(|i| (i, 20))
+        .or_else(|| template.find("<|im_start|>system\n").map(|i| (i, 19)))?;
     let rest = &template[start.0 + start.1..];
     let end = rest.find("<|im_end|>")?;
     let text = &rest[..end];
@@ -83,7 +86,10 @@ mod tests {
     #[test]
     fn gemma_without_template_uses_turns() {
         let c = ChatTemplate::detect(None, Arch::Gemma3).unwrap();
-        assert_eq!(c.format_user("hi"), "<start_of_turn>user\nhi<end_of_turn>\n<start_of_turn>model\n");
+        assert_eq!(
+            c.format_user("hi"),
+            "<start_of_turn>user\nhi<end_of_turn>\n<start_of_turn>model\n"
+        );
         assert_eq!(ChatTemplate::detect(Some("{{ unknown }}"), Arch::Llama), None);
     }
 }

@@ -64,15 +64,17 @@ pub fn generate(
             st.ctx
         )));
     }
-    let mut stats = GenerationStats { prompt_tokens: prompt.len(), ..Default::default() };
+    let mut stats = GenerationStats {
+        prompt_tokens: prompt.len(),
+        ..Default::default()
+    };
     let t0 = Instant::now();
     ingest(model, st, prompt, 0)?;
     stats.prompt_time = t0.elapsed();
 
     let t1 = Instant::now();
-    let mut pos = prompt.len();
-    let mut last_row = st_last_row(prompt.len(), st.max_batch);
-    for i in 0..n_predict {
+    let mut last_row = (prompt.len() - 1) % st.max_batch;
+    for (i, pos) in (prompt.len()..).take(n_predict).enumerate() {
         let logits = model.logits(st, last_row, 1)?;
         let tok = sampler.sample(logits);
         if model.tokenizer.is_end_of_generation(tok) {
@@ -86,14 +88,8 @@ pub fn generate(
             break;
         }
         model.forward(st, &[tok], pos)?;
-        pos += 1;
         last_row = 0;
     }
     stats.decode_time = t1.elapsed();
     Ok(stats)
-}
-
-/// Row of the last prompt token within the final ingested batch.
-fn st_last_row(n_prompt: usize, max_batch: usize) -> usize {
-    (n_prompt - 1) % max_batch
 }

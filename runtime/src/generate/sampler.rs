@@ -38,7 +38,12 @@ pub struct SamplerConfig {
 
 impl Default for SamplerConfig {
     fn default() -> Self {
-        Self { temperature: 0.8, top_k: 40, top_p: 0.95, seed: 0 }
+        Self {
+            temperature: 0.8,
+            top_k: 40,
+            top_p: 0.95,
+            seed: 0,
+        }
     }
 }
 
@@ -51,7 +56,11 @@ pub struct Sampler {
 
 impl Sampler {
     pub fn new(cfg: SamplerConfig, n_vocab: usize) -> Self {
-        Self { cfg, rng: Rng::new(cfg.seed), candidates: Vec::with_capacity(n_vocab) }
+        Self {
+            cfg,
+            rng: Rng::new(cfg.seed),
+            candidates: Vec::with_capacity(n_vocab),
+        }
     }
 
     pub fn sample(&mut self, logits: &[f32]) -> u32 {
@@ -112,14 +121,25 @@ mod tests {
 
     #[test]
     fn greedy_picks_max_and_first_of_ties() {
-        let mut s = Sampler::new(SamplerConfig { temperature: 0.0, ..Default::default() }, 4);
+        let mut s = Sampler::new(
+            SamplerConfig {
+                temperature: 0.0,
+                ..Default::default()
+            },
+            4,
+        );
         assert_eq!(s.sample(&[0.1, 3.0, 3.0, -1.0]), 1);
     }
 
     #[test]
     fn same_seed_same_tokens_and_top_k_one_is_greedy() {
         let logits: Vec<f32> = (0..100).map(|i| ((i * 37) % 11) as f32 * 0.3).collect();
-        let cfg = SamplerConfig { temperature: 1.0, top_k: 20, top_p: 0.9, seed: 7 };
+        let cfg = SamplerConfig {
+            temperature: 1.0,
+            top_k: 20,
+            top_p: 0.9,
+            seed: 7,
+        };
         let run = |cfg| {
             let mut s = Sampler::new(cfg, 100);
             (0..50).map(|_| s.sample(&logits)).collect::<Vec<_>>()
@@ -135,7 +155,15 @@ mod tests {
         // One dominant token holds > 99% of the mass: top-p 0.5 keeps only it.
         let mut logits = vec![0.0f32; 50];
         logits[13] = 20.0;
-        let mut s = Sampler::new(SamplerConfig { temperature: 5.0, top_k: 0, top_p: 0.5, seed: 1 }, 50);
+        let mut s = Sampler::new(
+            SamplerConfig {
+                temperature: 5.0,
+                top_k: 0,
+                top_p: 0.5,
+                seed: 1,
+            },
+            50,
+        );
         assert!((0..200).all(|_| s.sample(&logits) == 13));
     }
 }

@@ -92,17 +92,20 @@ impl GgufFile {
     }
 
     fn tensor_error(&self, name: &str, problem: impl Into<String>) -> RuntimeError {
-        RuntimeError::Tensor { path: self.path.clone(), name: name.to_string(), problem: problem.into() }
+        RuntimeError::Tensor {
+            path: self.path.clone(),
+            name: name.to_string(),
+            problem: problem.into(),
+        }
     }
 
     /// A tensor that must exist with exactly these GGML dims.
     pub fn tensor(&self, name: &str, dims: &[u64]) -> Result<(&TensorInfo, &[u8])> {
-        let info = self.tensor_info(name).ok_or_else(|| self.tensor_error(name, "missing"))?;
+        let info = self
+            .tensor_info(name)
+            .ok_or_else(|| self.tensor_error(name, "missing"))?;
         if info.dims != dims {
-            return Err(self.tensor_error(
-                name,
-                format!("shape {:?}, expected {:?}", info.dims, dims),
-            ));
+            return Err(self.tensor_error(name, format!("shape {:?}, expected {:?}", info.dims, dims)));
         }
         Ok((info, self.tensor_bytes(info)))
     }
@@ -127,7 +130,11 @@ impl GgufFile {
     }
 
     fn meta_error(&self, key: &str, problem: impl Into<String>) -> RuntimeError {
-        RuntimeError::Metadata { path: self.path.clone(), key: key.to_string(), problem: problem.into() }
+        RuntimeError::Metadata {
+            path: self.path.clone(),
+            key: key.to_string(),
+            problem: problem.into(),
+        }
     }
 
     fn required(&self, key: &str) -> Result<&MetaValue> {
@@ -136,7 +143,10 @@ impl GgufFile {
 
     pub fn get_str(&self, key: &str) -> Result<Option<&str>> {
         self.get(key)
-            .map(|v| v.as_str().ok_or_else(|| self.meta_error(key, format!("expected a string, found {}", v.type_name()))))
+            .map(|v| {
+                v.as_str()
+                    .ok_or_else(|| self.meta_error(key, format!("expected a string, found {}", v.type_name())))
+            })
             .transpose()
     }
 
@@ -146,13 +156,18 @@ impl GgufFile {
 
     pub fn get_u64(&self, key: &str) -> Result<Option<u64>> {
         self.get(key)
-            .map(|v| v.as_u64().ok_or_else(|| self.meta_error(key, format!("expected an unsigned integer, found {}", v.type_name()))))
+            .map(|v| {
+                v.as_u64().ok_or_else(|| {
+                    self.meta_error(key, format!("expected an unsigned integer, found {}", v.type_name()))
+                })
+            })
             .transpose()
     }
 
     pub fn req_u64(&self, key: &str) -> Result<u64> {
         let v = self.required(key)?;
-        v.as_u64().ok_or_else(|| self.meta_error(key, format!("expected an unsigned integer, found {}", v.type_name())))
+        v.as_u64()
+            .ok_or_else(|| self.meta_error(key, format!("expected an unsigned integer, found {}", v.type_name())))
     }
 
     /// An unsigned count that must fit comfortably in memory-sized arithmetic.
@@ -166,13 +181,19 @@ impl GgufFile {
 
     pub fn get_f32(&self, key: &str) -> Result<Option<f32>> {
         self.get(key)
-            .map(|v| v.as_f32().ok_or_else(|| self.meta_error(key, format!("expected a number, found {}", v.type_name()))))
+            .map(|v| {
+                v.as_f32()
+                    .ok_or_else(|| self.meta_error(key, format!("expected a number, found {}", v.type_name())))
+            })
             .transpose()
     }
 
     pub fn get_bool(&self, key: &str) -> Result<Option<bool>> {
         self.get(key)
-            .map(|v| v.as_bool().ok_or_else(|| self.meta_error(key, format!("expected a bool, found {}", v.type_name()))))
+            .map(|v| {
+                v.as_bool()
+                    .ok_or_else(|| self.meta_error(key, format!("expected a bool, found {}", v.type_name())))
+            })
             .transpose()
     }
 

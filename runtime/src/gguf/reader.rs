@@ -174,7 +174,10 @@ pub(super) fn parse(path: &Path, bytes: &[u8]) -> Result<Parsed> {
     }
     let magic = c.array::<4>("magic")?;
     if &magic != MAGIC {
-        return Err(RuntimeError::BadMagic { path: path.to_path_buf(), found: magic });
+        return Err(RuntimeError::BadMagic {
+            path: path.to_path_buf(),
+            found: magic,
+        });
     }
     let version = c.u32("version")?;
     match version {
@@ -246,12 +249,20 @@ pub(super) fn parse(path: &Path, bytes: &[u8]) -> Result<Parsed> {
             .and_then(|n| usize::try_from(n).ok())
             .ok_or_else(|| tensor_err("size overflows".into()))?;
         if rel_offset % alignment != 0 {
-            return Err(tensor_err(format!("data offset {rel_offset} is not {alignment}-byte aligned")));
+            return Err(tensor_err(format!(
+                "data offset {rel_offset} is not {alignment}-byte aligned"
+            )));
         }
         if !seen.insert(name.clone()) {
             return Err(tensor_err("appears twice in the tensor directory".into()));
         }
-        raw.push(RawTensor { name, dims, ty, rel_offset, n_bytes });
+        raw.push(RawTensor {
+            name,
+            dims,
+            ty,
+            rel_offset,
+            n_bytes,
+        });
     }
 
     let data_start = (c.pos as u64).div_ceil(alignment) * alignment;
@@ -281,5 +292,9 @@ pub(super) fn parse(path: &Path, bytes: &[u8]) -> Result<Parsed> {
             n_bytes: t.n_bytes,
         });
     }
-    Ok(Parsed { version, metadata, tensors })
+    Ok(Parsed {
+        version,
+        metadata,
+        tensors,
+    })
 }

@@ -128,9 +128,14 @@ impl Config {
         };
         let context_length = g.get_u64(&key("context_length"))?.unwrap_or(2048) as usize;
         let rms_eps = g.get_f32(&key("attention.layer_norm_rms_epsilon"))?.unwrap_or(1e-5);
-        let n_rot = g.get_u64(&key("rope.dimension_count"))?.map_or(head_dim, |v| v as usize);
+        let n_rot = g
+            .get_u64(&key("rope.dimension_count"))?
+            .map_or(head_dim, |v| v as usize);
         if n_rot > head_dim || n_rot % 2 != 0 {
-            return Err(g.bad_metadata(&key("rope.dimension_count"), format!("{n_rot} invalid for head size {head_dim}")));
+            return Err(g.bad_metadata(
+                &key("rope.dimension_count"),
+                format!("{n_rot} invalid for head size {head_dim}"),
+            ));
         }
         let rope_base = g.get_f32(&key("rope.freq_base"))?.unwrap_or(10000.0);
         let rope_freq_scale = match g.get_f32(&key("rope.scaling.factor"))? {
@@ -142,7 +147,10 @@ impl Config {
                 return Err(RuntimeError::Unsupported(format!("RoPE scaling '{kind}'")));
             }
         }
-        let sliding_window = g.get_u64(&key("attention.sliding_window"))?.map(|v| v as usize).filter(|&w| w > 0);
+        let sliding_window = g
+            .get_u64(&key("attention.sliding_window"))?
+            .map(|v| v as usize)
+            .filter(|&w| w > 0);
 
         let mut cfg = Config {
             arch,

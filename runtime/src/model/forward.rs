@@ -34,7 +34,13 @@ impl KvCache {
         // Room for a whole group of LANES past the last position, which reads as zeros.
         let ctx = ctx.div_ceil(LANES) * LANES;
         let n = c.n_layer * ctx * c.kv_dim();
-        Self { k: vec![f16::ZERO; n], v: vec![f16::ZERO; n], ctx, kv_dim: c.kv_dim(), head_dim: c.head_dim }
+        Self {
+            k: vec![f16::ZERO; n],
+            v: vec![f16::ZERO; n],
+            ctx,
+            kv_dim: c.kv_dim(),
+            head_dim: c.head_dim,
+        }
     }
 
     fn store(&mut self, layer: usize, pos: usize, k: &[f32], v: &[f32]) {
@@ -172,7 +178,10 @@ impl Model {
         let n = tokens.len();
         let d = c.n_embd;
         if n == 0 || n > st.max_batch {
-            return Err(RuntimeError::Invalid(format!("batch of {n} tokens (1..={} allowed)", st.max_batch)));
+            return Err(RuntimeError::Invalid(format!(
+                "batch of {n} tokens (1..={} allowed)",
+                st.max_batch
+            )));
         }
         if pos0 + n > st.ctx {
             return Err(RuntimeError::Invalid(format!(
@@ -182,7 +191,10 @@ impl Model {
             )));
         }
         if let Some(&bad) = tokens.iter().find(|&&t| t as usize >= c.n_vocab) {
-            return Err(RuntimeError::Invalid(format!("token id {bad} outside the vocabulary of {}", c.n_vocab)));
+            return Err(RuntimeError::Invalid(format!(
+                "token id {bad} outside the vocabulary of {}",
+                c.n_vocab
+            )));
         }
 
         // Token embeddings.
@@ -198,7 +210,12 @@ impl Model {
         for (il, l) in self.weights.layers.iter().enumerate() {
             // Attention: norm, q/k/v projections.
             for t in 0..n {
-                ops::rms_norm(&st.x[t * d..(t + 1) * d], &l.attn_norm, c.rms_eps, &mut st.xb[t * d..(t + 1) * d]);
+                ops::rms_norm(
+                    &st.x[t * d..(t + 1) * d],
+                    &l.attn_norm,
+                    c.rms_eps,
+                    &mut st.xb[t * d..(t + 1) * d],
+                );
             }
             let mut fresh = false;
             prepare(&mut st.acts, &l.wq, &st.xb, n, &mut fresh)?;
@@ -233,15 +250,35 @@ impl Model {
             for (dst, &src) in st.q16[..n * c.q_dim()].iter_mut().zip(&st.q[..n * c.q_dim()]) {
                 *dst = f16::from_f32(src);
             }
-            attention(c, il, &st.kv, &st.q16[..n * c.q_dim()], pos0, &mut st.scores, &mut st.probs, &mut st.att[..n * c.q_dim()]);
+            attention(
+                c,
+                il,
+                &st.kv,
+                &st.q16[..n * c.q_dim()],
+                pos0,
+                &mut st.scores,
+                &mut st.probs,
+                &mut st.att[..n * c.q_dim()],
+            );
             let mut fresh = false;
             prepare(&mut st.acts, &l.wo, &st.att, n, &mut fresh)?;
             matmul(&mat(file, &l.wo), &st.acts, &mut st.proj[..n * d])?;
-            residual(&mut st.x[..n * d], &mut st.proj[..n * d], l.attn_post_norm.as_deref(), c.rms_eps, &mut st.xb[..n * d]);
+            residual(
+                &mut st.x[..n * d],
+                &mut st.proj[..n * d],
+                l.attn_post_norm.as_deref(),
+                c.rms_eps,
+                &mut st.xb[..n * d],
+            );
 
             // Feed-forward: norm, gate and up, gated activation, down, optional post-norm, residual.
             for t in 0..n {
-                ops::rms_norm(&st.x[t * d..(t + 1) * d], &l.ffn_norm, c.rms_eps, &mut st.xb[t * d..(t + 1) * d]);
+                ops::rms_norm(
+                    &st.x[t * d..(t + 1) * d],
+                    &l.ffn_norm,
+                    c.rms_eps,
+                    &mut st.xb[t * d..(t + 1) * d],
+                );
             }
             let ff = c.n_ff;
             let mut fresh = false;
@@ -256,11 +293,22 @@ impl Model {
             let mut fresh = false;
             prepare(&mut st.acts, &l.ffn_down, &st.gate, n, &mut fresh)?;
             matmul(&mat(file, &l.ffn_down), &st.acts, &mut st.proj[..n * d])?;
-            residual(&mut st.x[..n * d], &mut st.proj[..n * d], l.ffn_post_norm.as_deref(), c.rms_eps, &mut st.xb[..n * d]);
+            residual(
+                &mut st.x[..n * d],
+                &mut st.proj[..n * d],
+                l.ffn_post_norm.as_deref(),
+                c.rms_eps,
+                &mut st.xb[..n * d],
+            );
         }
 
         for t in 0..n {
-            ops::rms_norm(&st.x[t * d..(t + 1) * d], &self.weights.output_norm, c.rms_eps, &mut st.xb[t * d..(t + 1) * d]);
+            ops::rms_norm(
+                &st.x[t * d..(t + 1) * d],
+                &self.weights.output_norm,
+                c.rms_eps,
+                &mut st.xb[t * d..(t + 1) * d],
+            );
         }
         st.n_rows = n;
         Ok(())
@@ -297,7 +345,11 @@ fn residual(x: &mut [f32], y: &mut [f32], post_norm: Option<&[f32]>, eps: f32, t
     match post_norm {
         Some(w) => {
             let d = w.len();
-            for ((yr, tr), xr) in y.chunks_exact(d).zip(tmp.chunks_exact_mut(d)).zip(x.chunks_exact_mut(d)) {
+            for ((yr, tr), xr) in y
+                .chunks_exact(d)
+                .zip(tmp.chunks_exact_mut(d))
+                .zip(x.chunks_exact_mut(d))
+            {
                 ops::rms_norm(yr, w, eps, tr);
                 ops::add_assign(xr, tr);
             }

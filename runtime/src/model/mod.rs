@@ -31,10 +31,19 @@ impl Model {
         if tokenizer.vocab_size() != config.n_vocab {
             return Err(gguf.bad_metadata(
                 "tokenizer.ggml.tokens",
-                format!("{} tokens, but the embedding has {} rows", tokenizer.vocab_size(), config.n_vocab),
+                format!(
+                    "{} tokens, but the embedding has {} rows",
+                    tokenizer.vocab_size(),
+                    config.n_vocab
+                ),
             ));
         }
-        Ok(Self { gguf, config, weights, tokenizer })
+        Ok(Self {
+            gguf,
+            config,
+            weights,
+            tokenizer,
+        })
     }
 
     /// Run state for up to `ctx` positions, `max_batch` tokens per forward

@@ -22,7 +22,13 @@ impl MatRef {
     fn load(g: &GgufFile, name: &str, rows: usize, cols: usize) -> Result<Self> {
         let m = g.matrix(name, rows, cols)?;
         let info = g.tensor_info(name).expect("matrix() found it");
-        Ok(Self { ty: m.ty, rows, cols, offset: info.offset, n_bytes: info.n_bytes })
+        Ok(Self {
+            ty: m.ty,
+            rows,
+            cols,
+            offset: info.offset,
+            n_bytes: info.n_bytes,
+        })
     }
 }
 
@@ -99,7 +105,12 @@ impl Weights {
                 ffn_post_norm: needed(gemma, &t("post_ffw_norm.weight"), c.n_embd)?,
             });
         }
-        Ok(Self { token_embd, output_norm, output, layers })
+        Ok(Self {
+            token_embd,
+            output_norm,
+            output,
+            layers,
+        })
     }
 
     /// Bytes of all weight matrices (mapped, not copied).
@@ -107,14 +118,28 @@ impl Weights {
         let per_layer: usize = self
             .layers
             .iter()
-            .map(|l| [l.wq, l.wk, l.wv, l.wo, l.ffn_gate, l.ffn_up, l.ffn_down].iter().map(|m| m.n_bytes).sum::<usize>())
+            .map(|l| {
+                [l.wq, l.wk, l.wv, l.wo, l.ffn_gate, l.ffn_up, l.ffn_down]
+                    .iter()
+                    .map(|m| m.n_bytes)
+                    .sum::<usize>()
+            })
             .sum();
-        let head = if self.output.offset == self.token_embd.offset { 0 } else { self.output.n_bytes };
+        let head = if self.output.offset == self.token_embd.offset {
+            0
+        } else {
+            self.output.n_bytes
+        };
         per_layer + self.token_embd.n_bytes + head
     }
 }
 
 /// Builds a kernel view of a matrix inside the mapped file.
 pub fn mat<'a>(file: &'a [u8], m: &MatRef) -> QMatrix<'a> {
-    QMatrix { ty: m.ty, rows: m.rows, cols: m.cols, data: &file[m.offset..m.offset + m.n_bytes] }
+    QMatrix {
+        ty: m.ty,
+        rows: m.rows,
+        cols: m.cols,
+        data: &file[m.offset..m.offset + m.n_bytes],
+    }
 }

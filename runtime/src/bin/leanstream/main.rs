@@ -16,7 +16,11 @@ use leanstream_runtime::tokenizer::StreamDecoder;
 mod bench;
 
 #[derive(Parser)]
-#[command(name = "leanstream", version, about = "Run LLMs larger than memory by streaming FFN weights from flash")]
+#[command(
+    name = "leanstream",
+    version,
+    about = "Run LLMs larger than memory by streaming FFN weights from flash"
+)]
 struct Cli {
     /// Worker threads (default: all cores).
     #[arg(long, global = true)]
@@ -82,7 +86,18 @@ enum Cmd {
 
 fn main() -> ExitCode {
     let cli = Cli::parse();
-    match real_main(cli) {
+    // Everything runs inside the pool: a caller outside it would hand each
+    // matrix product over and sleep, which costs more than the product itself
+    // at decode sizes.
+    let mut pool = rayon::ThreadPoolBuilder::new();
+    if let Some(n) = cli.threads {
+        pool = pool.num_threads(n);
+    }
+    let result = match pool.build() {
+        Ok(pool) => pool.install(|| real_main(cli)),
+        Err(e) => Err(anyhow::anyhow!("setting up the thread pool: {e}")),
+    };
+    match result {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
             eprintln!("error: {e:#}");
@@ -92,12 +107,24 @@ fn main() -> ExitCode {
 }
 
 fn real_main(cli: Cli) -> Result<()> {
-    if let Some(n) = cli.threads {
-        rayon::ThreadPoolBuilder::new().num_threads(n).build_global().context("setting up the thread pool")?;
-    }
     match cli.command {
-        Cmd::Run { model, prompt, n, temp, seed, top_k, top_p, chat, ctx } => {
-            let sampler = SamplerConfig { temperature: temp, top_k, top_p, seed };
+        Cmd::Run {
+            model,
+            prompt,
+            n,
+            temp,
+            seed,
+            top_k,
+            top_p,
+            chat,
+            ctx,
+        } => {
+            let sampler = SamplerConfig {
+                temperature: temp,
+                top_k,
+                top_p,
+                seed,
+            };
             run(&model, &prompt, n, sampler, chat, ctx)
         }
         Cmd::Tokenize { model, text } => {
@@ -106,7 +133,12 @@ fn real_main(cli: Cli) -> Result<()> {
             println!("{}", serde_json::to_string(&ids)?);
             Ok(())
         }
-        Cmd::Perplexity { model, file, ctx, chunks } => {
+        Cmd::Perplexity {
+            model,
+            file,
+            ctx,
+            chunks,
+        } => {
             let model = load(&model)?;
             let text = std::fs::read_to_string(&file).with_context(|| format!("reading {}", file.display()))?;
             let p = perplexity(&model, &text, ctx, chunks, true)?;
@@ -133,7 +165,10 @@ pub(crate) fn load(arg: &str) -> Result<Model> {
 
 fn load_path(path: &Path) -> Result<Model> {
     if !path.exists() {
-        bail!("{}: no such model file (known model names: smollm2, gemma3)", path.display());
+        bail!(
+            "{}: no such model file (known model names: smollm2, gemma3)",
+            path.display()
+        );
     }
     Ok(Model::load(path)?)
 }
