@@ -49,6 +49,17 @@ pub fn dot_f16_gemm(x: &[f16], y: &[f16]) -> f32 {
     dot_f16_gemm_scalar(x, y)
 }
 
+/// Four dot products of `x` with `ys[0..4]`, each in tinyBLAS order: the
+/// same bits as four `dot_f16_gemm` calls, with `x` converted once.
+pub fn dot_f16_gemm_x4(x: &[f16], ys: [&[f16]; 4]) -> [f32; 4] {
+    #[cfg(target_arch = "x86_64")]
+    if has_f16c() {
+        // SAFETY: the features the function is compiled for were detected.
+        return unsafe { avx2::dot_f16_gemm_x4(x, ys) };
+    }
+    ys.map(|y| dot_f16_gemm_scalar(x, y))
+}
+
 /// Folds four 16-lane accumulators as `GGML_F32x16_REDUCE` does.
 #[inline(always)]
 fn fold4(acc: &[[f32; 16]; 4]) -> f32 {
@@ -127,6 +138,37 @@ mod avx2 {
     }
 
     #[target_feature(enable = "avx2,fma,f16c")]
+    pub unsafe fn dot_f16_gemm_x4(x: &[f16], ys: [&[f16]; 4]) -> [f32; 4] {
+        let n = ys.iter().fold(x.len(), |n, y| n.min(y.len()));
+        let full = n / 16 * 16;
+        let mut lo = [_mm256_setzero_ps(); 4];
+        let mut hi = [_mm256_setzero_ps(); 4];
+        let xp = x.as_ptr();
+        let yp = ys.map(|y| y.as_ptr());
+        let mut i = 0;
+        while i < full {
+            // SAFETY: i + 16 <= n for x and every y.
+            let (x0, x1) = (load8(xp, i), load8(xp, i + 8));
+            for k in 0..4 {
+                lo[k] = _mm256_fmadd_ps(x0, load8(yp[k], i), lo[k]);
+                hi[k] = _mm256_fmadd_ps(x1, load8(yp[k], i + 8), hi[k]);
+            }
+            i += 16;
+        }
+        let mut out = [0.0f32; 4];
+        for k in 0..4 {
+            let mut lanes = [0.0f32; 16];
+            _mm256_storeu_ps(lanes.as_mut_ptr(), lo[k]);
+            _mm256_storeu_ps(lanes.as_mut_ptr().add(8), hi[k]);
+            for j in full..n {
+                lanes[j % 16] = x[j].to_f32().mul_add(ys[k][j].to_f32(), lanes[j % 16]);
+            }
+            out[k] = super::reduce16(&lanes);
+        }
+        out
+    }
+
+    #[target_feature(enable = "avx2,fma,f16c")]
     pub unsafe fn dot_f16_gemm(x: &[f16], y: &[f16]) -> f32 {
         let n = x.len().min(y.len());
         let full = n / 16 * 16;
@@ -173,6 +215,9 @@ mod tests {
                 .map(|i| f16::from_f32(((i * 104729) % 89) as f32 / 29.0 - 1.5))
                 .collect();
             let exact: f64 = x.iter().zip(&y).map(|(a, b)| a.to_f64() * b.to_f64()).sum();
+            let four = dot_f16_gemm_x4(&x, [&y, &x, &y, &y]);
+            assert_eq!(four[0].to_bits(), dot_f16_gemm_scalar(&x, &y).to_bits(), "n={n}");
+            assert_eq!(four[1].to_bits(), dot_f16_gemm_scalar(&x, &x).to_bits(), "n={n}");
             for (fast, slow) in [
                 (dot_f16_gemm(&x, &y), dot_f16_gemm_scalar(&x, &y)),
                 (dot_f16_vec(&x, &y), dot_f16_vec_scalar(&x, &y)),

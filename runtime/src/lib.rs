@@ -7,6 +7,7 @@ pub mod generate;
 pub mod gguf;
 pub mod model;
 pub mod perplexity;
+pub mod synthetic;
 pub mod tokenizer;
 
 pub use error::{Result, RuntimeError};

@@ -9,7 +9,7 @@
 
 use half::f16;
 use leanstream_kernels::dequant::dequantize_row;
-use leanstream_kernels::f16dot::{dot_f16_gemm, dot_f16_vec};
+use leanstream_kernels::f16dot::{dot_f16_gemm, dot_f16_gemm_x4, dot_f16_vec};
 use leanstream_kernels::ops::{self, RopeTable};
 use leanstream_kernels::{matmul, ActBuffer};
 use rayon::prelude::*;
@@ -380,7 +380,8 @@ fn attention(
     let pairs = out.len() / hd;
     let ctx = kv.ctx;
     // llama.cpp takes its GEMM route for batches and its vector route for one query.
-    let dot = if pairs > c.n_head { dot_f16_gemm } else { dot_f16_vec };
+    let gemm = pairs > c.n_head;
+    let dot = if gemm { dot_f16_gemm } else { dot_f16_vec };
     let wave = (scores.len() / ctx).clamp(1, pairs);
     for start in (0..pairs).step_by(wave) {
         let end = (start + wave).min(pairs);
@@ -398,21 +399,38 @@ fn attention(
                 let (lo_a, hi_a) = (lo / LANES * LANES, (pos + 1).div_ceil(LANES) * LANES);
                 let q = &q16[pair * hd..(pair + 1) * hd];
                 let s = &mut s[..hi_a - lo_a];
-                for (j, sj) in s.iter_mut().enumerate() {
-                    let at = lo_a + j;
-                    *sj = if at < lo || at > pos {
-                        f32::NEG_INFINITY
-                    } else {
-                        dot(kv.key(layer, at, kv_head), q) * c.kq_scale
-                    };
+                s.fill(f32::NEG_INFINITY);
+                let key = |at: usize| kv.key(layer, at, kv_head);
+                let mut at = lo;
+                if gemm {
+                    // Four keys per call share the conversion of q; each sum keeps its order.
+                    while at + 4 <= pos + 1 {
+                        let d = dot_f16_gemm_x4(q, [key(at), key(at + 1), key(at + 2), key(at + 3)]);
+                        for (k, dk) in d.iter().enumerate() {
+                            s[at + k - lo_a] = dk * c.kq_scale;
+                        }
+                        at += 4;
+                    }
+                }
+                for at in at..=pos {
+                    s[at - lo_a] = dot(key(at), q) * c.kq_scale;
                 }
                 ops::softmax(s);
                 let p = &mut p[..hi_a - lo_a];
                 for (pj, &sj) in p.iter_mut().zip(s.iter()) {
                     *pj = f16::from_f32(sj);
                 }
-                for (dim, od) in o.iter_mut().enumerate() {
-                    *od = dot(kv.value_row(layer, kv_head, dim, lo_a, hi_a), p);
+                let value = |dim: usize| kv.value_row(layer, kv_head, dim, lo_a, hi_a);
+                let mut dim = 0;
+                if gemm {
+                    while dim + 4 <= hd {
+                        let d = dot_f16_gemm_x4(p, [value(dim), value(dim + 1), value(dim + 2), value(dim + 3)]);
+                        o[dim..dim + 4].copy_from_slice(&d);
+                        dim += 4;
+                    }
+                }
+                for (dim, od) in o.iter_mut().enumerate().skip(dim) {
+                    *od = dot(value(dim), p);
                 }
             });
     }
