@@ -8,4 +8,4 @@ cargo build --release --bin leanstream
 for m in smollm2 gemma3; do
   "$CARGO_TARGET_DIR/release/leanstream" fetch "$m" || echo "warning: could not fetch $m; its tests will be skipped" >&2
 done
-cargo test --workspace "$@"
+cargo test --workspace --no-fail-fast "$@"

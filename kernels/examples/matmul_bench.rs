@@ -35,6 +35,8 @@ const GEMMA3: &[Shape] = &[
     (GgmlType::Q4K, 640, 2048, 9),
 ];
 const GEMMA3_OUTPUT: Shape = (GgmlType::Q8_0, 262144, 640, 1);
+/// Gemma 3's Q4_K matrices alone (the repack-emulating path).
+const GEMMA3_Q4K: &[Shape] = &[(GgmlType::Q4K, 640, 1024, 18), (GgmlType::Q4K, 640, 2048, 9)];
 
 /// Offsets of the f16 scale fields in each block, set to a small finite value
 /// so random bits never make NaNs or denormals.
@@ -123,7 +125,26 @@ fn report(name: &str, layers: &[Shape], output: Shape) {
     );
 }
 
+/// Matrix products of `layers` only: one token, and a 512-token prompt.
+fn report_layers(name: &str, layers: &[Shape]) {
+    let decode_s = time_products(layers, 1);
+    let prompt_s = time_products(layers, 512);
+    println!(
+        "{name}: decode {:.3} ms/token, prompt-512 {:.1} ms",
+        decode_s * 1e3,
+        prompt_s * 1e3
+    );
+}
+
 fn main() {
+    if std::env::var_os("BENCH_Q4K_ONLY").is_some() {
+        rayon::scope(|_| {
+            for _ in 0..3 {
+                report_layers("gemma3 Q4_K matrices only", GEMMA3_Q4K);
+            }
+        });
+        return;
+    }
     let run = || {
         println!(
             "threads: {}, simd: {}",
@@ -132,6 +153,7 @@ fn main() {
         );
         report("smollm2 (Q4_1)", SMOLLM2, SMOLLM2_OUTPUT);
         report("gemma3 (Q5_0/Q8_0/Q4_K/Q6_K)", GEMMA3, GEMMA3_OUTPUT);
+        report_layers("gemma3 Q4_K matrices only", GEMMA3_Q4K);
     };
     // Calling from inside the pool lets this thread take part in each
     // product instead of handing it off and sleeping (as a runtime should).

@@ -16,7 +16,7 @@ use crate::blocks::*;
 use crate::{GgmlType, KernelError};
 
 #[cfg(target_arch = "x86_64")]
-mod avx2;
+pub(crate) mod avx2;
 mod scalar;
 
 /// Whether the AVX2 kernels can run here: AVX2, FMA and F16C (which every

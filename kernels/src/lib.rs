@@ -15,6 +15,7 @@ pub mod ggml_type;
 pub mod matmul;
 pub mod ops;
 pub mod quantize;
+pub mod repack;
 
 pub use device::Device;
 pub use error::KernelError;

@@ -3,7 +3,10 @@
 //! Activations are converted once per layer input into the weights' vec-dot
 //! type ([`ActBuffer`]); each output is then exactly one GGML vec-dot, so the
 //! result for a given (row, token) does not depend on `n`, the tiling or the
-//! thread count.
+//! thread count. The exception is Q4_K with a multiple of 8 rows, which
+//! llama.cpp repacks and multiplies with other kernels: those products follow
+//! [`crate::repack`], where an output depends on whether its activation row
+//! is among the first `n - n % 4` (gemm) or the rest (gemv), as in llama.cpp.
 //!
 //! Work is split over row chunks across rayon threads. Inside a chunk, rows
 //! are taken in cache-sized groups, and each group is swept by tiles of
@@ -19,8 +22,10 @@ use bytemuck::Pod;
 use rayon::prelude::*;
 
 use crate::blocks::cast_blocks;
-use crate::dot::{with_kernel, Kernel, KernelUser, Path};
+use crate::blocks::{BlockQ4K, BlockQ8K};
+use crate::dot::{has_avx2, with_kernel, Kernel, KernelUser, Path};
 use crate::quantize::quantize_row;
+use crate::repack::{self, Mode};
 use crate::{GgmlType, KernelError};
 
 /// A row-major quantized matrix view: `rows` rows of `cols` values (GGML ne0 = cols).
@@ -196,6 +201,8 @@ const CHUNKS_PER_THREAD: usize = 4;
 const TOKEN_TILE: usize = 8;
 /// Weight rows handed to a kernel together (its tiles reuse activation blocks).
 const ROW_TILE: usize = 4;
+/// Most weight rows handed to a kernel together for one activation row.
+const DECODE_ROW_TILE: usize = 8;
 /// Weight bytes per row group: small enough to stay in L1/L2 while every
 /// token tile passes over the group.
 const ROW_GROUP_BYTES: usize = 32 * 1024;
@@ -241,7 +248,79 @@ fn run_matmul(w: &QMatrix, acts: &ActBuffer, out: &mut [f32], path: Path, parall
         return Ok(());
     }
     let job = Product { w, acts, out, parallel };
+    if w.ty == GgmlType::Q4K && repack::q4k_is_repacked(w.rows) {
+        let kernel = Q4kRepacked {
+            simd: path == Path::Fastest && has_avx2(),
+            gemm_rows: repack::gemm_rows(acts.n()),
+        };
+        return job.run_tiles::<BlockQ4K, BlockQ8K, _>(kernel);
+    }
     with_kernel(w.ty, path, job)?
+}
+
+/// What the row loops need from a kernel.
+trait Tiles<W, A>: Copy + Send + Sync {
+    /// Weight rows worth handing over together for one activation row.
+    fn decode_rows(&self) -> usize;
+    /// Activation rows `[0, split)` and `[split, n)` never share a call.
+    fn token_split(&self) -> usize;
+    /// `out[r * a_rows.len() + t] = dot(w_rows[r], a_rows[t])`, where
+    /// `a_rows` are activation rows `first_token..`.
+    fn dot(&self, w_rows: &[&[W]], a_rows: &[&[A]], first_token: usize, out: &mut [f32]);
+}
+
+impl<W: Sync, A: Sync> Tiles<W, A> for Kernel<W, A> {
+    fn decode_rows(&self) -> usize {
+        Kernel::decode_rows(self)
+    }
+
+    fn token_split(&self) -> usize {
+        0
+    }
+
+    #[inline]
+    fn dot(&self, w_rows: &[&[W]], a_rows: &[&[A]], _first_token: usize, out: &mut [f32]) {
+        Kernel::dot(self, w_rows, a_rows, out)
+    }
+}
+
+/// Q4_K in llama.cpp's repacked arithmetic ([`crate::repack`]).
+#[derive(Clone, Copy)]
+struct Q4kRepacked {
+    /// The AVX2 kernels (only set after `has_avx2()` said yes), else scalar.
+    simd: bool,
+    /// Activation rows before this go through the gemm, the rest the gemv.
+    gemm_rows: usize,
+}
+
+impl Tiles<BlockQ4K, BlockQ8K> for Q4kRepacked {
+    fn decode_rows(&self) -> usize {
+        if self.simd {
+            DECODE_ROW_TILE
+        } else {
+            1
+        }
+    }
+
+    fn token_split(&self) -> usize {
+        self.gemm_rows
+    }
+
+    #[inline]
+    fn dot(&self, w_rows: &[&[BlockQ4K]], a_rows: &[&[BlockQ8K]], first_token: usize, out: &mut [f32]) {
+        let mode = if first_token < self.gemm_rows {
+            Mode::Gemm
+        } else {
+            Mode::Gemv
+        };
+        #[cfg(target_arch = "x86_64")]
+        if self.simd {
+            // SAFETY: `simd` is only set when `has_avx2()` holds.
+            unsafe { repack::avx2::tiles(w_rows, a_rows, mode, out) };
+            return;
+        }
+        repack::scalar_tiles(w_rows, a_rows, mode, out);
+    }
 }
 
 /// One matrix product waiting for its kernel.
@@ -256,6 +335,12 @@ impl KernelUser for Product<'_, '_> {
     type Output = Result<(), KernelError>;
 
     fn run<W: Pod + Sync, A: Pod + Sync>(self, kernel: Kernel<W, A>) -> Self::Output {
+        self.run_tiles(kernel)
+    }
+}
+
+impl Product<'_, '_> {
+    fn run_tiles<W: Pod + Sync, A: Pod + Sync, K: Tiles<W, A>>(self, kernel: K) -> Result<(), KernelError> {
         let rows = self.w.rows;
         let n = self.acts.n();
         let blocks_per_row = self.w.cols / self.w.ty.block_size();
@@ -298,8 +383,8 @@ struct Shape {
 }
 
 /// All outputs of weight rows `row_range`, for every activation row.
-fn compute_rows<W, A>(
-    kernel: Kernel<W, A>,
+fn compute_rows<W, A, K: Tiles<W, A>>(
+    kernel: K,
     weights: &[W],
     acts: &[A],
     shape: Shape,
@@ -318,8 +403,8 @@ fn compute_rows<W, A>(
 /// so memory sees a few long sequential streams, which hardware prefetchers
 /// follow; adjacent rows side by side would be short interleaved streams that
 /// they do not (3x slower once the matrix is out of cache).
-fn decode_rows<W, A>(
-    kernel: Kernel<W, A>,
+fn decode_rows<W, A, K: Tiles<W, A>>(
+    kernel: K,
     weights: &[W],
     acts: &[A],
     shape: Shape,
@@ -329,30 +414,31 @@ fn decode_rows<W, A>(
     let bpr = shape.blocks_per_row;
     let w_row = |r: usize| &weights[r * bpr..(r + 1) * bpr];
     let a = [&acts[..bpr]];
-    let lanes = kernel.decode_rows().clamp(1, ROW_TILE);
+    let lanes = kernel.decode_rows().clamp(1, DECODE_ROW_TILE);
     let lane_len = row_range.len() / lanes;
     let lane_start = |lane: usize| row_range.start + lane * lane_len;
-    let mut w_tile: [&[W]; ROW_TILE] = [&[]; ROW_TILE];
-    let mut results = [0.0f32; ROW_TILE];
+    let mut w_tile: [&[W]; DECODE_ROW_TILE] = [&[]; DECODE_ROW_TILE];
+    let mut results = [0.0f32; DECODE_ROW_TILE];
     for k in 0..lane_len {
         for (lane, slot) in w_tile[..lanes].iter_mut().enumerate() {
             *slot = w_row(lane_start(lane) + k);
         }
-        kernel.dot(&w_tile[..lanes], &a, &mut results[..lanes]);
+        kernel.dot(&w_tile[..lanes], &a, 0, &mut results[..lanes]);
         for (lane, &v) in results[..lanes].iter().enumerate() {
             out.write(lane_start(lane) + k, v);
         }
     }
     for r in lane_start(lanes)..row_range.end {
-        kernel.dot(&[w_row(r)], &a, &mut results[..1]);
+        kernel.dot(&[w_row(r)], &a, 0, &mut results[..1]);
         out.write(r, results[0]);
     }
 }
 
 /// Several activation rows: each cache-sized group of weight rows is swept
-/// by every tile of activation rows before moving on.
-fn prompt_rows<W, A>(
-    kernel: Kernel<W, A>,
+/// by every tile of activation rows before moving on. Tiles do not straddle
+/// the kernel's `token_split`.
+fn prompt_rows<W, A, K: Tiles<W, A>>(
+    kernel: K,
     weights: &[W],
     acts: &[A],
     shape: Shape,
@@ -369,8 +455,12 @@ fn prompt_rows<W, A>(
     let mut group_start = row_range.start;
     while group_start < row_range.end {
         let group_end = (group_start + group_rows).min(row_range.end);
-        for t0 in (0..shape.n).step_by(TOKEN_TILE) {
-            let tokens = TOKEN_TILE.min(shape.n - t0);
+        let split = kernel.token_split().min(shape.n);
+        let token_tiles = (0..split)
+            .step_by(TOKEN_TILE)
+            .map(|t0| (t0, TOKEN_TILE.min(split - t0)))
+            .chain((split..shape.n).step_by(TOKEN_TILE).map(|t0| (t0, TOKEN_TILE.min(shape.n - t0))));
+        for (t0, tokens) in token_tiles {
             for (i, slot) in a_tile[..tokens].iter_mut().enumerate() {
                 *slot = a_row(t0 + i);
             }
@@ -379,7 +469,7 @@ fn prompt_rows<W, A>(
                 for (i, slot) in w_tile[..rows].iter_mut().enumerate() {
                     *slot = w_row(r0 + i);
                 }
-                kernel.dot(&w_tile[..rows], &a_tile[..tokens], &mut results[..rows * tokens]);
+                kernel.dot(&w_tile[..rows], &a_tile[..tokens], t0, &mut results[..rows * tokens]);
                 for r in 0..rows {
                     for t in 0..tokens {
                         out.write((t0 + t) * shape.rows + r0 + r, results[r * tokens + t]);

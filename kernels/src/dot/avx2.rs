@@ -149,7 +149,7 @@ per_row!(
 /// Blocks every operand has; equal for validated rows, and the bound that
 /// keeps the unchecked indexing below in range either way.
 #[inline]
-fn common_len<W, A, const R: usize, const T: usize>(xs: &[&[W]; R], ys: &[&[A]; T]) -> usize {
+pub(crate) fn common_len<W, A, const R: usize, const T: usize>(xs: &[&[W]; R], ys: &[&[A]; T]) -> usize {
     let n = xs.iter().fold(usize::MAX, |n, x| n.min(x.len()));
     ys.iter().fold(n, |n, y| n.min(y.len()))
 }
@@ -170,7 +170,7 @@ const fn f16_table() -> [f32; 1 << 16] {
 }
 
 #[inline]
-fn fp16(h: f16) -> f32 {
+pub(crate) fn fp16(h: f16) -> f32 {
     F16_TO_F32[h.to_bits() as usize]
 }
 
@@ -231,7 +231,7 @@ unsafe fn bytes_from_bits_32(qh: [u8; 4]) -> __m256i {
 
 #[inline]
 #[target_feature(enable = "avx2,fma")]
-unsafe fn load_256(bytes: *const i8) -> __m256i {
+pub(crate) unsafe fn load_256(bytes: *const i8) -> __m256i {
     _mm256_loadu_si256(bytes as *const __m256i)
 }
 
@@ -379,7 +379,7 @@ fn add_scalars<const R: usize, const T: usize>(mut sums: [[f32; T]; R], extra: [
 /// Q4_K/Q5_K block as 16-bit lanes, via GGML's 32-bit mask unpacking.
 #[inline]
 #[target_feature(enable = "avx2,fma")]
-unsafe fn k4_scales_and_mins(scales: &[u8; 12]) -> __m256i {
+pub(crate) unsafe fn k4_scales_and_mins(scales: &[u8; 12]) -> __m256i {
     const KMASK1: u32 = 0x3f3f3f3f;
     const KMASK2: u32 = 0x0f0f0f0f;
     const KMASK3: u32 = 0x03030303;
@@ -399,7 +399,7 @@ unsafe fn k4_scales_and_mins(scales: &[u8; 12]) -> __m256i {
 /// Sums of adjacent pairs of Q8_K's 16 `bsums`: one per 32-value sub-block.
 #[inline]
 #[target_feature(enable = "avx2,fma")]
-unsafe fn q8k_sub_block_sums(yb: &BlockQ8K) -> __m128i {
+pub(crate) unsafe fn q8k_sub_block_sums(yb: &BlockQ8K) -> __m128i {
     let q8sums = _mm256_loadu_si256(yb.bsums.as_ptr() as *const __m256i);
     _mm_hadd_epi16(_mm256_extracti128_si256(q8sums, 0), _mm256_extracti128_si256(q8sums, 1))
 }
@@ -408,7 +408,7 @@ unsafe fn q8k_sub_block_sums(yb: &BlockQ8K) -> __m128i {
 /// lane-duplicated scale vector.
 #[inline]
 #[target_feature(enable = "avx2,fma")]
-unsafe fn k4_scale(scales: __m256i, i: usize) -> __m256i {
+pub(crate) unsafe fn k4_scale(scales: __m256i, i: usize) -> __m256i {
     let pick = (((2 * i + 1) << 8) | (2 * i)) as i16;
     _mm256_shuffle_epi8(scales, _mm256_set1_epi16(pick))
 }
