@@ -459,7 +459,11 @@ fn prompt_rows<W, A, K: Tiles<W, A>>(
         let token_tiles = (0..split)
             .step_by(TOKEN_TILE)
             .map(|t0| (t0, TOKEN_TILE.min(split - t0)))
-            .chain((split..shape.n).step_by(TOKEN_TILE).map(|t0| (t0, TOKEN_TILE.min(shape.n - t0))));
+            .chain(
+                (split..shape.n)
+                    .step_by(TOKEN_TILE)
+                    .map(|t0| (t0, TOKEN_TILE.min(shape.n - t0))),
+            );
         for (t0, tokens) in token_tiles {
             for (i, slot) in a_tile[..tokens].iter_mut().enumerate() {
                 *slot = a_row(t0 + i);

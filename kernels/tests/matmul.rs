@@ -61,6 +61,43 @@ fn matmul_agrees_with_scalar_and_with_single_dots() {
     }
 }
 
+/// Q4_K with a multiple of 8 rows takes llama.cpp's repacked arithmetic:
+/// the SIMD path equals the scalar twin bit for bit, and each output is the
+/// single repacked dot for its activation row's kernel (gemm for the first
+/// `n - n % 4` rows, gemv for the rest), whatever the tiling and threads.
+#[test]
+fn repacked_q4k_agrees_with_scalar_and_with_single_dots() {
+    use leanstream_kernels::blocks::{cast_blocks, BlockQ4K, BlockQ8K};
+    use leanstream_kernels::repack::{self, Mode};
+    const ROWS: usize = 264;
+    let mut rng = Rng::new(7);
+    let mut acts = ActBuffer::with_capacity(COLS, 23);
+    let data = random_matrix(GgmlType::Q4K, ROWS, COLS, &mut rng);
+    let w = QMatrix::new(GgmlType::Q4K, ROWS, COLS, data.as_ref()).unwrap();
+    for n in [1usize, 2, 3, 4, 5, 8, 13, 17, 23] {
+        let x = rng.activations(n * COLS);
+        acts.quantize(GgmlType::Q8K, &x, n, COLS).unwrap();
+        let mut fast = vec![f32::NAN; n * ROWS];
+        let mut scalar = vec![f32::NAN; n * ROWS];
+        matmul(&w, &acts, &mut fast).unwrap();
+        matmul_scalar(&w, &acts, &mut scalar).unwrap();
+        for t in 0..n {
+            let mode = if t < repack::gemm_rows(n) {
+                Mode::Gemm
+            } else {
+                Mode::Gemv
+            };
+            let a = cast_blocks::<BlockQ8K>(acts.row(t), "a").unwrap();
+            for r in 0..ROWS {
+                let single = repack::dot(cast_blocks::<BlockQ4K>(w.row(r), "w").unwrap(), a, mode);
+                let i = t * ROWS + r;
+                assert_eq!(fast[i].to_bits(), single.to_bits(), "n={n} t={t} r={r}");
+                assert_eq!(scalar[i].to_bits(), single.to_bits(), "n={n} t={t} r={r}");
+            }
+        }
+    }
+}
+
 #[test]
 fn matmul_rejects_mismatched_inputs() {
     let mut rng = Rng::new(1);

@@ -92,8 +92,12 @@ pub fn run(a: BenchArgs) -> Result<()> {
     let mut rng = Rng::new(1234);
     let reps = a.reps.max(1);
 
+    let threads = rayon::current_num_threads();
     let mut pp = Vec::new();
     let mut tg = Vec::new();
+    let mut theirs_pp = Vec::new();
+    let mut theirs_tg = Vec::new();
+    let mut theirs_build = Value::Null;
     for rep in 0..=reps {
         // Repetition 0 warms caches and page mappings and is not counted.
         if a.prompt_tokens > 0 {
@@ -110,10 +114,17 @@ pub fn run(a: BenchArgs) -> Result<()> {
                 tg.push(s);
             }
         }
+        // The baseline runs interleaved with ours, one repetition at a time, so
+        // both see the same drift in machine load.
+        if let (Some(bin), true) = (&a.llama_bench, rep > 0) {
+            let r = llama_bench(bin, &path, a.prompt_tokens, a.gen_tokens, threads)?;
+            theirs_pp.extend(r.prompt_tok_s);
+            theirs_tg.extend(r.decode_tok_s);
+            theirs_build = r.build;
+        }
     }
-    let threads = rayon::current_num_threads();
-    let (pp_mean, pp_std) = if pp.is_empty() { (0.0, 0.0) } else { mean_std(&pp) };
-    let (tg_mean, tg_std) = if tg.is_empty() { (0.0, 0.0) } else { mean_std(&tg) };
+    let stats = |xs: &[f64]| if xs.is_empty() { (0.0, 0.0) } else { mean_std(xs) };
+    let ((pp_mean, pp_std), (tg_mean, tg_std)) = (stats(&pp), stats(&tg));
     let mut report = json!({
         "model": path.display().to_string(),
         "arch": c.arch.name(),
@@ -131,24 +142,37 @@ pub fn run(a: BenchArgs) -> Result<()> {
         "state_bytes": st.bytes(),
         "peak_rss_bytes": peak_rss_bytes(),
     });
-    if let Some(bin) = &a.llama_bench {
-        let theirs = llama_bench(bin, &path, a.prompt_tokens, a.gen_tokens, threads, reps)?;
-        let ratio = |ours: f64, key: &str| theirs.get(key).and_then(Value::as_f64).map(|t| ours / t);
-        report["llama_cpp"] = theirs.clone();
-        report["ratio_prompt"] = json!(ratio(pp_mean, "prompt_tok_s"));
-        report["ratio_decode"] = json!(ratio(tg_mean, "decode_tok_s"));
+    if a.llama_bench.is_some() {
+        let ((tpp, tpp_std), (ttg, ttg_std)) = (stats(&theirs_pp), stats(&theirs_tg));
+        let ratio = |ours: f64, theirs: f64| (theirs > 0.0).then(|| ours / theirs);
+        report["llama_cpp"] = json!({
+            "prompt_tok_s": tpp,
+            "prompt_tok_s_std": tpp_std,
+            "decode_tok_s": ttg,
+            "decode_tok_s_std": ttg_std,
+            "build": theirs_build,
+        });
+        report["ratio_prompt"] = json!(ratio(pp_mean, tpp));
+        report["ratio_decode"] = json!(ratio(tg_mean, ttg));
     }
     println!("{}", serde_json::to_string_pretty(&report)?);
     Ok(())
 }
 
-/// Runs llama-bench with matching settings and extracts its mean speeds.
-fn llama_bench(bin: &PathBuf, model: &PathBuf, p: usize, g: usize, threads: usize, reps: usize) -> Result<Value> {
+/// One llama-bench repetition's speeds.
+struct LlamaBench {
+    prompt_tok_s: Option<f64>,
+    decode_tok_s: Option<f64>,
+    build: Value,
+}
+
+/// Runs one repetition of llama-bench with matching settings.
+fn llama_bench(bin: &PathBuf, model: &PathBuf, p: usize, g: usize, threads: usize) -> Result<LlamaBench> {
     let out = Command::new(bin)
         .arg("-m")
         .arg(model)
         .args(["-p", &p.to_string(), "-n", &g.to_string(), "-t", &threads.to_string()])
-        .args(["-r", &reps.to_string(), "-o", "json"])
+        .args(["-r", "1", "-o", "json"])
         .output()
         .with_context(|| format!("starting {}", bin.display()))?;
     if !out.status.success() {
@@ -166,15 +190,11 @@ fn llama_bench(bin: &PathBuf, model: &PathBuf, p: usize, g: usize, threads: usiz
                     n_gen > 0 && n_prompt == 0
                 }
             })
-            .map(|r| (r["avg_ts"].as_f64(), r["stddev_ts"].as_f64()))
+            .and_then(|r| r["avg_ts"].as_f64())
     };
-    let (pp, pp_std) = speed(true).unwrap_or((None, None));
-    let (tg, tg_std) = speed(false).unwrap_or((None, None));
-    Ok(json!({
-        "prompt_tok_s": pp,
-        "prompt_tok_s_std": pp_std,
-        "decode_tok_s": tg,
-        "decode_tok_s_std": tg_std,
-        "build": rows.first().map(|r| r["build_commit"].clone()),
-    }))
+    Ok(LlamaBench {
+        prompt_tok_s: speed(true),
+        decode_tok_s: speed(false),
+        build: rows.first().map_or(Value::Null, |r| r["build_commit"].clone()),
+    })
 }
