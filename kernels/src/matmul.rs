@@ -214,7 +214,8 @@ pub fn matmul(w: &QMatrix, acts: &ActBuffer, out: &mut [f32]) -> Result<(), Kern
     run_matmul(w, acts, out, Path::Fastest, true)
 }
 
-/// Single-threaded scalar twin of [`matmul`] (GGML's generic dot formulas).
+/// Single-threaded scalar twin of [`matmul`] (GGML's generic dot formulas;
+/// for repacked Q4_K, [`crate::repack::dot`], bit-identical to `matmul`).
 pub fn matmul_scalar(w: &QMatrix, acts: &ActBuffer, out: &mut [f32]) -> Result<(), KernelError> {
     run_matmul(w, acts, out, Path::Scalar, false)
 }

@@ -110,9 +110,16 @@ static void mul_mat(ggml_backend_t backend, ggml_backend_buffer_type_t wbuft, co
     ggml_free(ctx_w);
 }
 
+// GGML's log without the per-tensor "repack tensor w with q4_K_8x8" debug lines.
+static void log_quietly(enum ggml_log_level level, const char * text, void * user_data) {
+    (void) user_data;
+    if (level != GGML_LOG_LEVEL_DEBUG) fputs(text, stderr);
+}
+
 int main(int argc, char ** argv) {
-    // `full`: print every output's bits instead of hashes (for debugging).
+    // `full`: print every output's bits, not just the first 16 (for debugging).
     const int full = argc > 1 && strcmp(argv[1], "full") == 0;
+    ggml_log_set(log_quietly, NULL);
     ggml_backend_t backend = ggml_backend_cpu_init();
     ggml_backend_cpu_set_n_threads(backend, 2);
     ggml_backend_buffer_type_t rbuft = repack_buft();

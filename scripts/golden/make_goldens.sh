@@ -50,7 +50,7 @@ gcc -O2 -I"$LLAMA/ggml/include" "$here/golden_vec_dot.c" -L"$LLAMA/build/bin" -l
 # Q4_K matrix products through the CPU backend's repack buffer (as llama.cpp runs Q4_K weights).
 gcc -O2 -I"$LLAMA/ggml/include" "$here/golden_q4k_repack.c" -L"$LLAMA/build/bin" -lggml -lggml-base -lggml-cpu \
     -Wl,-rpath,"$LLAMA/build/bin" -o /tmp/llcpp/golden_q4k_repack
-/tmp/llcpp/golden_q4k_repack > "$out/q4k_repack.json" 2>/dev/null
+/tmp/llcpp/golden_q4k_repack > "$out/q4k_repack.json"
 
 run_model smollm2 "$SMOLLM2" $'<|im_start|>user\nWhat is the tallest mountain on Earth?<|im_end|>\n<|im_start|>assistant\n'
 run_model gemma3 "$GEMMA3" $'<start_of_turn>user\nWhat is the tallest mountain on Earth?<end_of_turn>\n<start_of_turn>model\n'
