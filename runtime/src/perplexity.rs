@@ -6,7 +6,6 @@
 use indicatif::{ProgressBar, ProgressStyle};
 use serde::Serialize;
 
-use crate::generate::ingest;
 use crate::model::Model;
 use crate::{Result, RuntimeError};
 
@@ -57,7 +56,7 @@ pub fn perplexity(
             .expect("static template"),
     );
 
-    let (mut nll, mut nll2, mut count) = (0.0f64, 0.0f64, 0usize);
+    let (mut nll, mut nll2, mut count_scored) = (0.0f64, 0.0f64, 0usize);
     let mut chunk_tokens = vec![0u32; ctx];
     for i in 0..n_chunks {
         let start = i * ctx;
@@ -67,32 +66,40 @@ pub fn perplexity(
                 chunk_tokens[0] = bos;
             }
         }
-        // Batches of at most max_batch tokens; scored rows are read from the batch holding them.
+        // Batches of at most max_batch tokens. Like llama-perplexity, only the
+        // scored half of the chunk produces outputs.
         let mut pos = 0;
         for batch in chunk_tokens.chunks(st.max_batch) {
-            ingest(model, &mut st, batch, pos)?;
             let batch_end = pos + batch.len();
-            let mut row = first.max(pos);
+            let out_start = first.max(pos);
+            if out_start >= batch_end {
+                model.forward_outputs(&mut st, batch, pos, batch.len() - 1..batch.len())?;
+                pos = batch_end;
+                continue;
+            }
+            model.forward_outputs(&mut st, batch, pos, out_start - pos..batch.len())?;
             // Position ctx-1 predicts nothing inside the chunk.
             let score_end = batch_end.min(ctx - 1);
+            let mut row = out_start;
             while row < score_end {
-                let n = LOGIT_ROWS.min(score_end - row);
-                let logits = model.logits(&mut st, row - pos, n)?;
+                let count = LOGIT_ROWS.min(score_end - row);
+                let logits = model.logits(&mut st, row - out_start, count)?;
                 for (r, l) in logits.chunks_exact(model.config.n_vocab).enumerate() {
                     let target = chunk_tokens[row + r + 1] as usize;
                     let lp = log_softmax_at(l, target);
                     nll -= lp;
                     nll2 += lp * lp;
-                    count += 1;
+                    count_scored += 1;
                 }
-                row += n;
+                row += count;
             }
             pos = batch_end;
         }
         bar.inc(1);
-        bar.set_message(format!("ppl {:.4}", (nll / count as f64).exp()));
+        bar.set_message(format!("ppl {:.4}", (nll / count_scored as f64).exp()));
     }
     bar.finish_and_clear();
+    let count = count_scored;
     let mean = nll / count as f64;
     let ppl = mean.exp();
     let var = nll2 / count as f64 - mean * mean;

@@ -23,7 +23,7 @@ fn last_logits(model: &Model, tokens: &[u32], batch: bool) -> Vec<f32> {
     let mut st = model.new_state(64, 64, 1);
     if batch {
         ingest(model, &mut st, tokens, 0).unwrap();
-        model.logits(&mut st, tokens.len() - 1, 1).unwrap().to_vec()
+        model.logits(&mut st, 0, 1).unwrap().to_vec()
     } else {
         for (pos, &t) in tokens.iter().enumerate() {
             model.forward(&mut st, &[t], pos).unwrap();

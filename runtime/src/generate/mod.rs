@@ -33,11 +33,11 @@ impl GenerationStats {
 }
 
 /// Feeds `tokens` starting at `pos0` in batches of the state's capacity and
-/// leaves the hidden state of the last one ready for `Model::logits`.
+/// leaves the hidden state of the last one ready for `Model::logits` (row 0).
 pub fn ingest(model: &Model, st: &mut RunState, tokens: &[u32], pos0: usize) -> Result<()> {
     let mut pos = pos0;
     for chunk in tokens.chunks(st.max_batch) {
-        model.forward(st, chunk, pos)?;
+        model.forward_outputs(st, chunk, pos, chunk.len() - 1..chunk.len())?;
         pos += chunk.len();
     }
     Ok(())
@@ -73,9 +73,8 @@ pub fn generate(
     stats.prompt_time = t0.elapsed();
 
     let t1 = Instant::now();
-    let mut last_row = (prompt.len() - 1) % st.max_batch;
     for (i, pos) in (prompt.len()..).take(n_predict).enumerate() {
-        let logits = model.logits(st, last_row, 1)?;
+        let logits = model.logits(st, 0, 1)?;
         let tok = sampler.sample(logits);
         if model.tokenizer.is_end_of_generation(tok) {
             stats.stopped_on_eog = true;
@@ -88,7 +87,6 @@ pub fn generate(
             break;
         }
         model.forward(st, &[tok], pos)?;
-        last_row = 0;
     }
     stats.decode_time = t1.elapsed();
     Ok(stats)

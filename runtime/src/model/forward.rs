@@ -171,11 +171,30 @@ fn add_bias(out: &mut [f32], bias: &Option<Vec<f32>>) {
 
 impl Model {
     /// Runs `tokens` at positions `pos0..pos0 + tokens.len()`, filling the KV
-    /// cache and leaving the final normed hidden states for `logits`.
+    /// cache and leaving every token's final normed hidden state for `logits`.
     pub fn forward(&self, st: &mut RunState, tokens: &[u32], pos0: usize) -> Result<()> {
+        self.forward_outputs(st, tokens, pos0, 0..tokens.len())
+    }
+
+    /// Like `forward`, but only the tokens at batch rows `outputs` get final
+    /// hidden states (row `outputs.start` becomes logits row 0). As in
+    /// llama.cpp, the last layer's feed-forward runs on those rows alone:
+    /// cheaper, and the same row count means the same kernel choices.
+    pub fn forward_outputs(
+        &self,
+        st: &mut RunState,
+        tokens: &[u32],
+        pos0: usize,
+        outputs: std::ops::Range<usize>,
+    ) -> Result<()> {
         let c = &self.config;
         let file = self.gguf.data();
-        let n = tokens.len();
+        let mut n = tokens.len();
+        if outputs.is_empty() || outputs.end > n {
+            return Err(RuntimeError::Invalid(format!(
+                "output rows {outputs:?} of a batch of {n}"
+            )));
+        }
         let d = c.n_embd;
         if n == 0 || n > st.max_batch {
             return Err(RuntimeError::Invalid(format!(
@@ -270,6 +289,10 @@ impl Model {
                 c.rms_eps,
                 &mut st.xb[..n * d],
             );
+            if il + 1 == c.n_layer {
+                st.x.copy_within(outputs.start * d..outputs.end * d, 0);
+                n = outputs.len();
+            }
 
             // Feed-forward: norm, gate and up, gated activation, down, optional post-norm, residual.
             for t in 0..n {
