@@ -17,6 +17,14 @@ pub fn rms_norm(x: &[f32], weight: &[f32], eps: f32, out: &mut [f32]) {
     }
 }
 
+/// `rms_norm` of each row of `x` (rows as long as `weight`) into `out`.
+pub fn rms_norm_rows(x: &[f32], weight: &[f32], eps: f32, out: &mut [f32]) {
+    let d = weight.len();
+    for (row, out_row) in x.chunks_exact(d).zip(out.chunks_exact_mut(d)) {
+        rms_norm(row, weight, eps, out_row);
+    }
+}
+
 /// In-place RMS norm of each `head_dim` chunk of `x` (per-head q/k norms).
 pub fn rms_norm_heads(x: &mut [f32], weight: &[f32], eps: f32) {
     let d = weight.len();

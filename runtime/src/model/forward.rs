@@ -228,14 +228,7 @@ impl Model {
 
         for (il, l) in self.weights.layers.iter().enumerate() {
             // Attention: norm, q/k/v projections.
-            for t in 0..n {
-                ops::rms_norm(
-                    &st.x[t * d..(t + 1) * d],
-                    &l.attn_norm,
-                    c.rms_eps,
-                    &mut st.xb[t * d..(t + 1) * d],
-                );
-            }
+            ops::rms_norm_rows(&st.x[..n * d], &l.attn_norm, c.rms_eps, &mut st.xb[..n * d]);
             let mut fresh = false;
             prepare(&mut st.acts, &l.wq, &st.xb, n, &mut fresh)?;
             matmul(&mat(file, &l.wq), &st.acts, &mut st.q[..n * c.q_dim()])?;
@@ -284,7 +277,7 @@ impl Model {
             matmul(&mat(file, &l.wo), &st.acts, &mut st.proj[..n * d])?;
             residual(
                 &mut st.x[..n * d],
-                &mut st.proj[..n * d],
+                &st.proj[..n * d],
                 l.attn_post_norm.as_deref(),
                 c.rms_eps,
                 &mut st.xb[..n * d],
@@ -295,14 +288,7 @@ impl Model {
             }
 
             // Feed-forward: norm, gate and up, gated activation, down, optional post-norm, residual.
-            for t in 0..n {
-                ops::rms_norm(
-                    &st.x[t * d..(t + 1) * d],
-                    &l.ffn_norm,
-                    c.rms_eps,
-                    &mut st.xb[t * d..(t + 1) * d],
-                );
-            }
+            ops::rms_norm_rows(&st.x[..n * d], &l.ffn_norm, c.rms_eps, &mut st.xb[..n * d]);
             let ff = c.n_ff;
             let mut fresh = false;
             prepare(&mut st.acts, &l.ffn_gate, &st.xb, n, &mut fresh)?;
@@ -318,21 +304,19 @@ impl Model {
             matmul(&mat(file, &l.ffn_down), &st.acts, &mut st.proj[..n * d])?;
             residual(
                 &mut st.x[..n * d],
-                &mut st.proj[..n * d],
+                &st.proj[..n * d],
                 l.ffn_post_norm.as_deref(),
                 c.rms_eps,
                 &mut st.xb[..n * d],
             );
         }
 
-        for t in 0..n {
-            ops::rms_norm(
-                &st.x[t * d..(t + 1) * d],
-                &self.weights.output_norm,
-                c.rms_eps,
-                &mut st.xb[t * d..(t + 1) * d],
-            );
-        }
+        ops::rms_norm_rows(
+            &st.x[..n * d],
+            &self.weights.output_norm,
+            c.rms_eps,
+            &mut st.xb[..n * d],
+        );
         st.n_rows = n;
         Ok(())
     }
@@ -364,18 +348,11 @@ impl Model {
 }
 
 /// `x += post_norm(y)` (or `x += y` without a post-norm); `tmp` is scratch.
-fn residual(x: &mut [f32], y: &mut [f32], post_norm: Option<&[f32]>, eps: f32, tmp: &mut [f32]) {
+fn residual(x: &mut [f32], y: &[f32], post_norm: Option<&[f32]>, eps: f32, tmp: &mut [f32]) {
     match post_norm {
         Some(w) => {
-            let d = w.len();
-            for ((yr, tr), xr) in y
-                .chunks_exact(d)
-                .zip(tmp.chunks_exact_mut(d))
-                .zip(x.chunks_exact_mut(d))
-            {
-                ops::rms_norm(yr, w, eps, tr);
-                ops::add_assign(xr, tr);
-            }
+            ops::rms_norm_rows(y, w, eps, tmp);
+            ops::add_assign(x, tmp);
         }
         None => ops::add_assign(x, y),
     }
