@@ -4,7 +4,7 @@
 #
 # Usage: scripts/golden_tokenize.sh [LLAMA_BIN_DIR [SMOLLM2_GGUF [GEMMA3_GGUF]]]
 # Defaults: $LLAMA_BIN, else the llama-cpp-python 0.3.36 vendored build under
-# /tmp/llcpp (see scripts/golden/make_goldens.sh for how it is built); models
+# scripts/llama_cpp.sh builds (see there); models
 # from $LEANSTREAM_SMOLLM2 / $LEANSTREAM_GEMMA3, else `leanstream fetch`'s cache.
 #
 # Each text is written to a file and tokenized with
@@ -14,7 +14,7 @@
 set -euo pipefail
 here=$(cd "$(dirname "$0")" && pwd)
 root=$(cd "$here/.." && pwd)
-LLAMA=${LLAMA:-/tmp/llcpp/llama_cpp_python-0.3.36/vendor/llama.cpp}
+LLAMA=${LLAMA:-$(dirname "$("$(dirname "$0")/llama_cpp.sh")")/..}
 home=${LEANSTREAM_HOME:-$HOME/.cache/leanstream}
 BIN=${1:-${LLAMA_BIN:-$LLAMA/build/bin}}
 SMOLLM2=${2:-${LEANSTREAM_SMOLLM2:-$home/models/smollm2/SmolLM2-135M-Instruct.Q4_1.gguf}}

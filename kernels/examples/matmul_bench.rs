@@ -3,6 +3,7 @@
 //! (`RAYON_NUM_THREADS=2` to compare with `llama-bench -t 2`).
 //!
 //! Run: `RAYON_NUM_THREADS=2 cargo run --release -p leanstream-kernels --example matmul_bench`
+//! (`BENCH_Q4K_ONLY=1` / `BENCH_Q6K_ONLY=1`: Gemma 3's Q4_K / Q6_K matrices only)
 //! The tok/s it prints cover matrix products only (no attention, norms or
 //! activation conversion), so they are upper bounds for a whole model.
 //! Every matrix gets its own random data (about 400 MB in all), so weights
@@ -37,6 +38,8 @@ const GEMMA3: &[Shape] = &[
 const GEMMA3_OUTPUT: Shape = (GgmlType::Q8_0, 262144, 640, 1);
 /// Gemma 3's Q4_K matrices alone (the repack-emulating path).
 const GEMMA3_Q4K: &[Shape] = &[(GgmlType::Q4K, 640, 1024, 18), (GgmlType::Q4K, 640, 2048, 9)];
+/// Gemma 3's Q6_K matrices alone (the tiled-matmul-emulating path for n >= 8).
+const GEMMA3_Q6K: &[Shape] = &[(GgmlType::Q6K, 640, 2048, 9)];
 
 /// Offsets of the f16 scale fields in each block, set to a small finite value
 /// so random bits never make NaNs or denormals.
@@ -137,6 +140,14 @@ fn report_layers(name: &str, layers: &[Shape]) {
 }
 
 fn main() {
+    if std::env::var_os("BENCH_Q6K_ONLY").is_some() {
+        rayon::scope(|_| {
+            for _ in 0..3 {
+                report_layers("gemma3 Q6_K matrices only", GEMMA3_Q6K);
+            }
+        });
+        return;
+    }
     if std::env::var_os("BENCH_Q4K_ONLY").is_some() {
         rayon::scope(|_| {
             for _ in 0..3 {

@@ -6,6 +6,11 @@
 //! on an AVX-512 machine; its quantized kernels are its AVX2 ones), used when
 //! the CPU has AVX2; and portable scalar twins that follow GGML's generic C.
 //! They agree to rounding; the tests hold them to it.
+//!
+//! [`tiled_dot`] is the per-output arithmetic of llama.cpp's tiled K-quant
+//! matmul (Q4_K/Q5_K/Q6_K against 8+ activation rows, see
+//! [`crate::matmul::uses_tiled_kquant`]); its AVX2 and scalar forms share one
+//! float order and agree bit for bit.
 
 use std::sync::atomic::{AtomicU8, Ordering};
 
@@ -49,12 +54,24 @@ fn detect_avx2() -> bool {
 /// Dot product of `n` values: `w_row` of type `ty` with `a_row` of type
 /// `ty.vec_dot_type()`, using the fastest kernel this CPU supports.
 pub fn vec_dot(ty: GgmlType, w_row: &[u8], a_row: &[u8], n: usize) -> Result<f32, KernelError> {
-    dot_rows(ty, w_row, a_row, n, Path::Fastest)
+    dot_rows(ty, w_row, a_row, n, Path::Fastest, false)
 }
 
 /// The portable twin of [`vec_dot`]: GGML's generic formulas, no SIMD.
 pub fn vec_dot_scalar(ty: GgmlType, w_row: &[u8], a_row: &[u8], n: usize) -> Result<f32, KernelError> {
-    dot_rows(ty, w_row, a_row, n, Path::Scalar)
+    dot_rows(ty, w_row, a_row, n, Path::Scalar, false)
+}
+
+/// One output of llama.cpp's tiled K-quant matmul ([`crate::matmul::uses_tiled_kquant`]):
+/// `n` values of a Q4_K/Q5_K/Q6_K `w_row` with a Q8_K `a_row`, using the
+/// fastest kernel this CPU supports.
+pub fn tiled_dot(ty: GgmlType, w_row: &[u8], a_row: &[u8], n: usize) -> Result<f32, KernelError> {
+    dot_rows(ty, w_row, a_row, n, Path::Fastest, true)
+}
+
+/// The portable twin of [`tiled_dot`] (bit-identical to it).
+pub fn tiled_dot_scalar(ty: GgmlType, w_row: &[u8], a_row: &[u8], n: usize) -> Result<f32, KernelError> {
+    dot_rows(ty, w_row, a_row, n, Path::Scalar, true)
 }
 
 /// Which implementation family to use.
@@ -66,7 +83,7 @@ pub(crate) enum Path {
     Scalar,
 }
 
-fn dot_rows(ty: GgmlType, w_row: &[u8], a_row: &[u8], n: usize, path: Path) -> Result<f32, KernelError> {
+fn dot_rows(ty: GgmlType, w_row: &[u8], a_row: &[u8], n: usize, path: Path, tiled: bool) -> Result<f32, KernelError> {
     let w_expected = ty.row_bytes(n)?;
     let a_expected = ty.vec_dot_type().row_bytes(n)?;
     if w_row.len() != w_expected {
@@ -83,7 +100,12 @@ fn dot_rows(ty: GgmlType, w_row: &[u8], a_row: &[u8], n: usize, path: Path) -> R
             got: a_row.len(),
         });
     }
-    with_kernel(ty, path, SingleDot { w_row, a_row })?
+    let user = SingleDot { w_row, a_row };
+    if tiled {
+        with_tiled_kernel(ty, path, user)?
+    } else {
+        with_kernel(ty, path, user)?
+    }
 }
 
 struct SingleDot<'a> {
@@ -212,6 +234,35 @@ pub(crate) fn with_kernel<U: KernelUser>(ty: GgmlType, path: Path, user: U) -> R
         // GGML has no dot kernel with these as weights either.
         GgmlType::Q8_1 | GgmlType::Q8K => {
             return Err(KernelError::UnsupportedType(format!("{ty} as a weight type")));
+        }
+    })
+}
+
+/// The kernel of llama.cpp's tiled K-quant matmul for weights of type `ty`
+/// on `path`, handed to `user` (see [`crate::matmul::uses_tiled_kquant`]).
+/// Errors for types this crate does not emulate it for.
+pub(crate) fn with_tiled_kernel<U: KernelUser>(ty: GgmlType, path: Path, user: U) -> Result<U::Output, KernelError> {
+    macro_rules! pick {
+        ($name:ident, $W:ty) => {{
+            let portable = scalar_rows!(scalar::$name, $W, BlockQ8K);
+            #[cfg(target_arch = "x86_64")]
+            let kernel = Kernel::<$W, BlockQ8K>::choose(path, avx2::$name, 1, portable);
+            #[cfg(not(target_arch = "x86_64"))]
+            let kernel = {
+                let _ = path;
+                Kernel::<$W, BlockQ8K>::portable(portable)
+            };
+            user.run(kernel)
+        }};
+    }
+    Ok(match ty {
+        GgmlType::Q4K => pick!(q4_k_q8_k_tiled, BlockQ4K),
+        GgmlType::Q5K => pick!(q5_k_q8_k_tiled, BlockQ5K),
+        GgmlType::Q6K => pick!(q6_k_q8_k_tiled, BlockQ6K),
+        _ => {
+            return Err(KernelError::UnsupportedType(format!(
+                "{ty} in the tiled K-quant matmul"
+            )));
         }
     })
 }

@@ -7,6 +7,11 @@
 //! llama.cpp repacks and multiplies with other kernels: those products follow
 //! [`crate::repack`], where an output depends on whether its activation row
 //! is among the first `n - n % 4` (gemm) or the rest (gemv), as in llama.cpp.
+//! The other exception is K-quant weights (Q6_K, Q5_K, non-repacked Q4_K) against 8 or
+//! more activation rows, which llama.cpp computes with its tiled K-quant
+//! matmul ([`uses_tiled_kquant`]): still one value per (row, token) that
+//! depends on nothing else, but rounded differently from the vec-dot (the
+//! `*_tiled` kernels of [`crate::dot`], [`crate::dot::tiled_dot`]).
 //!
 //! Work is split over row chunks across rayon threads. Inside a chunk, rows
 //! are taken in cache-sized groups, and each group is swept by tiles of
@@ -23,7 +28,7 @@ use rayon::prelude::*;
 
 use crate::blocks::cast_blocks;
 use crate::blocks::{BlockQ4K, BlockQ8K};
-use crate::dot::{has_avx2, with_kernel, Kernel, KernelUser, Path};
+use crate::dot::{has_avx2, with_kernel, with_tiled_kernel, Kernel, KernelUser, Path};
 use crate::quantize::quantize_row;
 use crate::repack::{self, Mode};
 use crate::{GgmlType, KernelError};
@@ -256,7 +261,30 @@ fn run_matmul(w: &QMatrix, acts: &ActBuffer, out: &mut [f32], path: Path, parall
         };
         return job.run_tiles::<BlockQ4K, BlockQ8K, _>(kernel);
     }
+    if uses_tiled_kquant(w.ty, w.rows, acts.n()) {
+        return with_tiled_kernel(w.ty, path, job)?;
+    }
     with_kernel(w.ty, path, job)?
+}
+
+/// Fewest activation rows for which llama.cpp's CPU backend computes a
+/// K-quant product with its tiled matmul (`ggml_tiled_min_batch`).
+pub const TILED_KQUANT_MIN_ROWS: usize = 8;
+
+/// Whether llama.cpp computes `rows` weight rows of `ty` against `n`
+/// activation rows with its tiled K-quant matmul (`ggml-cpu/tiled/`) rather
+/// than one vec-dot per output: Q6_K and Q5_K weights, and Q4_K weights it
+/// does not repack, in a plain buffer, with at least
+/// [`TILED_KQUANT_MIN_ROWS`] activation rows. Its outputs differ from the
+/// vec-dot's in rounding (see [`crate::dot`]'s `*_tiled` kernels) but, like
+/// them, depend on nothing but the two rows, not on `n`, tiling or threads.
+pub fn uses_tiled_kquant(ty: GgmlType, rows: usize, n: usize) -> bool {
+    n >= TILED_KQUANT_MIN_ROWS
+        && match ty {
+            GgmlType::Q6K | GgmlType::Q5K => true,
+            GgmlType::Q4K => !repack::q4k_is_repacked(rows),
+            _ => false,
+        }
 }
 
 /// What the row loops need from a kernel.

@@ -5,8 +5,8 @@ mod common;
 
 use common::{random_weight_row, Aligned, Rng, COLS, WEIGHT_TYPES};
 use leanstream_kernels::dequant::dequantize_row;
-use leanstream_kernels::dot::vec_dot;
-use leanstream_kernels::matmul::matmul_scalar;
+use leanstream_kernels::dot::{tiled_dot, tiled_dot_scalar, vec_dot};
+use leanstream_kernels::matmul::{matmul_scalar, uses_tiled_kquant};
 use leanstream_kernels::{matmul, ActBuffer, GgmlType, KernelError, QMatrix};
 
 /// Odd, so row chunks come out uneven; large enough for the threaded path at n = 1.
@@ -21,7 +21,9 @@ fn random_matrix(ty: GgmlType, rows: usize, cols: usize, rng: &mut Rng) -> Align
 }
 
 /// n = 1 (decode), and prompt sizes that reach every tile shape the
-/// kernels use (up to 8 tokens per tile) plus ragged tails.
+/// kernels use (up to 8 tokens per tile) plus ragged tails. K-quants with 8+
+/// activation rows follow llama.cpp's tiled matmul, whose SIMD and scalar
+/// forms agree bit for bit.
 #[test]
 fn matmul_agrees_with_scalar_and_with_single_dots() {
     let mut rng = Rng::new(42);
@@ -29,7 +31,7 @@ fn matmul_agrees_with_scalar_and_with_single_dots() {
     for ty in WEIGHT_TYPES {
         let data = random_matrix(ty, ROWS, COLS, &mut rng);
         let w = QMatrix::new(ty, ROWS, COLS, data.as_ref()).unwrap();
-        for n in [1usize, 3, 6, 13, 17, 23] {
+        for n in [1usize, 3, 6, 7, 8, 13, 17, 23] {
             let x = rng.activations(n * COLS);
             acts.quantize(ty.vec_dot_type(), &x, n, COLS).unwrap();
             let mut fast = vec![f32::NAN; n * ROWS];
@@ -44,7 +46,15 @@ fn matmul_agrees_with_scalar_and_with_single_dots() {
                 for r in 0..ROWS {
                     let got = fast[t * ROWS + r];
                     // Tiles and threads must not change a single bit.
-                    let single = vec_dot(ty, w.row(r), acts.row(t), COLS).unwrap();
+                    let single = if uses_tiled_kquant(ty, ROWS, n) {
+                        let scalar_single = tiled_dot_scalar(ty, w.row(r), acts.row(t), COLS).unwrap();
+                        let want = scalar[t * ROWS + r];
+                        assert_eq!(want.to_bits(), scalar_single.to_bits(), "{ty} n={n} t={t} r={r}");
+                        assert_eq!(got.to_bits(), want.to_bits(), "{ty} n={n} t={t} r={r} (tiled)");
+                        tiled_dot(ty, w.row(r), acts.row(t), COLS).unwrap()
+                    } else {
+                        vec_dot(ty, w.row(r), acts.row(t), COLS).unwrap()
+                    };
                     assert_eq!(got.to_bits(), single.to_bits(), "{ty} n={n} t={t} r={r}");
 
                     dequantize_row(ty, w.row(r), &mut wf).unwrap();

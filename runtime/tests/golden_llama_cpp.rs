@@ -28,10 +28,21 @@ fn ids(v: &Value) -> Vec<u32> {
         .collect()
 }
 
-/// Largest logit difference we accept between us and llama.cpp. The engines
-/// follow the same arithmetic (activation quantization, f16 KV cache, GGML's
-/// exp and summation orders) but not every kernel's float summation order.
-const LOGIT_TOL: f32 = 0.5;
+/// Largest logit difference we accept between us and llama.cpp. With the
+/// SIMD kernels (x86-64 with AVX2) every operation follows llama.cpp's
+/// arithmetic and order, so logits agree to the precision the goldens were
+/// printed with; the portable kernels sum some dot products in another order.
+fn logit_tol() -> f32 {
+    if exact_kernels() {
+        1e-5
+    } else {
+        0.5
+    }
+}
+
+fn exact_kernels() -> bool {
+    leanstream_kernels::dot::has_avx2()
+}
 
 /// A greedy step is a near-tie when llama.cpp's best two logits are closer than this.
 const NEAR_TIE: f32 = 0.25;
@@ -102,15 +113,17 @@ fn check_model(name: &str) {
     }
     eprintln!("{name}: worst logit difference {worst_prompt} after prompts, {worst_decode} while decoding");
     assert!(
-        worst_prompt <= LOGIT_TOL,
+        worst_prompt <= logit_tol(),
         "{name}: prompt logits differ by {worst_prompt}"
     );
     assert!(
-        worst_decode <= LOGIT_TOL,
+        worst_decode <= logit_tol(),
         "{name}: decode logits differ by {worst_decode}"
     );
+    // The issue allows one prompt to diverge after a near-tie; with exact kernels none may.
+    let allowed = if exact_kernels() { 0 } else { 1 };
     assert!(
-        diverged.len() <= 1,
+        diverged.len() <= allowed,
         "{name}: {} prompts diverged from llama.cpp: {diverged:?}",
         diverged.len()
     );
@@ -150,8 +163,9 @@ fn check_free_running(name: &str) {
         "{name}: {exact} of {} free-running continuations identical to llama.cpp",
         all.len()
     );
+    let allowed = if exact_kernels() { 0 } else { 1 };
     assert!(
-        exact + 1 >= all.len(),
+        exact + allowed >= all.len(),
         "{name}: only {exact} of {} continuations identical",
         all.len()
     );
@@ -178,7 +192,9 @@ fn check_perplexity(name: &str) {
         p.ppl,
         rel * 100.0
     );
-    assert!(rel < 0.01, "{name}: perplexity {} vs llama.cpp {want}", p.ppl);
+    // llama.cpp prints four decimals; the issue's bound is 1%, exact kernels do far better.
+    let bound = if exact_kernels() { 1e-5 } else { 0.01 };
+    assert!(rel < bound, "{name}: perplexity {} vs llama.cpp {want}", p.ppl);
 }
 
 #[test]

@@ -1,22 +1,21 @@
 #!/usr/bin/env bash
 # Regenerates LeanStream's llama.cpp golden outputs in data/golden/.
 #
-# llama.cpp comes from the llama-cpp-python source package on PyPI, which
-# vendors it (version pinned below), built for the CPU:
-#   pip download --no-deps --no-binary llama-cpp-python llama-cpp-python==0.3.36 -d /tmp/llcpp
-#   tar xzf /tmp/llcpp/llama_cpp_python-0.3.36.tar.gz -C /tmp/llcpp
-#   cmake -S $LLAMA -B $LLAMA/build -G Ninja -DCMAKE_BUILD_TYPE=Release -DGGML_NATIVE=ON -DLLAMA_CURL=OFF
-#   cmake --build $LLAMA/build -j2 --target llama-tokenize llama-completion llama-perplexity llama-bench
-# Then: scripts/golden/make_goldens.sh  (models from `leanstream fetch`, or env LEANSTREAM_SMOLLM2/_GEMMA3)
+# llama.cpp is the copy vendored by the llama-cpp-python 0.3.36 source package
+# on PyPI, built natively for this CPU by scripts/llama_cpp.sh (override with
+# LLAMA=path/to/llama.cpp). Models come from `leanstream fetch`, or env
+# LEANSTREAM_SMOLLM2 / LEANSTREAM_GEMMA3.
 set -euo pipefail
 here=$(cd "$(dirname "$0")" && pwd)
 root=$(cd "$here/../.." && pwd)
-LLAMA=${LLAMA:-/tmp/llcpp/llama_cpp_python-0.3.36/vendor/llama.cpp}
+LLAMA=${LLAMA:-$(dirname "$("$root/scripts/llama_cpp.sh")")/..}
 home=${LEANSTREAM_HOME:-$HOME/.cache/leanstream}
 SMOLLM2=${LEANSTREAM_SMOLLM2:-$home/models/smollm2/SmolLM2-135M-Instruct.Q4_1.gguf}
 GEMMA3=${LEANSTREAM_GEMMA3:-$home/models/gemma3/gemma-3-270m-q4_k_m.gguf}
 out=$root/data/golden
-tool=/tmp/llcpp/golden_llama
+tools=$home/tools
+mkdir -p "$tools"
+tool=$tools/golden_llama
 
 g++ -O2 -std=c++17 -I"$LLAMA/include" -I"$LLAMA/ggml/include" "$here/golden_llama.cpp" \
     -L"$LLAMA/build/bin" -lllama -lggml -lggml-base -Wl,-rpath,"$LLAMA/build/bin" -o "$tool"
@@ -45,12 +44,16 @@ run_model() { # name path chat_prompt
 
 # Kernel-level: activation quantization + dot products on deterministic rows.
 gcc -O2 -I"$LLAMA/ggml/include" "$here/golden_vec_dot.c" -L"$LLAMA/build/bin" -lggml -lggml-base -lggml-cpu \
-    -Wl,-rpath,"$LLAMA/build/bin" -o /tmp/llcpp/golden_vec_dot
-/tmp/llcpp/golden_vec_dot > "$out/vec_dot.json"
+    -Wl,-rpath,"$LLAMA/build/bin" -o $tools/golden_vec_dot
+$tools/golden_vec_dot > "$out/vec_dot.json"
 # Q4_K matrix products through the CPU backend's repack buffer (as llama.cpp runs Q4_K weights).
 gcc -O2 -I"$LLAMA/ggml/include" "$here/golden_q4k_repack.c" -L"$LLAMA/build/bin" -lggml -lggml-base -lggml-cpu \
-    -Wl,-rpath,"$LLAMA/build/bin" -o /tmp/llcpp/golden_q4k_repack
-/tmp/llcpp/golden_q4k_repack > "$out/q4k_repack.json"
+    -Wl,-rpath,"$LLAMA/build/bin" -o $tools/golden_q4k_repack
+$tools/golden_q4k_repack > "$out/q4k_repack.json"
+# K-quant products with 8+ activation rows: llama.cpp's tiled K-quant matmul (plain CPU buffer).
+gcc -O2 -I"$LLAMA/ggml/include" "$here/golden_tiled_kquant.c" -L"$LLAMA/build/bin" -lggml -lggml-base -lggml-cpu \
+    -Wl,-rpath,"$LLAMA/build/bin" -o $tools/golden_tiled_kquant
+$tools/golden_tiled_kquant > "$out/tiled_kquant.json"
 
 run_model smollm2 "$SMOLLM2" $'<|im_start|>user\nWhat is the tallest mountain on Earth?<|im_end|>\n<|im_start|>assistant\n'
 run_model gemma3 "$GEMMA3" $'<start_of_turn>user\nWhat is the tallest mountain on Earth?<end_of_turn>\n<start_of_turn>model\n'

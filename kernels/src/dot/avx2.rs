@@ -741,3 +741,206 @@ unsafe fn dot_bf16(x: &[bf16], y: &[bf16]) -> f32 {
     }
     sumf as f32
 }
+
+// ---------------------------------------------------------------------------
+// llama.cpp's tiled K-quant matmul (see `scalar::q6_k_q8_k_tiled`): the
+// integer sums of the vec-dot kernels above, reduced per super-block to one
+// exact i32 per output, then scaled and accumulated in f32 with activation
+// rows in the eight lanes.
+
+tiled!(
+    /// Q6_K weights · Q8_K activations, the tiled matmul's way.
+    q6_k_q8_k_tiled => q6_k_tiled_tile(BlockQ6K, BlockQ8K), prompt_tile = (1, 8)
+);
+tiled!(
+    /// Q4_K weights · Q8_K activations, the tiled matmul's way.
+    q4_k_q8_k_tiled => q4_k_tiled_tile(BlockQ4K, BlockQ8K), prompt_tile = (1, 8)
+);
+tiled!(
+    /// Q5_K weights · Q8_K activations, the tiled matmul's way.
+    q5_k_q8_k_tiled => q5_k_tiled_tile(BlockQ5K, BlockQ8K), prompt_tile = (1, 8)
+);
+
+/// Lane `t` = the sum of `v[t]`'s eight i32 lanes (exact: integer adds).
+#[inline]
+#[target_feature(enable = "avx2,fma")]
+unsafe fn hsum_epi32_x8(v: [__m256i; 8]) -> __m256i {
+    let h0123 = _mm256_hadd_epi32(_mm256_hadd_epi32(v[0], v[1]), _mm256_hadd_epi32(v[2], v[3]));
+    let h4567 = _mm256_hadd_epi32(_mm256_hadd_epi32(v[4], v[5]), _mm256_hadd_epi32(v[6], v[7]));
+    _mm256_add_epi32(
+        _mm256_permute2x128_si256(h0123, h4567, 0x20),
+        _mm256_permute2x128_si256(h0123, h4567, 0x31),
+    )
+}
+
+/// The activation scales of block `i` of each row, one lane per row (0 past `T`).
+#[inline]
+#[target_feature(enable = "avx2,fma")]
+unsafe fn q8k_scales<const T: usize>(ys: &[&[BlockQ8K]; T], i: usize) -> __m256 {
+    let mut d = [0.0f32; 8];
+    for t in 0..T {
+        d[t] = ys[t].get_unchecked(i).d;
+    }
+    _mm256_loadu_ps(d.as_ptr())
+}
+
+#[inline]
+#[target_feature(enable = "avx2,fma")]
+unsafe fn lanes_out<const R: usize, const T: usize>(acc: [__m256; R]) -> [[f32; T]; R] {
+    let mut out = [[0.0f32; T]; R];
+    for r in 0..R {
+        let mut lanes = [0.0f32; 8];
+        _mm256_storeu_ps(lanes.as_mut_ptr(), acc[r]);
+        out[r].copy_from_slice(&lanes[..T]);
+    }
+    out
+}
+
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn q6_k_tiled_tile<const R: usize, const T: usize>(xs: [&[BlockQ6K]; R], ys: [&[BlockQ8K]; T]) -> [[f32; T]; R] {
+    const { assert!(T <= 8) };
+    let nb = common_len(&xs, &ys);
+    let m3 = _mm256_set1_epi8(3);
+    let m15 = _mm256_set1_epi8(15);
+    let mut acc = [_mm256_setzero_ps(); R];
+    for i in 0..nb {
+        let yd = q8k_scales(&ys, i);
+        for r in 0..R {
+            let xb = xs[r].get_unchecked(i);
+            let scales = _mm_loadu_si128(xb.scales.as_ptr() as *const __m128i);
+            let mut sumi = [_mm256_setzero_si256(); 8];
+            for j in 0..QK_K / 128 {
+                let q4bits1 = _mm256_loadu_si256(xb.ql.as_ptr().add(64 * j) as *const __m256i);
+                let q4bits2 = _mm256_loadu_si256(xb.ql.as_ptr().add(64 * j + 32) as *const __m256i);
+                let q4bits_h = _mm256_loadu_si256(xb.qh.as_ptr().add(32 * j) as *const __m256i);
+                let q4h_0 = _mm256_slli_epi16(_mm256_and_si256(q4bits_h, m3), 4);
+                let q4h_1 = _mm256_slli_epi16(_mm256_and_si256(q4bits_h, _mm256_set1_epi8(12)), 2);
+                let q4h_2 = _mm256_and_si256(q4bits_h, _mm256_set1_epi8(48));
+                let q4h_3 = _mm256_srli_epi16(_mm256_and_si256(q4bits_h, _mm256_set1_epi8(-64)), 2);
+                // Unsigned 6-bit values; the -32 offset is applied once per block below.
+                let q = [
+                    _mm256_or_si256(_mm256_and_si256(q4bits1, m15), q4h_0),
+                    _mm256_or_si256(_mm256_and_si256(q4bits2, m15), q4h_1),
+                    _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(q4bits1, 4), m15), q4h_2),
+                    _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(q4bits2, 4), m15), q4h_3),
+                ];
+                let mut scale = [_mm256_setzero_si256(); 4];
+                for (k, s) in scale.iter_mut().enumerate() {
+                    *s = _mm256_cvtepi8_epi16(_mm_shuffle_epi8(scales, q6_scale_pick(4 * j + k)));
+                }
+                for t in 0..T {
+                    let q8 = ys[t].get_unchecked(i).qs.as_ptr().add(128 * j);
+                    let mut p16 = [_mm256_setzero_si256(); 4];
+                    for k in 0..4 {
+                        let prod = _mm256_maddubs_epi16(q[k], load_256(q8.add(32 * k)));
+                        p16[k] = _mm256_madd_epi16(scale[k], prod);
+                    }
+                    sumi[t] = _mm256_add_epi32(sumi[t], _mm256_add_epi32(p16[0], p16[1]));
+                    sumi[t] = _mm256_add_epi32(sumi[t], _mm256_add_epi32(p16[2], p16[3]));
+                }
+            }
+            let scales_16 = _mm256_cvtepi8_epi16(scales);
+            for t in 0..T {
+                // 32 * sum(scale * bsum): the -32 offset of every value at once.
+                let q8sums = _mm256_loadu_si256(ys[t].get_unchecked(i).bsums.as_ptr() as *const __m256i);
+                let q8sclsub = _mm256_slli_epi32(_mm256_madd_epi16(q8sums, scales_16), 5);
+                sumi[t] = _mm256_sub_epi32(sumi[t], q8sclsub);
+            }
+            let block = _mm256_mul_ps(_mm256_cvtepi32_ps(hsum_epi32_x8(sumi)), _mm256_set1_ps(fp16(xb.d)));
+            acc[r] = _mm256_fmadd_ps(block, yd, acc[r]);
+        }
+    }
+    lanes_out(acc)
+}
+
+/// Q4_K/Q5_K tail of a tiled block: `sumi[t]` holds `sc * q * y` sums in
+/// lanes; scales into `acc`.
+#[inline]
+#[target_feature(enable = "avx2,fma")]
+unsafe fn k4_tiled_block<const T: usize>(
+    k: &K4Block,
+    sumi: [__m256i; 8],
+    ys: &[&[BlockQ8K]; T],
+    i: usize,
+    yd: __m256,
+    acc: __m256,
+) -> __m256 {
+    let mut mins = [_mm256_setzero_si256(); 8];
+    for t in 0..T {
+        let prod = _mm_madd_epi16(k.mins, q8k_sub_block_sums(ys[t].get_unchecked(i)));
+        mins[t] = _mm256_zextsi128_si256(prod);
+    }
+    let s1 = _mm256_cvtepi32_ps(hsum_epi32_x8(sumi));
+    let s2 = _mm256_cvtepi32_ps(hsum_epi32_x8(mins));
+    let block = _mm256_fnmadd_ps(_mm256_set1_ps(k.dmin), s2, _mm256_mul_ps(s1, _mm256_set1_ps(k.d)));
+    _mm256_fmadd_ps(block, yd, acc)
+}
+
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn q4_k_tiled_tile<const R: usize, const T: usize>(xs: [&[BlockQ4K]; R], ys: [&[BlockQ8K]; T]) -> [[f32; T]; R] {
+    const { assert!(T <= 8) };
+    let nb = common_len(&xs, &ys);
+    let m4 = _mm256_set1_epi8(0x0F);
+    let mut acc = [_mm256_setzero_ps(); R];
+    for i in 0..nb {
+        let yd = q8k_scales(&ys, i);
+        for r in 0..R {
+            let xb = xs[r].get_unchecked(i);
+            let k = k4_block(xb.d, xb.dmin, &xb.scales);
+            let mut sumi = [_mm256_setzero_si256(); 8];
+            for j in 0..QK_K / 64 {
+                let scale_l = k4_scale(k.scales, 2 * j);
+                let scale_h = k4_scale(k.scales, 2 * j + 1);
+                let q4bits = _mm256_loadu_si256(xb.qs.as_ptr().add(32 * j) as *const __m256i);
+                let q4l = _mm256_and_si256(q4bits, m4);
+                let q4h = _mm256_and_si256(_mm256_srli_epi16(q4bits, 4), m4);
+                for t in 0..T {
+                    let q8 = ys[t].get_unchecked(i).qs.as_ptr().add(64 * j);
+                    let p16l = _mm256_madd_epi16(scale_l, _mm256_maddubs_epi16(q4l, load_256(q8)));
+                    let p16h = _mm256_madd_epi16(scale_h, _mm256_maddubs_epi16(q4h, load_256(q8.add(32))));
+                    sumi[t] = _mm256_add_epi32(sumi[t], _mm256_add_epi32(p16l, p16h));
+                }
+            }
+            acc[r] = k4_tiled_block(&k, sumi, &ys, i, yd, acc[r]);
+        }
+    }
+    lanes_out(acc)
+}
+
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn q5_k_tiled_tile<const R: usize, const T: usize>(xs: [&[BlockQ5K]; R], ys: [&[BlockQ8K]; T]) -> [[f32; T]; R] {
+    const { assert!(T <= 8) };
+    let nb = common_len(&xs, &ys);
+    let m4 = _mm256_set1_epi8(0x0F);
+    let sixteen = _mm256_set1_epi8(16);
+    let mut acc = [_mm256_setzero_ps(); R];
+    for i in 0..nb {
+        let yd = q8k_scales(&ys, i);
+        for r in 0..R {
+            let xb = xs[r].get_unchecked(i);
+            let k = k4_block(xb.d, xb.dmin, &xb.scales);
+            let hbits = _mm256_loadu_si256(xb.qh.as_ptr() as *const __m256i);
+            let mut sumi = [_mm256_setzero_si256(); 8];
+            for j in 0..QK_K / 64 {
+                let scale_0 = k4_scale(k.scales, 2 * j);
+                let scale_1 = k4_scale(k.scales, 2 * j + 1);
+                let q5bits = _mm256_loadu_si256(xb.qs.as_ptr().add(32 * j) as *const __m256i);
+                // Bits 2j and 2j+1 of each qh byte are the 5th bits of the two halves.
+                let mask_0 = _mm256_set1_epi8((1u8 << (2 * j)) as i8);
+                let mask_1 = _mm256_set1_epi8((1u8 << (2 * j + 1)) as i8);
+                let high_0 = _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(hbits, mask_0), mask_0), sixteen);
+                let high_1 = _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(hbits, mask_1), mask_1), sixteen);
+                let q5_0 = _mm256_add_epi8(_mm256_and_si256(q5bits, m4), high_0);
+                let q5_1 = _mm256_add_epi8(_mm256_and_si256(_mm256_srli_epi16(q5bits, 4), m4), high_1);
+                for t in 0..T {
+                    let q8 = ys[t].get_unchecked(i).qs.as_ptr().add(64 * j);
+                    let p16_0 = _mm256_madd_epi16(scale_0, _mm256_maddubs_epi16(q5_0, load_256(q8)));
+                    let p16_1 = _mm256_madd_epi16(scale_1, _mm256_maddubs_epi16(q5_1, load_256(q8.add(32))));
+                    sumi[t] = _mm256_add_epi32(sumi[t], _mm256_add_epi32(p16_0, p16_1));
+                }
+            }
+            acc[r] = k4_tiled_block(&k, sumi, &ys, i, yd, acc[r]);
+        }
+    }
+    lanes_out(acc)
+}

@@ -191,3 +191,101 @@ pub fn bf16_bf16(x: &[bf16], y: &[bf16]) -> f32 {
         .zip(y)
         .fold(0.0f64, |acc, (&a, &b)| acc + (a.to_f32() * b.to_f32()) as f64) as f32
 }
+
+// ---------------------------------------------------------------------------
+// llama.cpp's tiled K-quant matmul (`ggml-cpu/tiled/`), which the reference
+// build runs for K-quant weights in a plain buffer against 8 or more
+// activation rows, with its AVX-512 VNNI microkernel. Per super-block it
+// forms exact integer sums, converts them to f32 once and scales them:
+//   no min (Q6_K): r = f32(sum_s sc[s] * sum_e (q[e] - 32) * y[e]) * d
+//   min (Q4/Q5_K): r = fma(-dmin, f32(sum_s m[s] * bsum[s]), f32(sum_s sc[s] * sum_e q[e] * y[e]) * d)
+// and accumulates block after block, in order, acc = fma(r, y.d, acc) from
+// acc = 0 (GCC contracts the kernel's `buf + r * d1` into one FMA).
+
+/// The unsigned (0..64) values of a Q6_K block, in element order.
+fn q6_k_unsigned(xb: &BlockQ6K) -> [u8; QK_K] {
+    let mut values = [0u8; QK_K];
+    for half in 0..2 {
+        let ql = &xb.ql[64 * half..];
+        let qh = &xb.qh[32 * half..];
+        let a = &mut values[128 * half..];
+        for l in 0..32 {
+            a[l] = (ql[l] & 0x0F) | ((qh[l] & 3) << 4);
+            a[l + 32] = (ql[l + 32] & 0x0F) | (((qh[l] >> 2) & 3) << 4);
+            a[l + 64] = (ql[l] >> 4) | (((qh[l] >> 4) & 3) << 4);
+            a[l + 96] = (ql[l + 32] >> 4) | (((qh[l] >> 6) & 3) << 4);
+        }
+    }
+    values
+}
+
+/// `sum_e q[e] * y[e]` over one sub-block.
+fn int_dot(q: &[u8], y: &[i8]) -> i32 {
+    q.iter().zip(y).map(|(&a, &b)| a as i32 * b as i32).sum()
+}
+
+/// Q6_K weights · Q8_K activations, the tiled matmul's way.
+pub fn q6_k_q8_k_tiled(x: &[BlockQ6K], y: &[BlockQ8K]) -> f32 {
+    let mut acc = 0.0f32;
+    for (xb, yb) in x.iter().zip(y) {
+        let values = q6_k_unsigned(xb);
+        let mut sum = 0i32;
+        for (sub, &sc) in xb.scales.iter().enumerate() {
+            let range = 16 * sub..16 * sub + 16;
+            let raw = int_dot(&values[range.clone()], &yb.qs[range]) - 32 * yb.bsums[sub] as i32;
+            sum += sc as i32 * raw;
+        }
+        let r = sum as f32 * xb.d.to_f32();
+        acc = r.mul_add(yb.d, acc);
+    }
+    acc
+}
+
+/// One Q4_K/Q5_K super-block of the tiled matmul: `values` are its unsigned quants.
+fn k4_tiled_block(values: &[u8; QK_K], scales: &[u8; 12], d: f16, dmin: f16, yb: &BlockQ8K) -> f32 {
+    let (sc, mins) = unpack_scales_mins_k4(scales);
+    let mut s1 = 0i32;
+    let mut s2 = 0i32;
+    for sub in 0..QK_K / 32 {
+        let range = 32 * sub..32 * sub + 32;
+        s1 += sc[sub] as i32 * int_dot(&values[range.clone()], &yb.qs[range]);
+        s2 += mins[sub] as i32 * (yb.bsums[2 * sub] as i32 + yb.bsums[2 * sub + 1] as i32);
+    }
+    (-dmin.to_f32()).mul_add(s2 as f32, s1 as f32 * d.to_f32())
+}
+
+/// Q4_K weights · Q8_K activations, the tiled matmul's way.
+pub fn q4_k_q8_k_tiled(x: &[BlockQ4K], y: &[BlockQ8K]) -> f32 {
+    let mut acc = 0.0f32;
+    for (xb, yb) in x.iter().zip(y) {
+        let mut values = [0u8; QK_K];
+        for (chunk, qs) in xb.qs.chunks_exact(32).enumerate() {
+            for (l, &q) in qs.iter().enumerate() {
+                values[64 * chunk + l] = q & 0x0F;
+                values[64 * chunk + 32 + l] = q >> 4;
+            }
+        }
+        let r = k4_tiled_block(&values, &xb.scales, xb.d, xb.dmin, yb);
+        acc = r.mul_add(yb.d, acc);
+    }
+    acc
+}
+
+/// Q5_K weights · Q8_K activations, the tiled matmul's way.
+pub fn q5_k_q8_k_tiled(x: &[BlockQ5K], y: &[BlockQ8K]) -> f32 {
+    let mut acc = 0.0f32;
+    for (xb, yb) in x.iter().zip(y) {
+        let mut values = [0u8; QK_K];
+        for (chunk, qs) in xb.qs.chunks_exact(32).enumerate() {
+            let (bit_lo, bit_hi) = (1u8 << (2 * chunk), 1u8 << (2 * chunk + 1));
+            for (l, &q) in qs.iter().enumerate() {
+                let h = xb.qh[l];
+                values[64 * chunk + l] = (q & 0x0F) | if h & bit_lo != 0 { 16 } else { 0 };
+                values[64 * chunk + 32 + l] = (q >> 4) | if h & bit_hi != 0 { 16 } else { 0 };
+            }
+        }
+        let r = k4_tiled_block(&values, &xb.scales, xb.d, xb.dmin, yb);
+        acc = r.mul_add(yb.d, acc);
+    }
+    acc
+}
