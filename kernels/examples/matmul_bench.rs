@@ -3,7 +3,8 @@
 //! (`RAYON_NUM_THREADS=2` to compare with `llama-bench -t 2`).
 //!
 //! Run: `RAYON_NUM_THREADS=2 cargo run --release -p leanstream-kernels --example matmul_bench`
-//! (`BENCH_Q4K_ONLY=1` / `BENCH_Q6K_ONLY=1`: Gemma 3's Q4_K / Q6_K matrices only)
+//! (`BENCH_Q4K_ONLY=1` / `BENCH_Q6K_ONLY=1`: Gemma 3's Q4_K / Q6_K matrices only;
+//! `BENCH_LEGACY_ONLY=1`: one Q5_0/Q8_0/Q4_1 matrix of each shape, alone)
 //! The tok/s it prints cover matrix products only (no attention, norms or
 //! activation conversion), so they are upper bounds for a whole model.
 //! Every matrix gets its own random data (about 400 MB in all), so weights
@@ -40,6 +41,13 @@ const GEMMA3_OUTPUT: Shape = (GgmlType::Q8_0, 262144, 640, 1);
 const GEMMA3_Q4K: &[Shape] = &[(GgmlType::Q4K, 640, 1024, 18), (GgmlType::Q4K, 640, 2048, 9)];
 /// Gemma 3's Q6_K matrices alone (the tiled-matmul-emulating path for n >= 8).
 const GEMMA3_Q6K: &[Shape] = &[(GgmlType::Q6K, 640, 2048, 9)];
+/// One matrix each of the legacy-format shapes (Q5_0/Q8_0 of Gemma 3, Q4_1 of SmolLM2).
+const LEGACY: &[Shape] = &[
+    (GgmlType::Q5_0, 2048, 640, 1),
+    (GgmlType::Q5_0, 1024, 640, 1),
+    (GgmlType::Q8_0, 256, 640, 1),
+    (GgmlType::Q4_1, 1536, 576, 1),
+];
 
 /// Offsets of the f16 scale fields in each block, set to a small finite value
 /// so random bits never make NaNs or denormals.
@@ -144,6 +152,17 @@ fn main() {
         rayon::scope(|_| {
             for _ in 0..3 {
                 report_layers("gemma3 Q6_K matrices only", GEMMA3_Q6K);
+            }
+        });
+        return;
+    }
+    if std::env::var_os("BENCH_LEGACY_ONLY").is_some() {
+        rayon::scope(|_| {
+            for _ in 0..3 {
+                for &shape in LEGACY {
+                    let (ty, rows, cols, _) = shape;
+                    report_layers(&format!("{ty:?} {rows}x{cols}"), &[shape]);
+                }
             }
         });
         return;

@@ -130,7 +130,7 @@ const _: () = assert!(std::mem::size_of::<BlockQ8K>() == 292);
 /// panic or a silent copy.
 pub fn cast_blocks<'a, T: Pod>(bytes: &'a [u8], what: &'static str) -> Result<&'a [T], KernelError> {
     let size = std::mem::size_of::<T>();
-    if bytes.len() % size != 0 {
+    if !bytes.len().is_multiple_of(size) {
         return Err(KernelError::ByteLength {
             what,
             expected: bytes.len() / size * size,
@@ -146,7 +146,7 @@ pub fn cast_blocks<'a, T: Pod>(bytes: &'a [u8], what: &'static str) -> Result<&'
 /// Mutable twin of [`cast_blocks`].
 pub fn cast_blocks_mut<'a, T: Pod>(bytes: &'a mut [u8], what: &'static str) -> Result<&'a mut [T], KernelError> {
     let size = std::mem::size_of::<T>();
-    if bytes.len() % size != 0 {
+    if !bytes.len().is_multiple_of(size) {
         return Err(KernelError::ByteLength {
             what,
             expected: bytes.len() / size * size,

@@ -28,7 +28,11 @@ impl Device {
     /// The SIMD level the CPU kernels dispatch to on this machine.
     pub fn cpu_features() -> &'static str {
         if crate::dot::has_avx2() {
-            "avx2+fma"
+            match crate::dot::vnni() {
+                crate::dot::Vnni::None => "avx2+fma",
+                crate::dot::Vnni::Avx => "avx2+fma+avxvnni",
+                crate::dot::Vnni::Avx512 => "avx2+fma+avx512vnni",
+            }
         } else {
             "portable"
         }

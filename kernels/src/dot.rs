@@ -51,6 +51,67 @@ fn detect_avx2() -> bool {
     false
 }
 
+/// Which 256-bit `vpdpbusd` the CPU has besides the AVX2 kernels' features.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Vnni {
+    None,
+    /// AVX-VNNI (VEX encoding).
+    Avx,
+    /// AVX512-VNNI with AVX512VL (EVEX encoding).
+    Avx512,
+}
+
+/// The [`Vnni`] form here, detected once; `None` without [`has_avx2`].
+pub(crate) fn vnni() -> Vnni {
+    static DETECTED: AtomicU8 = AtomicU8::new(0);
+    let code = match DETECTED.load(Ordering::Relaxed) {
+        0 => {
+            let code = match detect_vnni() {
+                Vnni::None => 1,
+                Vnni::Avx => 2,
+                Vnni::Avx512 => 3,
+            };
+            DETECTED.store(code, Ordering::Relaxed);
+            code
+        }
+        code => code,
+    };
+    match code {
+        2 => Vnni::Avx,
+        3 => Vnni::Avx512,
+        _ => Vnni::None,
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+fn detect_vnni() -> Vnni {
+    if !has_avx2() {
+        Vnni::None
+    } else if is_x86_feature_detected!("avxvnni") {
+        Vnni::Avx
+    } else if is_x86_feature_detected!("avx512vnni") && is_x86_feature_detected!("avx512vl") {
+        Vnni::Avx512
+    } else {
+        Vnni::None
+    }
+}
+
+#[cfg(not(target_arch = "x86_64"))]
+fn detect_vnni() -> Vnni {
+    Vnni::None
+}
+
+/// The AVX2 tile kernel or, where the CPU has one, its VNNI twin (which
+/// gives the same results, see `avx2::ByteDot`).
+#[cfg(target_arch = "x86_64")]
+fn with_vnni<W, A>(avx2: TileFn<W, A>, avxvnni: TileFn<W, A>, avx512vnni: TileFn<W, A>) -> TileFn<W, A> {
+    match vnni() {
+        Vnni::None => avx2,
+        Vnni::Avx => avxvnni,
+        Vnni::Avx512 => avx512vnni,
+    }
+}
+
 /// Dot product of `n` values: `w_row` of type `ty` with `a_row` of type
 /// `ty.vec_dot_type()`, using the fastest kernel this CPU supports.
 pub fn vec_dot(ty: GgmlType, w_row: &[u8], a_row: &[u8], n: usize) -> Result<f32, KernelError> {
@@ -133,7 +194,8 @@ type PortableFn<W, A> = fn(&[&[W]], &[&[A]], &mut [f32]);
 
 /// A dot kernel chosen for one (weight, activation) type pair.
 pub(crate) struct Kernel<W, A> {
-    // Invariant: an AVX2 kernel is stored only after `has_avx2()` said yes.
+    // Invariant: an AVX2 kernel is stored only after `has_avx2()` said yes,
+    // a VNNI one only after `vnni()` named its form.
     run: TileFn<W, A>,
     /// Weight rows worth handing over together for one activation row.
     decode_rows: usize,
@@ -206,11 +268,18 @@ pub(crate) fn with_kernel<U: KernelUser>(ty: GgmlType, path: Path, user: U) -> R
     // `decode_rows` as measured on the AVX2 kernels: the 32-value formats
     // with cheap unpacking are bound by their FMA chain and gain from 4 rows;
     // Q5_0's bit unpacking and the K formats' larger state do not.
+    // `name | avxvnni | avx512vnni`: a kernel with VNNI twins.
     macro_rules! pick {
-        ($name:ident, $W:ty, $A:ty, decode_rows = $rows:literal) => {{
+        ($name:ident, $W:ty, $A:ty, decode_rows = $rows:literal) => {
+            pick!(@ $name, $W, $A, $rows, avx2::$name)
+        };
+        ($name:ident | $avx:ident | $avx512:ident, $W:ty, $A:ty, decode_rows = $rows:literal) => {
+            pick!(@ $name, $W, $A, $rows, with_vnni(avx2::$name, avx2::$avx, avx2::$avx512))
+        };
+        (@ $name:ident, $W:ty, $A:ty, $rows:literal, $simd:expr) => {{
             let portable = scalar_rows!(scalar::$name, $W, $A);
             #[cfg(target_arch = "x86_64")]
-            let kernel = Kernel::<$W, $A>::choose(path, avx2::$name, $rows, portable);
+            let kernel = Kernel::<$W, $A>::choose(path, $simd, $rows, portable);
             #[cfg(not(target_arch = "x86_64"))]
             let kernel = {
                 let _ = path;
@@ -221,10 +290,25 @@ pub(crate) fn with_kernel<U: KernelUser>(ty: GgmlType, path: Path, user: U) -> R
     }
     Ok(match ty {
         GgmlType::Q4_0 => pick!(q4_0_q8_0, BlockQ4_0, BlockQ8_0, decode_rows = 4),
-        GgmlType::Q4_1 => pick!(q4_1_q8_1, BlockQ4_1, BlockQ8_1, decode_rows = 4),
-        GgmlType::Q5_0 => pick!(q5_0_q8_0, BlockQ5_0, BlockQ8_0, decode_rows = 1),
+        GgmlType::Q4_1 => pick!(
+            q4_1_q8_1 | q4_1_q8_1_avxvnni | q4_1_q8_1_avx512vnni,
+            BlockQ4_1,
+            BlockQ8_1,
+            decode_rows = 4
+        ),
+        GgmlType::Q5_0 => pick!(
+            q5_0_q8_0 | q5_0_q8_0_avxvnni | q5_0_q8_0_avx512vnni,
+            BlockQ5_0,
+            BlockQ8_0,
+            decode_rows = 1
+        ),
         GgmlType::Q5_1 => pick!(q5_1_q8_1, BlockQ5_1, BlockQ8_1, decode_rows = 4),
-        GgmlType::Q8_0 => pick!(q8_0_q8_0, BlockQ8_0, BlockQ8_0, decode_rows = 4),
+        GgmlType::Q8_0 => pick!(
+            q8_0_q8_0 | q8_0_q8_0_avxvnni | q8_0_q8_0_avx512vnni,
+            BlockQ8_0,
+            BlockQ8_0,
+            decode_rows = 4
+        ),
         GgmlType::Q4K => pick!(q4_k_q8_k, BlockQ4K, BlockQ8K, decode_rows = 1),
         GgmlType::Q5K => pick!(q5_k_q8_k, BlockQ5K, BlockQ8K, decode_rows = 1),
         GgmlType::Q6K => pick!(q6_k_q8_k, BlockQ6K, BlockQ8K, decode_rows = 1),

@@ -134,7 +134,7 @@ impl GgmlType {
     /// Bytes of one row of `cols` values; errors when `cols` splits a block.
     pub fn row_bytes(self, cols: usize) -> Result<usize, KernelError> {
         let block = self.block_size();
-        if cols % block != 0 {
+        if !cols.is_multiple_of(block) {
             return Err(KernelError::RaggedRow { ty: self, cols, block });
         }
         Ok(cols / block * self.type_size())

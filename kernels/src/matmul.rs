@@ -79,7 +79,7 @@ impl<'a> QMatrix<'a> {
             });
         }
         let align = element_align(self.ty);
-        if self.data.as_ptr() as usize % align != 0 {
+        if !(self.data.as_ptr() as usize).is_multiple_of(align) {
             return Err(KernelError::Misaligned {
                 what: "matrix data",
                 align,

@@ -27,7 +27,7 @@ impl Lcg {
     fn next_value(&mut self) -> f32 {
         self.step();
         let u = (self.0 >> 40) as f32 / 16777216.0 - 0.5;
-        if (self.0 >> 20) % 61 == 0 {
+        if (self.0 >> 20).is_multiple_of(61) {
             u * 40.0
         } else {
             u * 2.0

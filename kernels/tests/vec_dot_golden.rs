@@ -18,7 +18,7 @@ impl Lcg {
             .wrapping_mul(6364136223846793005)
             .wrapping_add(1442695040888963407);
         let u = (self.0 >> 40) as f32 / 16777216.0 - 0.5;
-        if (self.0 >> 20) % 61 == 0 {
+        if (self.0 >> 20).is_multiple_of(61) {
             u * 40.0
         } else {
             u * 2.0

@@ -31,11 +31,12 @@ const DECODE_ROWS: usize = 4;
 /// `$rows` x `$tokens`: one row x 8 tokens where unpacking a weight block
 /// dominates, 2 x 4 where sharing activation loads matters more.
 macro_rules! tiled {
-    ($(#[$doc:meta])* $name:ident => $tile:ident($W:ty, $A:ty), prompt_tile = ($rows:literal, $tokens:literal)) => {
+    ($(#[$doc:meta])* $name:ident => $tile:ident($W:ty, $A:ty), prompt_tile = ($rows:literal, $tokens:literal)
+     $(, needs = $needs:literal)?) => {
         $(#[$doc])*
         ///
         /// # Safety
-        /// The CPU must support AVX2, FMA and F16C ([`super::has_avx2`]).
+        #[doc = concat!("The CPU must support AVX2, FMA and F16C ([`super::has_avx2`])", $(" and ", $needs,)? ".")]
         pub unsafe fn $name(ws: &[&[$W]], ys: &[&[$A]], out: &mut [f32]) {
             const _: () = assert!(($rows == 1 && $tokens <= 8) || ($rows == 2 && $tokens <= 4));
             let n = ys.len();
@@ -107,8 +108,26 @@ tiled!(
     q4_1_q8_1 => q4_1_tile(BlockQ4_1, BlockQ8_1), prompt_tile = (2, 4)
 );
 tiled!(
+    /// [`q4_1_q8_1`] with AVX-VNNI's byte dot (same results).
+    q4_1_q8_1_avxvnni => q4_1_tile_avxvnni(BlockQ4_1, BlockQ8_1), prompt_tile = (2, 4), needs = "AVX-VNNI"
+);
+tiled!(
+    /// [`q4_1_q8_1`] with AVX512-VNNI's byte dot (same results).
+    q4_1_q8_1_avx512vnni => q4_1_tile_avx512vnni(BlockQ4_1, BlockQ8_1), prompt_tile = (2, 4),
+    needs = "AVX512-VNNI and AVX512VL"
+);
+tiled!(
     /// Q5_0 weights · Q8_0 activations.
     q5_0_q8_0 => q5_0_tile(BlockQ5_0, BlockQ8_0), prompt_tile = (1, 8)
+);
+tiled!(
+    /// [`q5_0_q8_0`] with AVX-VNNI's byte dot (same results).
+    q5_0_q8_0_avxvnni => q5_0_tile_avxvnni(BlockQ5_0, BlockQ8_0), prompt_tile = (1, 8), needs = "AVX-VNNI"
+);
+tiled!(
+    /// [`q5_0_q8_0`] with AVX512-VNNI's byte dot (same results).
+    q5_0_q8_0_avx512vnni => q5_0_tile_avx512vnni(BlockQ5_0, BlockQ8_0), prompt_tile = (1, 8),
+    needs = "AVX512-VNNI and AVX512VL"
 );
 tiled!(
     /// Q5_1 weights · Q8_1 activations.
@@ -117,6 +136,15 @@ tiled!(
 tiled!(
     /// Q8_0 weights · Q8_0 activations.
     q8_0_q8_0 => q8_0_tile(BlockQ8_0, BlockQ8_0), prompt_tile = (2, 4)
+);
+tiled!(
+    /// [`q8_0_q8_0`] with AVX-VNNI's byte dot (same results).
+    q8_0_q8_0_avxvnni => q8_0_tile_avxvnni(BlockQ8_0, BlockQ8_0), prompt_tile = (2, 4), needs = "AVX-VNNI"
+);
+tiled!(
+    /// [`q8_0_q8_0`] with AVX512-VNNI's byte dot (same results).
+    q8_0_q8_0_avx512vnni => q8_0_tile_avx512vnni(BlockQ8_0, BlockQ8_0), prompt_tile = (2, 4),
+    needs = "AVX512-VNNI and AVX512VL"
 );
 tiled!(
     /// Q4_K weights · Q8_K activations.
@@ -204,6 +232,80 @@ unsafe fn mul_sum_us8_pairs_float(ax: __m256i, sy: __m256i) -> __m256 {
     _mm256_cvtepi32_ps(_mm256_madd_epi16(_mm256_set1_epi16(1), dot))
 }
 
+/// The integer core of `mul_sum_us8_pairs_float` for the tiles that come in
+/// VNNI forms: unsigned × signed bytes, summed in fours into i32 lanes.
+///
+/// `maddubs` saturates each sum of two products to i16 and `vpdpbusd` does
+/// not, so they agree exactly when no pair leaves [-32768, 32767]. For every
+/// byte pattern the tiles below can pass, none does: Q4_1's unsigned values
+/// are at most 15 and Q5_0's `ax = |x|` at most 16 (pairs within ±4096);
+/// Q8_0's `ax = |x|` is at most 128 (`sign(-128, -128)` is 0x80) and its `sy`
+/// in [-128, 127], so pairs lie in [2 * 128 * -128, 2 * 128 * 127] =
+/// [-32768, 32512]. The lanes, and so every float after them, are identical.
+pub(crate) trait ByteDot {
+    /// # Safety
+    /// The CPU must have the implementor's features.
+    unsafe fn sum4(ax: __m256i, sy: __m256i) -> __m256i;
+}
+
+/// GGML's AVX2 form: `maddubs`, then `madd` with ones.
+pub(crate) struct Maddubs;
+/// `vpdpbusd` with the VEX encoding (AVX-VNNI).
+pub(crate) struct AvxVnni;
+/// `vpdpbusd` with the EVEX encoding on 256 bits (AVX512-VNNI + AVX512VL).
+pub(crate) struct Avx512Vnni;
+
+impl ByteDot for Maddubs {
+    #[inline(always)]
+    unsafe fn sum4(ax: __m256i, sy: __m256i) -> __m256i {
+        _mm256_madd_epi16(_mm256_set1_epi16(1), _mm256_maddubs_epi16(ax, sy))
+    }
+}
+
+// These intrinsics and the VNNI target features need Rust 1.89 (the workspace's rust-version).
+impl ByteDot for AvxVnni {
+    #[inline(always)]
+    unsafe fn sum4(ax: __m256i, sy: __m256i) -> __m256i {
+        _mm256_dpbusd_avx_epi32(_mm256_setzero_si256(), ax, sy)
+    }
+}
+
+impl ByteDot for Avx512Vnni {
+    #[inline(always)]
+    unsafe fn sum4(ax: __m256i, sy: __m256i) -> __m256i {
+        _mm256_dpbusd_epi32(_mm256_setzero_si256(), ax, sy)
+    }
+}
+
+/// `mul_sum_us8_pairs_float` with the integer sums of `D`.
+#[inline(always)]
+unsafe fn byte_dot_float<D: ByteDot>(ax: __m256i, sy: __m256i) -> __m256 {
+    _mm256_cvtepi32_ps(D::sum4(ax, sy))
+}
+
+/// Compiles the tile body `$body::<D, R, T>` once per [`ByteDot`] form, each
+/// entry point with the features its form needs. The bodies are
+/// `#[inline(always)]` without features of their own, so all of their code,
+/// helpers included, is generated inside each entry point.
+macro_rules! byte_dot_tiles {
+    ($body:ident($W:ty, $A:ty) => $avx2:ident, $avxvnni:ident, $avx512vnni:ident) => {
+        #[target_feature(enable = "avx2,fma,f16c")]
+        unsafe fn $avx2<const R: usize, const T: usize>(xs: [&[$W]; R], ys: [&[$A]; T]) -> [[f32; T]; R] {
+            $body::<Maddubs, R, T>(xs, ys)
+        }
+
+        #[target_feature(enable = "avx2,fma,f16c,avxvnni")]
+        unsafe fn $avxvnni<const R: usize, const T: usize>(xs: [&[$W]; R], ys: [&[$A]; T]) -> [[f32; T]; R] {
+            $body::<AvxVnni, R, T>(xs, ys)
+        }
+
+        #[target_feature(enable = "avx2,fma,f16c,avx512vnni,avx512vl")]
+        unsafe fn $avx512vnni<const R: usize, const T: usize>(xs: [&[$W]; R], ys: [&[$A]; T]) -> [[f32; T]; R] {
+            $body::<Avx512Vnni, R, T>(xs, ys)
+        }
+    };
+}
+
 /// `bytes_from_nibbles_32`: 16 bytes → 32 values, low nibbles first.
 #[inline]
 #[target_feature(enable = "avx2,fma")]
@@ -263,8 +365,13 @@ unsafe fn q4_0_tile<const R: usize, const T: usize>(xs: [&[BlockQ4_0]; R], ys: [
     hsum_each(acc)
 }
 
-#[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn q4_1_tile<const R: usize, const T: usize>(xs: [&[BlockQ4_1]; R], ys: [&[BlockQ8_1]; T]) -> [[f32; T]; R] {
+byte_dot_tiles!(q4_1_body(BlockQ4_1, BlockQ8_1) => q4_1_tile, q4_1_tile_avxvnni, q4_1_tile_avx512vnni);
+
+#[inline(always)]
+unsafe fn q4_1_body<D: ByteDot, const R: usize, const T: usize>(
+    xs: [&[BlockQ4_1]; R],
+    ys: [&[BlockQ8_1]; T],
+) -> [[f32; T]; R] {
     let nb = common_len(&xs, &ys);
     let mut acc = [[_mm256_setzero_ps(); T]; R];
     // The offset terms m * s, summed apart from the lanes as GGML does.
@@ -279,7 +386,7 @@ unsafe fn q4_1_tile<const R: usize, const T: usize>(xs: [&[BlockQ4_1]; R], ys: [
                 let yb = ys[t].get_unchecked(ib);
                 summs[r][t] = m.mul_add(fp16(yb.s), summs[r][t]);
                 let d0d1 = _mm256_mul_ps(d0, _mm256_set1_ps(fp16(yb.d)));
-                let xy = mul_sum_us8_pairs_float(qx, load_256(yb.qs.as_ptr()));
+                let xy = byte_dot_float::<D>(qx, load_256(yb.qs.as_ptr()));
                 acc[r][t] = _mm256_fmadd_ps(d0d1, xy, acc[r][t]);
             }
         }
@@ -287,8 +394,13 @@ unsafe fn q4_1_tile<const R: usize, const T: usize>(xs: [&[BlockQ4_1]; R], ys: [
     add_scalars(hsum_each(acc), summs)
 }
 
-#[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn q5_0_tile<const R: usize, const T: usize>(xs: [&[BlockQ5_0]; R], ys: [&[BlockQ8_0]; T]) -> [[f32; T]; R] {
+byte_dot_tiles!(q5_0_body(BlockQ5_0, BlockQ8_0) => q5_0_tile, q5_0_tile_avxvnni, q5_0_tile_avx512vnni);
+
+#[inline(always)]
+unsafe fn q5_0_body<D: ByteDot, const R: usize, const T: usize>(
+    xs: [&[BlockQ5_0]; R],
+    ys: [&[BlockQ8_0]; T],
+) -> [[f32; T]; R] {
     let nb = common_len(&xs, &ys);
     let mut acc = [[_mm256_setzero_ps(); T]; R];
     for ib in 0..nb {
@@ -304,7 +416,7 @@ unsafe fn q5_0_tile<const R: usize, const T: usize>(xs: [&[BlockQ5_0]; R], ys: [
                 let yb = ys[t].get_unchecked(ib);
                 // dx * dy in every lane: the product GGML broadcasts.
                 let d = _mm256_mul_ps(dx, _mm256_set1_ps(fp16(yb.d)));
-                let q = mul_sum_us8_pairs_float(ax, _mm256_sign_epi8(load_256(yb.qs.as_ptr()), qx));
+                let q = byte_dot_float::<D>(ax, _mm256_sign_epi8(load_256(yb.qs.as_ptr()), qx));
                 acc[r][t] = _mm256_fmadd_ps(d, q, acc[r][t]);
             }
         }
@@ -335,8 +447,13 @@ unsafe fn q5_1_tile<const R: usize, const T: usize>(xs: [&[BlockQ5_1]; R], ys: [
     add_scalars(hsum_each(acc), summs)
 }
 
-#[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn q8_0_tile<const R: usize, const T: usize>(xs: [&[BlockQ8_0]; R], ys: [&[BlockQ8_0]; T]) -> [[f32; T]; R] {
+byte_dot_tiles!(q8_0_body(BlockQ8_0, BlockQ8_0) => q8_0_tile, q8_0_tile_avxvnni, q8_0_tile_avx512vnni);
+
+#[inline(always)]
+unsafe fn q8_0_body<D: ByteDot, const R: usize, const T: usize>(
+    xs: [&[BlockQ8_0]; R],
+    ys: [&[BlockQ8_0]; T],
+) -> [[f32; T]; R] {
     let nb = common_len(&xs, &ys);
     let mut acc = [[_mm256_setzero_ps(); T]; R];
     for ib in 0..nb {
@@ -353,7 +470,7 @@ unsafe fn q8_0_tile<const R: usize, const T: usize>(xs: [&[BlockQ8_0]; R], ys: [
             let dx = fp16(xb.d);
             for t in 0..T {
                 let qy = load_256(ys[t].get_unchecked(ib).qs.as_ptr());
-                let q = mul_sum_us8_pairs_float(ax, _mm256_sign_epi8(qy, qx));
+                let q = byte_dot_float::<D>(ax, _mm256_sign_epi8(qy, qx));
                 acc[r][t] = _mm256_fmadd_ps(_mm256_set1_ps(dx * dy[t]), q, acc[r][t]);
             }
         }
@@ -943,4 +1060,127 @@ unsafe fn q5_k_tiled_tile<const R: usize, const T: usize>(xs: [&[BlockQ5K]; R], 
         }
     }
     lanes_out(acc)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Byte patterns at the edges of `maddubs`' range, plus random ones.
+    fn fill(bytes: &mut [u8], state: &mut u64) {
+        let mut next = || {
+            *state ^= *state << 13;
+            *state ^= *state >> 7;
+            *state ^= *state << 17;
+            *state
+        };
+        let mode = next() % 6;
+        for b in bytes.iter_mut() {
+            let r = next() as u8;
+            *b = match mode {
+                0 => 0x80,
+                1 => 0x7F,
+                2 => 0x81,
+                3 => [0x80, 0x7F, 0x81, 0xFF, 0x00, 0x01][(r % 6) as usize],
+                _ => r,
+            };
+        }
+    }
+
+    fn random_blocks<B: bytemuck::Pod>(count: usize, scale_offsets: &[usize], state: &mut u64) -> Vec<B> {
+        let mut blocks = vec![B::zeroed(); count];
+        let scales = [1.0f32, -0.5, 0.0123, 65504.0, 6.0e-8, -3.0e-3];
+        for block in blocks.iter_mut() {
+            let bytes = bytemuck::bytes_of_mut(block);
+            fill(bytes, state);
+            for &offset in scale_offsets {
+                *state ^= *state << 13;
+                *state ^= *state >> 7;
+                *state ^= *state << 17;
+                let d = f16::from_f32(scales[(*state % scales.len() as u64) as usize]);
+                bytes[offset..offset + 2].copy_from_slice(&d.to_le_bytes());
+            }
+        }
+        blocks
+    }
+
+    /// Runs `kernels` (AVX2 first) on every row and token count a tile can
+    /// see, with rows of 7 blocks, and checks their outputs agree bit for bit.
+    fn check<W: bytemuck::Pod, A: bytemuck::Pod>(
+        kernels: [(&str, bool, super::super::TileFn<W, A>); 3],
+        w_scales: &[usize],
+        a_scales: &[usize],
+    ) {
+        let mut state = 0x9E37_79B9_7F4A_7C15u64;
+        for rows in 1..=5 {
+            for tokens in 1..=9 {
+                let ws: Vec<Vec<W>> = (0..rows).map(|_| random_blocks(7, w_scales, &mut state)).collect();
+                let ys: Vec<Vec<A>> = (0..tokens).map(|_| random_blocks(7, a_scales, &mut state)).collect();
+                let ws: Vec<&[W]> = ws.iter().map(|w| &w[..]).collect();
+                let ys: Vec<&[A]> = ys.iter().map(|y| &y[..]).collect();
+                let mut expected = vec![0.0f32; rows * tokens];
+                // SAFETY: the tests run only where the detection said yes.
+                unsafe { (kernels[0].2)(&ws, &ys, &mut expected) };
+                for &(name, available, kernel) in &kernels[1..] {
+                    if !available {
+                        eprintln!("{name}: not on this CPU, not checked");
+                        continue;
+                    }
+                    let mut got = vec![f32::NAN; rows * tokens];
+                    unsafe { kernel(&ws, &ys, &mut got) };
+                    for (i, (e, g)) in expected.iter().zip(&got).enumerate() {
+                        assert_eq!(
+                            e.to_bits(),
+                            g.to_bits(),
+                            "{name}, {rows}x{tokens}, output {i}: {e} vs {g}"
+                        );
+                    }
+                }
+            }
+        }
+    }
+
+    fn features() -> Option<(bool, bool)> {
+        if !super::super::has_avx2() {
+            return None;
+        }
+        let avx = is_x86_feature_detected!("avxvnni");
+        let avx512 = is_x86_feature_detected!("avx512vnni") && is_x86_feature_detected!("avx512vl");
+        Some((avx, avx512))
+    }
+
+    #[test]
+    fn vnni_tiles_match_avx2() {
+        let Some((avx, avx512)) = features() else {
+            eprintln!("no AVX2: nothing to compare");
+            return;
+        };
+        check::<BlockQ5_0, BlockQ8_0>(
+            [
+                ("q5_0 avx2", true, q5_0_q8_0),
+                ("q5_0 avxvnni", avx, q5_0_q8_0_avxvnni),
+                ("q5_0 avx512vnni", avx512, q5_0_q8_0_avx512vnni),
+            ],
+            &[0],
+            &[0],
+        );
+        check::<BlockQ8_0, BlockQ8_0>(
+            [
+                ("q8_0 avx2", true, q8_0_q8_0),
+                ("q8_0 avxvnni", avx, q8_0_q8_0_avxvnni),
+                ("q8_0 avx512vnni", avx512, q8_0_q8_0_avx512vnni),
+            ],
+            &[0],
+            &[0],
+        );
+        check::<BlockQ4_1, BlockQ8_1>(
+            [
+                ("q4_1 avx2", true, q4_1_q8_1),
+                ("q4_1 avxvnni", avx, q4_1_q8_1_avxvnni),
+                ("q4_1 avx512vnni", avx512, q4_1_q8_1_avx512vnni),
+            ],
+            &[0, 2],
+            &[0, 2],
+        );
+    }
 }

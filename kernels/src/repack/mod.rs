@@ -59,7 +59,7 @@ pub enum Mode {
 /// Whether llama.cpp's AVX2 CPU backend repacks a Q4_K matrix of `rows`
 /// rows (and so computes it as this module does).
 pub fn q4k_is_repacked(rows: usize) -> bool {
-    rows % 8 == 0
+    rows.is_multiple_of(8)
 }
 
 /// How many of `n` activation rows go through the gemm (the first ones);

@@ -248,7 +248,7 @@ pub(super) fn parse(path: &Path, bytes: &[u8]) -> Result<Parsed> {
             .checked_mul(row_bytes as u64)
             .and_then(|n| usize::try_from(n).ok())
             .ok_or_else(|| tensor_err("size overflows".into()))?;
-        if rel_offset % alignment != 0 {
+        if !rel_offset.is_multiple_of(alignment) {
             return Err(tensor_err(format!(
                 "data offset {rel_offset} is not {alignment}-byte aligned"
             )));

@@ -112,10 +112,10 @@ impl Config {
                 return Err(g.bad_metadata(&key(k), format!("value {v} out of range")));
             }
         }
-        if n_head % n_head_kv != 0 {
+        if !n_head.is_multiple_of(n_head_kv) {
             return Err(g.bad_metadata(&key("attention.head_count_kv"), "does not divide head_count"));
         }
-        if head_dim % 2 != 0 {
+        if !head_dim.is_multiple_of(2) {
             return Err(g.bad_metadata(&key("attention.key_length"), "must be even for RoPE"));
         }
 
@@ -131,7 +131,7 @@ impl Config {
         let n_rot = g
             .get_u64(&key("rope.dimension_count"))?
             .map_or(head_dim, |v| v as usize);
-        if n_rot > head_dim || n_rot % 2 != 0 {
+        if n_rot > head_dim || !n_rot.is_multiple_of(2) {
             return Err(g.bad_metadata(
                 &key("rope.dimension_count"),
                 format!("{n_rot} invalid for head size {head_dim}"),
