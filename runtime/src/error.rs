@@ -8,6 +8,14 @@ use leanstream_kernels::KernelError;
 pub enum RuntimeError {
     #[error("{path}: {source}")]
     Io { path: PathBuf, source: std::io::Error },
+    /// A read of `len` bytes at byte `offset` of `path` failed.
+    #[error("{path}: read of {len} bytes at offset {offset}: {source}")]
+    Read {
+        path: PathBuf,
+        offset: u64,
+        len: u64,
+        source: std::io::Error,
+    },
     #[error("{path}: not a GGUF file (magic {found:?}, expected \"GGUF\")")]
     BadMagic { path: PathBuf, found: [u8; 4] },
     #[error("{path}: {problem}")]

@@ -3,6 +3,7 @@
 
 pub mod error;
 pub mod fetch;
+pub mod flash;
 pub mod generate;
 pub mod gguf;
 pub mod model;

@@ -51,6 +51,23 @@ impl GgufFile {
         // SAFETY: the map is read-only; a file truncated underneath us by another
         // process is outside what any mmap-based loader can defend against.
         let mmap = unsafe { Mmap::map(&file) }.map_err(|e| RuntimeError::io(&path, e))?;
+        Self::from_mmap(path, mmap)
+    }
+
+    /// A GGUF image embedded in a larger file at `offset..offset + len` (the
+    /// resident part of an `.lsflash` file). Tensor offsets, [`Self::data`] and
+    /// [`Self::file_len`] are relative to the embedded image; errors name `path`.
+    /// The caller checks that the range lies inside the file.
+    pub fn open_range(path: impl AsRef<Path>, offset: u64, len: usize) -> Result<Self> {
+        let path = path.as_ref().to_path_buf();
+        let file = std::fs::File::open(&path).map_err(|e| RuntimeError::io(&path, e))?;
+        // SAFETY: as in `open`.
+        let mmap = unsafe { memmap2::MmapOptions::new().offset(offset).len(len).map(&file) }
+            .map_err(|e| RuntimeError::io(&path, e))?;
+        Self::from_mmap(path, mmap)
+    }
+
+    fn from_mmap(path: PathBuf, mmap: Mmap) -> Result<Self> {
         let parsed = reader::parse(&path, &mmap)?;
         let by_name = parsed
             .tensors

@@ -1,6 +1,6 @@
 //! `leanstream`: run, tokenize, evaluate and benchmark GGUF models.
 
-use std::io::Write;
+use std::io::{IsTerminal, Write};
 use std::path::{Path, PathBuf};
 use std::process::ExitCode;
 use std::time::Instant;
@@ -8,6 +8,7 @@ use std::time::Instant;
 use anyhow::{bail, Context, Result};
 use clap::{Parser, Subcommand};
 use leanstream_runtime::fetch::{self, resolve_model};
+use leanstream_runtime::flash;
 use leanstream_runtime::generate::{generate, ChatTemplate, Sampler, SamplerConfig};
 use leanstream_runtime::model::Model;
 use leanstream_runtime::perplexity::perplexity;
@@ -77,6 +78,21 @@ enum Cmd {
     },
     /// Measure prompt and decode speed; with --llama-bench, llama.cpp's too, in the same run.
     Bench(bench::BenchArgs),
+    /// Pack a GGUF model into an .lsflash file (FFN neuron bundles for flash streaming).
+    Pack {
+        /// GGUF path, or a known model name (smollm2, gemma3) fetched on first use.
+        #[arg(long)]
+        model: String,
+        /// Output .lsflash path.
+        #[arg(short = 'o', long = "out")]
+        out: PathBuf,
+        /// Type of the stored down columns: q8_0 or f16.
+        #[arg(long, default_value = "q8_0")]
+        down: leanstream_runtime::flash::DownType,
+        /// Neuron placement, JSON {"layers": [[neuron ids...], ...]} (default: identity).
+        #[arg(long)]
+        placement: Option<PathBuf>,
+    },
     /// Download a known model into the cache and print its path.
     Fetch {
         /// smollm2 or gemma3
@@ -146,6 +162,12 @@ fn real_main(cli: Cli) -> Result<()> {
             Ok(())
         }
         Cmd::Bench(args) => bench::run(args),
+        Cmd::Pack {
+            model,
+            out,
+            down,
+            placement,
+        } => pack(&model, &out, down, placement.as_deref()),
         Cmd::Fetch { name } => {
             let m = fetch::known_model(&name).with_context(|| {
                 let names: Vec<_> = fetch::KNOWN_MODELS.iter().map(|m| m.name).collect();
@@ -156,6 +178,27 @@ fn real_main(cli: Cli) -> Result<()> {
             Ok(())
         }
     }
+}
+
+fn pack(model: &str, out: &Path, down: flash::DownType, placement: Option<&Path>) -> Result<()> {
+    let path = resolve_model(model)?;
+    let placement = placement.map(flash::pack::load_placement).transpose()?;
+    let opts = flash::PackOptions {
+        down,
+        placement,
+        progress: std::io::stderr().is_terminal(),
+    };
+    let r = flash::pack(&path, out, &opts)?;
+    eprintln!(
+        "packed {} -> {}: {:.1} MiB ({:.1} MiB resident, {:.1} MiB bundles) in {:.1} s",
+        path.display(),
+        r.path.display(),
+        r.file_len as f64 / (1 << 20) as f64,
+        r.resident_len as f64 / (1 << 20) as f64,
+        r.bundle_len as f64 / (1 << 20) as f64,
+        r.seconds
+    );
+    Ok(())
 }
 
 pub(crate) fn load(arg: &str) -> Result<Model> {

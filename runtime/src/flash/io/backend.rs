@@ -1,0 +1,134 @@
+//! The backend contract: explicit submit and complete of tagged reads, in the
+//! style of io_uring. The engine owns the buffers and the file; a backend only
+//! moves bytes.
+
+use std::collections::{HashMap, VecDeque};
+use std::io;
+use std::os::fd::RawFd;
+
+/// One positional read handed to a backend.
+///
+/// `buf` points into the engine's buffer pool and stays valid and untouched by
+/// anyone else until the backend has reported the completion with this `tag`.
+#[derive(Debug, Clone, Copy)]
+pub struct ReadOp {
+    /// The engine's tag, returned unchanged in the completion.
+    pub tag: u64,
+    pub fd: RawFd,
+    pub buf: *mut u8,
+    pub len: u32,
+    pub offset: u64,
+}
+
+// SAFETY: a `ReadOp` is a description of a read into memory the engine has lent
+// exclusively to the backend until completion; moving it to a worker thread is
+// what the pread backend is for.
+unsafe impl Send for ReadOp {}
+
+/// The outcome of one `ReadOp`: bytes read (>= 0) or a negated errno, as a CQE.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ReadResult {
+    pub tag: u64,
+    pub result: i32,
+}
+
+/// A read backend. One engine drives one backend from one thread.
+pub trait Backend: Send {
+    /// A short name for reports ("io_uring", "pread×4", ...).
+    fn name(&self) -> String;
+
+    /// Queues a read. It may reach the kernel only at the next `complete`.
+    ///
+    /// # Safety
+    /// `op.buf` must be valid for writes of `op.len` bytes, and must not be read
+    /// or written by anyone else, until the completion tagged `op.tag` has been
+    /// returned by `complete`.
+    unsafe fn submit(&mut self, op: ReadOp) -> io::Result<()>;
+
+    /// Sends queued reads on, waits until at least `min` completions are
+    /// available (`min` never exceeds the reads outstanding), and appends every
+    /// available completion to `out`.
+    fn complete(&mut self, min: usize, out: &mut Vec<ReadResult>) -> io::Result<()>;
+}
+
+/// A fault to inject into one read.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Fault {
+    /// The read fails with this errno without touching the file.
+    Errno(i32),
+    /// The read succeeds but reports at most this many bytes.
+    Short(u32),
+}
+
+/// A test hook: wraps a backend and injects faults into chosen reads.
+///
+/// Reads are counted from 0 in submission order, resubmissions included, so
+/// `(0, Fault::Errno(libc::EIO))` fails the very first read the engine issues.
+pub struct FaultyBackend {
+    inner: Box<dyn Backend>,
+    faults: HashMap<u64, Fault>,
+    submitted: u64,
+    injected: VecDeque<ReadResult>,
+    shorten: HashMap<u64, u32>,
+}
+
+impl FaultyBackend {
+    pub fn new(inner: Box<dyn Backend>, faults: impl IntoIterator<Item = (u64, Fault)>) -> Self {
+        Self {
+            inner,
+            faults: faults.into_iter().collect(),
+            submitted: 0,
+            injected: VecDeque::new(),
+            shorten: HashMap::new(),
+        }
+    }
+
+    /// Reads submitted through this wrapper so far.
+    pub fn submitted(&self) -> u64 {
+        self.submitted
+    }
+}
+
+impl Backend for FaultyBackend {
+    fn name(&self) -> String {
+        format!("faulty({})", self.inner.name())
+    }
+
+    unsafe fn submit(&mut self, op: ReadOp) -> io::Result<()> {
+        let n = self.submitted;
+        self.submitted += 1;
+        match self.faults.get(&n) {
+            Some(Fault::Errno(errno)) => {
+                self.injected.push_back(ReadResult {
+                    tag: op.tag,
+                    result: -errno,
+                });
+                Ok(())
+            }
+            Some(Fault::Short(cap)) => {
+                self.shorten.insert(op.tag, *cap);
+                // SAFETY: forwarded unchanged under the caller's guarantee.
+                unsafe { self.inner.submit(op) }
+            }
+            None => {
+                // SAFETY: forwarded unchanged under the caller's guarantee.
+                unsafe { self.inner.submit(op) }
+            }
+        }
+    }
+
+    fn complete(&mut self, min: usize, out: &mut Vec<ReadResult>) -> io::Result<()> {
+        let injected = self.injected.len();
+        out.extend(self.injected.drain(..));
+        let start = out.len();
+        self.inner.complete(min.saturating_sub(injected), out)?;
+        for r in &mut out[start..] {
+            if let Some(cap) = self.shorten.remove(&r.tag) {
+                if r.result > cap as i32 {
+                    r.result = cap as i32;
+                }
+            }
+        }
+        Ok(())
+    }
+}

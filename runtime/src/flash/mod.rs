@@ -1,0 +1,9 @@
+//! Flash streaming: the packed `.lsflash` format and the I/O engine that
+//! reads neuron bundles from it.
+
+pub mod format;
+pub mod io;
+pub mod pack;
+
+pub use format::{BundleLayout, DownType, Header, LsFlash};
+pub use pack::{pack, PackOptions, PackReport};

@@ -1,0 +1,277 @@
+//! Writes an `.lsflash` file from a GGUF model (see [`super::format`]).
+//!
+//! The writer streams layer by layer: only one layer's down matrix (as f32,
+//! transposed) and one layer's bundles are in memory at a time. It writes to
+//! `OUT.tmp`, fsyncs, drops the written pages from the page cache and renames
+//! the file into place, so a crash never leaves a half-written `OUT`.
+
+use std::fs::File;
+use std::io::{BufWriter, Seek, SeekFrom, Write};
+use std::os::unix::io::AsRawFd;
+use std::path::{Path, PathBuf};
+use std::time::Instant;
+
+use indicatif::{ProgressBar, ProgressStyle};
+use leanstream_kernels::dequant::dequantize_row;
+use leanstream_kernels::quantize::quantize_row;
+use sha2::{Digest, Sha256};
+
+use super::format::{
+    align_up, check_permutation, sha256_file, BundleLayout, DownType, Header, LayerEntry, PREAMBLE_LEN,
+};
+use crate::gguf::{GgufFile, GgufWriter};
+use crate::model::Config;
+use crate::{Result, RuntimeError};
+
+#[derive(Debug, Clone, Default)]
+pub struct PackOptions {
+    pub down: DownType,
+    /// Per layer, the neuron to store at each position; identity when `None`.
+    pub placement: Option<Vec<Vec<u32>>>,
+    /// Show a progress bar on stderr.
+    pub progress: bool,
+}
+
+/// What [`pack`] wrote.
+#[derive(Debug, Clone)]
+pub struct PackReport {
+    pub path: PathBuf,
+    pub file_len: u64,
+    pub resident_len: u64,
+    pub bundle_len: u64,
+    pub seconds: f64,
+}
+
+/// Reads a placement file: JSON `{"layers": [[neuron ids...], ...]}`.
+pub fn load_placement(path: &Path) -> Result<Vec<Vec<u32>>> {
+    #[derive(serde::Deserialize)]
+    struct PlacementFile {
+        layers: Vec<Vec<u32>>,
+    }
+    let text = std::fs::read_to_string(path).map_err(|e| RuntimeError::io(path, e))?;
+    let p: PlacementFile = serde_json::from_str(&text).map_err(|e| RuntimeError::Corrupt {
+        path: path.to_path_buf(),
+        problem: format!("placement JSON: {e}"),
+    })?;
+    Ok(p.layers)
+}
+
+fn ffn_name(l: usize, part: &str) -> String {
+    format!("blk.{l}.ffn_{part}.weight")
+}
+
+/// Packs the GGUF at `gguf_path` into an `.lsflash` file at `out_path`.
+pub fn pack(gguf_path: impl AsRef<Path>, out_path: impl AsRef<Path>, opts: &PackOptions) -> Result<PackReport> {
+    let start = Instant::now();
+    let (src_path, out_path) = (gguf_path.as_ref(), out_path.as_ref());
+    let g = GgufFile::open(src_path)?;
+    let c = Config::from_gguf(&g)?;
+    let (n_layer, n_embd, n_ff) = (c.n_layer, c.n_embd, c.n_ff);
+
+    let placement = match &opts.placement {
+        None => vec![(0..n_ff as u32).collect::<Vec<u32>>(); n_layer],
+        Some(p) => {
+            if p.len() != n_layer {
+                return Err(RuntimeError::Invalid(format!(
+                    "placement has {} layers, the model has {n_layer}",
+                    p.len()
+                )));
+            }
+            for (l, order) in p.iter().enumerate() {
+                check_permutation(order, n_ff).map_err(|e| {
+                    RuntimeError::Invalid(format!("placement layer {l} is not a permutation of 0..{n_ff}: {e}"))
+                })?;
+            }
+            p.clone()
+        }
+    };
+
+    // Per-layer bundle layouts, checked before anything is written.
+    let down_ty = opts.down.ggml();
+    let mut layouts = Vec::with_capacity(n_layer);
+    for l in 0..n_layer {
+        let gate = g.matrix(&ffn_name(l, "gate"), n_ff, n_embd)?;
+        let up = g.matrix(&ffn_name(l, "up"), n_ff, n_embd)?;
+        g.matrix(&ffn_name(l, "down"), n_embd, n_ff)?;
+        let down_bytes = down_ty
+            .row_bytes(n_embd)
+            .map_err(|e| RuntimeError::Unsupported(format!("down columns as {down_ty} with n_embd = {n_embd}: {e}")))?;
+        layouts.push(BundleLayout {
+            gate_type: gate.ty,
+            up_type: up.ty,
+            down_type: down_ty,
+            gate_bytes: gate.row_bytes(),
+            up_bytes: up.row_bytes(),
+            down_bytes,
+        });
+    }
+
+    let arch = g.req_str("general.architecture")?.to_string();
+    let resident = resident_image(&g, n_layer);
+    let resident_sha256: [u8; 32] = Sha256::digest(&resident).into();
+    let (source_sha256, source_len) = sha256_file(src_path)?;
+
+    // The layout of the whole file.
+    let meta_len = Header::meta_len(arch.len(), n_layer, n_ff);
+    let resident_offset = align_up((PREAMBLE_LEN + meta_len) as u64);
+    let bundle_offset = align_up(resident_offset + resident.len() as u64);
+    let mut layers = Vec::with_capacity(n_layer);
+    let mut pos = bundle_offset;
+    for layout in &layouts {
+        let offset = align_up(pos);
+        let len = (layout.bundle_bytes() * n_ff) as u64;
+        layers.push(LayerEntry {
+            layout: *layout,
+            offset,
+            len,
+            sha256: [0; 32],
+        });
+        pos = offset + len;
+    }
+    let u32_dim = |v: usize| v as u32;
+    let mut header = Header {
+        source_sha256,
+        source_len,
+        arch,
+        n_layer: u32_dim(n_layer),
+        n_embd: u32_dim(n_embd),
+        n_ff: u32_dim(n_ff),
+        n_head: u32_dim(c.n_head),
+        n_head_kv: u32_dim(c.n_head_kv),
+        head_dim: u32_dim(c.head_dim),
+        n_vocab: u32_dim(c.n_vocab),
+        down_type: opts.down,
+        resident_offset,
+        resident_len: resident.len() as u64,
+        resident_sha256,
+        bundle_offset,
+        bundle_len: pos - bundle_offset,
+        placement,
+        layers,
+    };
+
+    let mut tmp_name = out_path.as_os_str().to_owned();
+    tmp_name.push(".tmp");
+    let tmp_path = PathBuf::from(tmp_name);
+    let result = write_file(&g, &tmp_path, &mut header, &resident, opts.progress);
+    if let Err(e) = result {
+        let _ = std::fs::remove_file(&tmp_path);
+        return Err(e);
+    }
+    std::fs::rename(&tmp_path, out_path).map_err(|e| RuntimeError::io(out_path, e))?;
+    if let Some(dir) = out_path.parent().filter(|d| !d.as_os_str().is_empty()) {
+        // Make the rename durable; failure here only weakens crash safety.
+        if let Ok(d) = File::open(dir) {
+            let _ = d.sync_all();
+        }
+    }
+    Ok(PackReport {
+        path: out_path.to_path_buf(),
+        file_len: pos,
+        resident_len: header.resident_len,
+        bundle_len: header.bundle_len,
+        seconds: start.elapsed().as_secs_f64(),
+    })
+}
+
+/// The GGUF image of everything except the layers' FFN matrices.
+fn resident_image(g: &GgufFile, n_layer: usize) -> Vec<u8> {
+    let mut w = GgufWriter::new();
+    let mut keys: Vec<&String> = g.metadata.keys().collect();
+    keys.sort();
+    for k in keys {
+        // The writer uses its own (default) alignment.
+        if k != "general.alignment" {
+            w.meta(k, g.metadata[k].clone());
+        }
+    }
+    let ffn: std::collections::HashSet<String> = (0..n_layer)
+        .flat_map(|l| ["gate", "up", "down"].map(|p| ffn_name(l, p)))
+        .collect();
+    for t in g.tensors.iter().filter(|t| !ffn.contains(&t.name)) {
+        w.tensor(&t.name, &t.dims, t.ty, g.tensor_bytes(t).to_vec());
+    }
+    w.to_bytes()
+}
+
+fn write_file(g: &GgufFile, tmp_path: &Path, header: &mut Header, resident: &[u8], progress: bool) -> Result<()> {
+    let io = |e: std::io::Error| RuntimeError::io(tmp_path, e);
+    let file = File::create(tmp_path).map_err(io)?;
+    let mut w = BufWriter::with_capacity(8 << 20, file);
+    let mut at = 0u64;
+    let pad_to = |w: &mut BufWriter<File>, at: &mut u64, target: u64| -> Result<()> {
+        let zeros = vec![0u8; (target - *at) as usize];
+        w.write_all(&zeros).map_err(io)?;
+        *at = target;
+        Ok(())
+    };
+    // Preamble and meta block are written last; zeros hold their place.
+    pad_to(&mut w, &mut at, header.resident_offset)?;
+    w.write_all(resident).map_err(io)?;
+    at += resident.len() as u64;
+
+    let (n_embd, n_ff) = (header.n_embd as usize, header.n_ff as usize);
+    let bar = if progress {
+        ProgressBar::new(header.layers.len() as u64)
+    } else {
+        ProgressBar::hidden()
+    };
+    bar.set_style(
+        ProgressStyle::with_template("pack {bar:30} {pos}/{len} layers, ETA {eta}").expect("static template"),
+    );
+    let mut down_t = vec![0f32; n_embd * n_ff];
+    let mut row = vec![0f32; n_ff];
+    let mut bundle = Vec::new();
+    for l in 0..header.layers.len() {
+        let entry = &header.layers[l];
+        let layout = entry.layout;
+        pad_to(&mut w, &mut at, entry.offset)?;
+        let gate = g.matrix(&ffn_name(l, "gate"), n_ff, n_embd)?;
+        let up = g.matrix(&ffn_name(l, "up"), n_ff, n_embd)?;
+        let down_name = ffn_name(l, "down");
+        let down = g.matrix(&down_name, n_embd, n_ff)?;
+        // Transpose the down matrix: column i becomes a contiguous run.
+        for r in 0..n_embd {
+            dequantize_row(down.ty, down.row(r), &mut row).map_err(|e| RuntimeError::Tensor {
+                path: g.path().to_path_buf(),
+                name: down_name.clone(),
+                problem: e.to_string(),
+            })?;
+            for (i, &v) in row.iter().enumerate() {
+                down_t[i * n_embd + r] = v;
+            }
+        }
+        let mut hasher = Sha256::new();
+        bundle.resize(layout.bundle_bytes(), 0);
+        for &i in &header.placement[l] {
+            let i = i as usize;
+            let (gb, rest) = bundle.split_at_mut(layout.gate_bytes);
+            let (ub, db) = rest.split_at_mut(layout.up_bytes);
+            gb.copy_from_slice(gate.row(i));
+            ub.copy_from_slice(up.row(i));
+            quantize_row(layout.down_type, &down_t[i * n_embd..(i + 1) * n_embd], db)?;
+            hasher.update(&bundle);
+            w.write_all(&bundle).map_err(io)?;
+        }
+        at += entry.len;
+        header.layers[l].sha256 = hasher.finalize().into();
+        bar.inc(1);
+    }
+    bar.finish_and_clear();
+
+    let meta = header.encode_meta();
+    debug_assert_eq!(
+        meta.len(),
+        Header::meta_len(header.arch.len(), header.layers.len(), n_ff)
+    );
+    w.seek(SeekFrom::Start(0)).map_err(io)?;
+    w.write_all(&Header::encode_preamble(&meta)).map_err(io)?;
+    w.write_all(&meta).map_err(io)?;
+    let file = w.into_inner().map_err(|e| io(e.into_error()))?;
+    file.sync_all().map_err(io)?;
+    // SAFETY: plain syscall on an open descriptor; advice only, failure is harmless.
+    unsafe {
+        libc::posix_fadvise(file.as_raw_fd(), 0, 0, libc::POSIX_FADV_DONTNEED);
+    }
+    Ok(())
+}
