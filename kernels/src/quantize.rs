@@ -16,7 +16,8 @@ use crate::blocks::*;
 use crate::{GgmlType, KernelError};
 
 /// Converts `x` into the dot type `ty` (F32, F16, BF16, Q8_0, Q8_1 or Q8_K),
-/// writing exactly `ty.row_bytes(x.len())` bytes to `dst`.
+/// writing exactly `ty.row_bytes(x.len())` bytes to `dst`. (Weights in
+/// Q4_0 come from [`quantize_row_q4_0`].)
 pub fn quantize_row(ty: GgmlType, x: &[f32], dst: &mut [u8]) -> Result<(), KernelError> {
     match ty {
         GgmlType::F32 => copy_row_f32(x, dst),
@@ -49,6 +50,15 @@ pub fn quantize_row_q8_1(x: &[f32], dst: &mut [u8]) -> Result<(), KernelError> {
 pub fn quantize_row_q8_k(x: &[f32], dst: &mut [u8]) -> Result<(), KernelError> {
     check_lengths(GgmlType::Q8K, x, dst)?;
     for_each_block(x, QK_K, dst, quantize_block_q8_k);
+    Ok(())
+}
+
+/// Quantizes `x` into Q4_0 blocks (bytes of `[BlockQ4_0]`) as GGML's
+/// `quantize_row_q4_0_ref` does, which is also what `ggml_quantize_chunk`
+/// (and so `llama-quantize` without an importance matrix) uses for Q4_0.
+pub fn quantize_row_q4_0(x: &[f32], dst: &mut [u8]) -> Result<(), KernelError> {
+    check_lengths(GgmlType::Q4_0, x, dst)?;
+    for_each_block(x, QK, dst, quantize_block_q4_0);
     Ok(())
 }
 
@@ -101,6 +111,31 @@ pub fn quantize_block_q8_0(xs: &[f32], block: &mut BlockQ8_0) {
     block.d = f16::from_f32(d);
     for (q, &v) in block.qs.iter_mut().zip(xs) {
         *q = nearest_int(v * multiplier) as i8;
+    }
+}
+
+/// One Q4_0 block from 32 values: the value of largest magnitude, with its
+/// sign, maps to -8 (`d = max / -8`); the others to `trunc(x / d + 8.5)`
+/// clamped to 15, so the opposite extreme may land one step short.
+pub fn quantize_block_q4_0(xs: &[f32], block: &mut BlockQ4_0) {
+    // GGML keeps the first value of largest magnitude.
+    let mut amax = 0.0f32;
+    let mut max = 0.0f32;
+    for &v in xs {
+        if amax < v.abs() {
+            amax = v.abs();
+            max = v;
+        }
+    }
+    let d = max / -8.0;
+    let id = if d != 0.0 { 1.0 / d } else { 0.0 };
+    block.d = f16::from_f32(d);
+    let (lo, hi) = xs.split_at(QK / 2);
+    for ((q, &x0), &x1) in block.qs.iter_mut().zip(lo).zip(hi) {
+        // `(int8_t)(v + 8.5f)` truncates; v + 8.5 is at least 0.5 here.
+        let q0 = ((x0 * id + 8.5) as i8).min(15) as u8;
+        let q1 = ((x1 * id + 8.5) as i8).min(15) as u8;
+        *q = q0 | (q1 << 4);
     }
 }
 
@@ -235,6 +270,58 @@ mod tests {
                 assert!((a - b).abs() <= a.abs() * 4e-3, "{ty}: {a} -> {b}");
             }
         }
+    }
+
+    #[test]
+    fn q4_0_round_trip_is_within_half_a_step() {
+        let mut x = pseudo_random(1024, 41);
+        x[64..96].fill(0.0); // an all-zero block
+        let mut bytes = vec![0u8; GgmlType::Q4_0.row_bytes(x.len()).unwrap()];
+        quantize_row_q4_0(&x, &mut bytes).unwrap();
+        let mut back = vec![0.0f32; x.len()];
+        dequantize_row(GgmlType::Q4_0, &bytes, &mut back).unwrap();
+        let blocks: &[BlockQ4_0] = bytemuck::cast_slice(&bytes);
+        for ((block_x, block_back), block) in x.chunks(QK).zip(back.chunks(QK)).zip(blocks) {
+            let amax = block_x.iter().fold(0.0f32, |m, v| m.max(v.abs()));
+            let step = amax / 8.0;
+            for (j, (a, b)) in block_x.iter().zip(block_back).enumerate() {
+                let q = if j < QK / 2 {
+                    block.qs[j] & 15
+                } else {
+                    block.qs[j - QK / 2] >> 4
+                };
+                // Half a step plus the f16 rounding of d; a value clamped to
+                // 15 (the extreme opposite the signed maximum) up to one step.
+                let tol = if q == 15 { step } else { step * 0.5 } + amax * 1e-3;
+                assert!((a - b).abs() <= tol, "{a} -> {b} (q {q}, step {step})");
+            }
+        }
+        assert!(back[64..96].iter().all(|&v| v == 0.0));
+    }
+
+    #[test]
+    fn q4_0_maps_signed_max_to_zero_nibble() {
+        let mut x = [0.0f32; 32];
+        x[3] = -2.0; // largest magnitude, negative: d = 0.25
+        x[20] = 1.0; // 1 / 0.25 + 8.5 = 12.5 -> 12
+        x[5] = 0.125; // 0.5 + 8.5 = 9.0 -> 9 (truncation, not rounding)
+        x[6] = 0.12; // 8.98 -> 8
+        let mut block = BlockQ4_0::zeroed();
+        quantize_block_q4_0(&x, &mut block);
+        assert_eq!(block.d.to_f32(), 0.25);
+        assert_eq!(block.qs[3] & 15, 0);
+        assert_eq!(block.qs[4] >> 4, 12);
+        assert_eq!(block.qs[5] & 15, 9);
+        assert_eq!(block.qs[6] & 15, 8);
+        assert_eq!(block.qs[0], 0x88);
+        // A positive maximum also maps to 0 with a negative scale; -max clamps to 15.
+        let mut y = [0.0f32; 32];
+        y[0] = 1.0;
+        y[1] = -1.0;
+        quantize_block_q4_0(&y, &mut block);
+        assert_eq!(block.d.to_f32(), -0.125);
+        assert_eq!(block.qs[0] & 15, 0);
+        assert_eq!(block.qs[1] & 15, 15);
     }
 
     #[test]

@@ -226,8 +226,9 @@ fn most_urgent_requests_go_first() {
         for r in &reqs {
             engine.enqueue(*r).unwrap();
         }
-        // The first read is in flight; a newcomer more urgent than the rest
-        // overtakes them.
+        // The first read is in flight (a fast read may already have completed
+        // and let the next one go); a newcomer more urgent than the rest
+        // overtakes every request still queued.
         engine.poll(false).unwrap();
         let urgent = Request {
             id: 99,
@@ -238,7 +239,10 @@ fn most_urgent_requests_go_first() {
         engine.enqueue(urgent).unwrap();
         reqs.push(urgent);
         let order = drain(&mut engine, &reqs);
-        assert_eq!(order, [9, 99, 8, 7, 6, 5, 4, 3, 2, 1, 0]);
+        let at = order.iter().position(|&id| id == 99).unwrap();
+        assert!((1..=2).contains(&at), "urgent request completed at {at}: {order:?}");
+        let rest: Vec<u32> = order.iter().copied().filter(|&id| id != 99).collect();
+        assert_eq!(rest, [9, 8, 7, 6, 5, 4, 3, 2, 1, 0]);
     }
 }
 

@@ -5,8 +5,10 @@
 
 use std::path::PathBuf;
 
+use indicatif::ProgressBar;
 use leanstream_kernels::GgmlType;
 use leanstream_runtime::generate::ingest;
+use leanstream_runtime::gguf::GgufFile;
 use leanstream_runtime::model::{Arch, Model};
 use leanstream_runtime::synthetic::{SyntheticSpec, VOCAB};
 
@@ -103,4 +105,88 @@ fn q8_0_weights_track_their_f32_originals() {
     let b = last_logits(&q8_model, &TOKENS, true);
     let diff = max_rel_diff(&a, &b);
     assert!(diff > 0.0 && diff < 0.05, "Q8_0 vs F32 logits differ by {diff}");
+}
+
+#[test]
+fn q4_0_weights_track_their_f32_originals() {
+    let f32_model = Model::load(write("f32-for-q4.gguf", &SyntheticSpec::tiny("llama"))).unwrap();
+    let mut spec = SyntheticSpec::tiny("llama");
+    spec.weight_type = GgmlType::Q4_0;
+    let q4_model = Model::load(write("q4.gguf", &spec)).unwrap();
+    let a = last_logits(&f32_model, &TOKENS, true);
+    let b = last_logits(&q4_model, &TOKENS, true);
+    let diff = max_rel_diff(&a, &b);
+    assert!(diff > 0.0 && diff < 0.5, "Q4_0 vs F32 logits differ by {diff}");
+}
+
+#[test]
+fn named_shapes_have_the_published_parameter_counts() {
+    // Parameter counts of the published checkpoints (embeddings, output,
+    // norms and biases included).
+    for (name, params, tensors) in [
+        ("mistral-7b", 7_241_732_096u64, 3 + 32 * 9),
+        ("llama2-7b", 6_738_415_616, 3 + 32 * 9),
+        ("qwen2.5-7b", 7_615_616_512, 3 + 28 * 12),
+    ] {
+        let descs = SyntheticSpec::shape(name).unwrap().tensor_descs().unwrap();
+        let n: u64 = descs.iter().map(|d| d.dims.iter().product::<u64>()).sum();
+        assert_eq!((n, descs.len()), (params, tensors), "{name}");
+    }
+    assert!(SyntheticSpec::shape("gpt-5").is_err());
+}
+
+#[test]
+fn streamed_and_in_memory_writers_give_the_same_bytes() {
+    for arch in ["llama", "qwen2", "mistral"] {
+        for ty in [GgmlType::F32, GgmlType::F16, GgmlType::Q8_0, GgmlType::Q4_0] {
+            let mut spec = SyntheticSpec::tiny(arch);
+            spec.weight_type = ty;
+            spec.sliding_window = (arch == "mistral").then_some(4);
+            let streamed = spec.write_to(Vec::new(), &ProgressBar::hidden()).unwrap();
+            assert_eq!(streamed, spec.build().unwrap().to_bytes(), "{arch} {ty}");
+        }
+    }
+}
+
+/// A named shape, shrunk, written to disk by the streaming writer.
+fn small_shape(name: &str) -> SyntheticSpec {
+    let mut spec = SyntheticSpec::shape(name).unwrap();
+    spec.n_layer = 1;
+    spec.n_embd = 128;
+    spec.n_ff = 256;
+    spec.n_head = 4;
+    spec.n_head_kv = 2;
+    spec.n_vocab = 1000;
+    spec
+}
+
+#[test]
+fn streamed_shapes_load_and_run() {
+    let dir = PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join("synthetic");
+    std::fs::create_dir_all(&dir).unwrap();
+    for (name, arch) in [("mistral-7b", Arch::Llama), ("qwen2.5-7b", Arch::Qwen2)] {
+        let spec = small_shape(name);
+        let path = dir.join(format!("{name}-small.gguf"));
+        let report = spec.write_file(&path, false).unwrap();
+        let bytes = std::fs::read(&path).unwrap();
+        assert_eq!(report.bytes, bytes.len() as u64);
+        assert!(!dir.join(format!("{name}-small.gguf.tmp")).exists());
+        assert_eq!(bytes, spec.build().unwrap().to_bytes(), "{name}");
+
+        let g = GgufFile::open(&path).unwrap();
+        assert_eq!(g.get_str("general.architecture").unwrap(), Some(spec.arch.as_str()));
+        let model = Model::load(&path).unwrap();
+        assert_eq!(model.config.arch, arch);
+        assert_eq!(model.config.n_vocab, 1000);
+        assert_eq!(model.config.rope_base, spec.rope_base);
+        assert_eq!(model.config.sliding_window, None);
+        // Filler pieces never match: text still encodes byte by byte.
+        assert_eq!(
+            model.tokenizer.encode("Hi", true, false),
+            vec![1, 3 + b'H' as u32, 3 + b'i' as u32]
+        );
+        let logits = last_logits(&model, &TOKENS, true);
+        assert_eq!(logits.len(), 1000);
+        assert!(logits.iter().all(|v| v.is_finite()), "{name}: non-finite logits");
+    }
 }

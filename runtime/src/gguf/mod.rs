@@ -14,7 +14,7 @@ use memmap2::Mmap;
 
 use crate::{Result, RuntimeError};
 pub use value::{MetaArray, MetaValue};
-pub use writer::GgufWriter;
+pub use writer::{GgufStreamWriter, GgufWriter, TensorDesc};
 
 /// One tensor's directory entry, with its data range already validated.
 #[derive(Debug, Clone)]

@@ -12,7 +12,7 @@ const ALIGNMENT: usize = 32;
 #[derive(Default)]
 pub struct GgufWriter {
     metadata: Vec<(String, MetaValue)>,
-    tensors: Vec<(String, Vec<u64>, GgmlType, Vec<u8>)>,
+    tensors: Vec<(TensorDesc, Vec<u8>)>,
 }
 
 impl GgufWriter {
@@ -25,48 +25,169 @@ impl GgufWriter {
         self
     }
 
-    /// Adds a tensor with GGML dims (`dims[0]` contiguous) and its raw bytes.
+    /// Adds a tensor with GGML dims (`dims[0]` contiguous) and its raw bytes
+    /// (taken as they are, so fixtures can give a wrong length on purpose).
     pub fn tensor(&mut self, name: &str, dims: &[u64], ty: GgmlType, data: Vec<u8>) -> &mut Self {
-        self.tensors.push((name.to_string(), dims.to_vec(), ty, data));
+        let desc = TensorDesc {
+            name: name.to_string(),
+            dims: dims.to_vec(),
+            ty,
+            size: data.len() as u64,
+        };
+        self.tensors.push((desc, data));
         self
     }
 
     /// Serialises the whole file.
     pub fn to_bytes(&self) -> Vec<u8> {
         let mut b = Vec::new();
-        b.extend_from_slice(b"GGUF");
-        b.extend_from_slice(&3u32.to_le_bytes());
-        b.extend_from_slice(&(self.tensors.len() as u64).to_le_bytes());
-        b.extend_from_slice(&(self.metadata.len() as u64).to_le_bytes());
-        for (k, v) in &self.metadata {
-            put_str(&mut b, k);
-            put_value(&mut b, v);
-        }
-        let mut offset = 0usize;
-        let mut offsets = Vec::with_capacity(self.tensors.len());
-        for (name, dims, ty, data) in &self.tensors {
-            put_str(&mut b, name);
-            b.extend_from_slice(&(dims.len() as u32).to_le_bytes());
-            for d in dims {
-                b.extend_from_slice(&d.to_le_bytes());
-            }
-            b.extend_from_slice(&ty.id().to_le_bytes());
-            b.extend_from_slice(&(offset as u64).to_le_bytes());
-            offsets.push(offset);
-            offset = (offset + data.len()).div_ceil(ALIGNMENT) * ALIGNMENT;
-        }
-        let data_start = b.len().div_ceil(ALIGNMENT) * ALIGNMENT;
-        b.resize(data_start, 0);
-        for ((_, _, _, data), off) in self.tensors.iter().zip(offsets) {
-            b.resize(data_start + off, 0);
-            b.extend_from_slice(data);
-        }
+        self.write_to(&mut b).expect("writing to a Vec cannot fail");
         b
     }
 
     pub fn write_to(&self, w: &mut impl Write) -> std::io::Result<()> {
-        w.write_all(&self.to_bytes())
+        let descs: Vec<TensorDesc> = self.tensors.iter().map(|(d, _)| d.clone()).collect();
+        let mut s = GgufStreamWriter::new(w, &self.metadata, descs)?;
+        for (_, data) in &self.tensors {
+            s.write_data(data)?;
+        }
+        s.finish()?;
+        Ok(())
     }
+}
+
+/// A tensor's entry in the header: name, GGML dims, type and data size in bytes.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct TensorDesc {
+    pub name: String,
+    pub dims: Vec<u64>,
+    pub ty: GgmlType,
+    pub size: u64,
+}
+
+impl TensorDesc {
+    /// A tensor whose size follows from its dims and type.
+    pub fn new(name: &str, dims: &[u64], ty: GgmlType) -> Result<Self, leanstream_kernels::KernelError> {
+        let rows: u64 = dims.iter().skip(1).product();
+        let row_bytes = ty.row_bytes(dims.first().copied().unwrap_or(1) as usize)? as u64;
+        Ok(Self {
+            name: name.to_string(),
+            dims: dims.to_vec(),
+            ty,
+            size: rows * row_bytes,
+        })
+    }
+}
+
+/// Writes a GGUF file front to back without holding its tensors: the header
+/// (metadata and every tensor's offset, known from the sizes up front) goes
+/// out first, then each tensor's bytes in order, in pieces of any size, with
+/// the padding between tensors. The bytes equal [`GgufWriter::to_bytes`]'s
+/// for the same contents.
+pub struct GgufStreamWriter<W: Write> {
+    w: W,
+    tensors: Vec<TensorDesc>,
+    /// The tensor being written and the bytes of it written so far.
+    current: usize,
+    written: u64,
+    /// Bytes written to `w` so far.
+    pos: u64,
+}
+
+impl<W: Write> GgufStreamWriter<W> {
+    /// Writes the header; the tensors' data must follow in `tensors`' order.
+    pub fn new(mut w: W, metadata: &[(String, MetaValue)], tensors: Vec<TensorDesc>) -> std::io::Result<Self> {
+        let mut b = Vec::new();
+        b.extend_from_slice(b"GGUF");
+        b.extend_from_slice(&3u32.to_le_bytes());
+        b.extend_from_slice(&(tensors.len() as u64).to_le_bytes());
+        b.extend_from_slice(&(metadata.len() as u64).to_le_bytes());
+        for (k, v) in metadata {
+            put_str(&mut b, k);
+            put_value(&mut b, v);
+        }
+        let mut offset = 0u64;
+        for t in &tensors {
+            put_str(&mut b, &t.name);
+            b.extend_from_slice(&(t.dims.len() as u32).to_le_bytes());
+            for d in &t.dims {
+                b.extend_from_slice(&d.to_le_bytes());
+            }
+            b.extend_from_slice(&t.ty.id().to_le_bytes());
+            b.extend_from_slice(&offset.to_le_bytes());
+            offset = (offset + t.size).div_ceil(ALIGNMENT as u64) * ALIGNMENT as u64;
+        }
+        b.resize(b.len().div_ceil(ALIGNMENT) * ALIGNMENT, 0);
+        w.write_all(&b)?;
+        let mut s = Self {
+            w,
+            tensors,
+            current: 0,
+            written: 0,
+            pos: b.len() as u64,
+        };
+        s.skip_finished()?;
+        Ok(s)
+    }
+
+    /// Bytes of the file written so far.
+    pub fn position(&self) -> u64 {
+        self.pos
+    }
+
+    /// Appends `data` to the current tensor's bytes; a piece may not run past
+    /// the end of the tensor it belongs to.
+    pub fn write_data(&mut self, data: &[u8]) -> std::io::Result<()> {
+        let Some(t) = self.tensors.get(self.current) else {
+            return Err(invalid(format!("{} bytes of data past the last tensor", data.len())));
+        };
+        let left = t.size - self.written;
+        if data.len() as u64 > left {
+            return Err(invalid(format!(
+                "tensor '{}': {} more bytes given, {left} expected",
+                t.name,
+                data.len()
+            )));
+        }
+        self.w.write_all(data)?;
+        self.written += data.len() as u64;
+        self.pos += data.len() as u64;
+        self.skip_finished()
+    }
+
+    /// Checks every tensor was written in full and returns the sink.
+    pub fn finish(mut self) -> std::io::Result<W> {
+        if let Some(t) = self.tensors.get(self.current) {
+            return Err(invalid(format!(
+                "tensor '{}' (and {} after it) not written in full: {} of {} bytes",
+                t.name,
+                self.tensors.len() - self.current - 1,
+                self.written,
+                t.size
+            )));
+        }
+        self.w.flush()?;
+        Ok(self.w)
+    }
+
+    /// Moves past complete tensors, padding before the next one's start (the
+    /// last tensor gets no padding after it).
+    fn skip_finished(&mut self) -> std::io::Result<()> {
+        while self.current < self.tensors.len() && self.written == self.tensors[self.current].size {
+            self.current += 1;
+            self.written = 0;
+            if self.current < self.tensors.len() {
+                let pad = self.pos.div_ceil(ALIGNMENT as u64) * ALIGNMENT as u64 - self.pos;
+                self.w.write_all(&[0u8; ALIGNMENT][..pad as usize])?;
+                self.pos += pad;
+            }
+        }
+        Ok(())
+    }
+}
+
+fn invalid(msg: String) -> std::io::Error {
+    std::io::Error::new(std::io::ErrorKind::InvalidInput, msg)
 }
 
 fn put_str(b: &mut Vec<u8>, s: &str) {
@@ -155,5 +276,52 @@ fn put_array(b: &mut Vec<u8>, a: &MetaArray) {
                 put_array(b, inner);
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn descs() -> Vec<TensorDesc> {
+        vec![
+            TensorDesc::new("a", &[3], GgmlType::F32).unwrap(),
+            TensorDesc::new("b", &[32, 2], GgmlType::Q4_0).unwrap(),
+        ]
+    }
+
+    #[test]
+    fn stream_writer_matches_in_memory_writer_for_any_piece_sizes() {
+        let meta = vec![("k".to_string(), MetaValue::U32(5))];
+        let a = vec![1u8; 12];
+        let b: Vec<u8> = (0..36).collect();
+        let mut mem = GgufWriter::new();
+        mem.meta("k", MetaValue::U32(5));
+        mem.tensor("a", &[3], GgmlType::F32, a.clone());
+        mem.tensor("b", &[32, 2], GgmlType::Q4_0, b.clone());
+        let mut s = GgufStreamWriter::new(Vec::new(), &meta, descs()).unwrap();
+        s.write_data(&a[..5]).unwrap();
+        s.write_data(&a[5..]).unwrap();
+        for chunk in b.chunks(7) {
+            s.write_data(chunk).unwrap();
+        }
+        let bytes = s.finish().unwrap();
+        assert_eq!(bytes, mem.to_bytes());
+        // The second tensor starts aligned, with no padding after the last.
+        assert_eq!(bytes.len() % ALIGNMENT, 36 % ALIGNMENT);
+    }
+
+    #[test]
+    fn stream_writer_rejects_wrong_sizes() {
+        let mut s = GgufStreamWriter::new(Vec::new(), &[], descs()).unwrap();
+        assert!(s.write_data(&[0u8; 13]).is_err(), "past the end of a tensor");
+        s.write_data(&[0u8; 12]).unwrap();
+        s.write_data(&[0u8; 20]).unwrap();
+        assert!(s.finish().is_err(), "a tensor left short");
+        let mut s = GgufStreamWriter::new(Vec::new(), &[], descs()).unwrap();
+        s.write_data(&[0u8; 12]).unwrap();
+        s.write_data(&[0u8; 36]).unwrap();
+        assert!(s.write_data(&[0u8; 1]).is_err(), "past the last tensor");
+        assert!(s.finish().is_ok());
     }
 }

@@ -31,18 +31,7 @@ pub struct BenchArgs {
     llama_bench: Option<PathBuf>,
 }
 
-/// Peak resident set size of this process (VmHWM), in bytes.
-pub fn peak_rss_bytes() -> u64 {
-    std::fs::read_to_string("/proc/self/status")
-        .ok()
-        .and_then(|s| {
-            s.lines()
-                .find(|l| l.starts_with("VmHWM:"))
-                .and_then(|l| l.split_whitespace().nth(1))
-                .and_then(|kb| kb.parse::<u64>().ok())
-        })
-        .map_or(0, |kb| kb * 1024)
-}
+pub use leanstream_runtime::cache::peak_rss_bytes;
 
 fn mean_std(xs: &[f64]) -> (f64, f64) {
     let n = xs.len() as f64;

@@ -12,6 +12,7 @@ use leanstream_runtime::flash;
 use leanstream_runtime::generate::{generate, ChatTemplate, Sampler, SamplerConfig};
 use leanstream_runtime::model::Model;
 use leanstream_runtime::perplexity::perplexity;
+use leanstream_runtime::synthetic;
 use leanstream_runtime::tokenizer::StreamDecoder;
 
 mod bench;
@@ -93,6 +94,23 @@ enum Cmd {
         #[arg(long)]
         placement: Option<PathBuf>,
     },
+    /// Write a GGUF of a published model's shape with seeded random weights (streamed to disk).
+    Synthetic {
+        /// mistral-7b, llama2-7b or qwen2.5-7b
+        #[arg(long)]
+        shape: String,
+        /// Type of the 2-D weights: q4_0, q8_0 or f16.
+        #[arg(long, default_value = "q4_0")]
+        quant: String,
+        /// Output .gguf path (written as PATH.tmp, then renamed).
+        #[arg(short = 'o', long = "out")]
+        out: PathBuf,
+        #[arg(long, default_value_t = 0)]
+        seed: u64,
+        /// Override the layer count (for quick tests).
+        #[arg(long)]
+        layers: Option<usize>,
+    },
     /// Download a known model into the cache and print its path.
     Fetch {
         /// smollm2 or gemma3
@@ -168,6 +186,29 @@ fn real_main(cli: Cli) -> Result<()> {
             down,
             placement,
         } => pack(&model, &out, down, placement.as_deref()),
+        Cmd::Synthetic {
+            shape,
+            quant,
+            out,
+            seed,
+            layers,
+        } => {
+            let mut spec = synthetic::SyntheticSpec::shape(&shape)?;
+            spec.weight_type = synthetic::parse_weight_type(&quant)?;
+            spec.seed = seed;
+            if let Some(n) = layers {
+                spec.n_layer = n;
+            }
+            let r = spec.write_file(&out, std::io::stderr().is_terminal())?;
+            eprintln!(
+                "wrote {}: {} tensors, {:.1} MiB in {:.1} s",
+                r.path.display(),
+                r.tensors,
+                r.bytes as f64 / (1 << 20) as f64,
+                r.seconds
+            );
+            Ok(())
+        }
         Cmd::Fetch { name } => {
             let m = fetch::known_model(&name).with_context(|| {
                 let names: Vec<_> = fetch::KNOWN_MODELS.iter().map(|m| m.name).collect();
