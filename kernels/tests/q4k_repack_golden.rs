@@ -5,36 +5,12 @@
 //! give llama.cpp's bits for every output, for one activation row (gemv) and
 //! several (gemm on whole groups of four, gemv for the rest).
 
+mod harness;
+
+use harness::{aligned, bits_fnv, fnv1a, Lcg};
 use leanstream_kernels::matmul::matmul_scalar;
 use leanstream_kernels::{matmul, ActBuffer, GgmlType, QMatrix};
 use serde_json::Value;
-
-/// The generator of golden_q4k_repack.c (and golden_vec_dot.c), value for value.
-struct Lcg(u64);
-
-impl Lcg {
-    fn step(&mut self) {
-        self.0 = self
-            .0
-            .wrapping_mul(6364136223846793005)
-            .wrapping_add(1442695040888963407);
-    }
-
-    fn next_value(&mut self) -> f32 {
-        self.step();
-        let u = (self.0 >> 40) as f32 / 16777216.0 - 0.5;
-        if (self.0 >> 20).is_multiple_of(61) {
-            u * 40.0
-        } else {
-            u * 2.0
-        }
-    }
-
-    fn next_u32(&mut self) -> u32 {
-        self.step();
-        (self.0 >> 32) as u32
-    }
-}
 
 const Q4K_BLOCK: usize = 144;
 
@@ -51,23 +27,6 @@ fn random_q4k(rng: &mut Lcg, blocks: usize) -> Vec<u8> {
         }
     }
     out
-}
-
-fn fnv1a(bytes: impl IntoIterator<Item = u8>) -> u64 {
-    bytes
-        .into_iter()
-        .fold(0xcbf29ce484222325u64, |h, b| (h ^ b as u64).wrapping_mul(0x100000001b3))
-}
-
-fn bits_fnv(values: &[f32]) -> u64 {
-    fnv1a(values.iter().flat_map(|v| v.to_bits().to_le_bytes()))
-}
-
-/// Bytes in u64 storage, so the matrix view is aligned.
-fn aligned(bytes: &[u8]) -> Vec<u64> {
-    let mut words = vec![0u64; bytes.len().div_ceil(8)];
-    bytemuck::cast_slice_mut::<u64, u8>(&mut words)[..bytes.len()].copy_from_slice(bytes);
-    words
 }
 
 struct Case {

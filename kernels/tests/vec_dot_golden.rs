@@ -4,27 +4,12 @@
 //! same float: any difference in summation order would make greedy decoding
 //! drift from llama.cpp's on near-ties.
 
+mod harness;
+
+use harness::{hex, Lcg};
 use leanstream_kernels::dot::{vec_dot, vec_dot_scalar};
 use leanstream_kernels::{ActBuffer, GgmlType};
 use serde_json::Value;
-
-/// The generator of golden_vec_dot.c, value for value.
-struct Lcg(u64);
-
-impl Lcg {
-    fn next_value(&mut self) -> f32 {
-        self.0 = self
-            .0
-            .wrapping_mul(6364136223846793005)
-            .wrapping_add(1442695040888963407);
-        let u = (self.0 >> 40) as f32 / 16777216.0 - 0.5;
-        if (self.0 >> 20).is_multiple_of(61) {
-            u * 40.0
-        } else {
-            u * 2.0
-        }
-    }
-}
 
 fn ty(name: &str) -> GgmlType {
     match name {
@@ -40,13 +25,6 @@ fn ty(name: &str) -> GgmlType {
         "q6_K" => GgmlType::Q6K,
         other => panic!("unexpected type {other}"),
     }
-}
-
-fn hex(s: &str) -> Vec<u8> {
-    (0..s.len())
-        .step_by(2)
-        .map(|i| u8::from_str_radix(&s[i..i + 2], 16).unwrap())
-        .collect()
 }
 
 #[test]
