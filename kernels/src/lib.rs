@@ -16,6 +16,7 @@ pub mod matmul;
 pub mod ops;
 pub mod quantize;
 pub mod repack;
+pub mod sparse_ffn;
 
 pub use device::Device;
 pub use error::KernelError;

@@ -125,8 +125,16 @@ unsafe fn swiglu_fma(gate: &mut [f32], up: &[f32]) {
 #[inline(always)]
 fn swiglu_body(gate: &mut [f32], up: &[f32]) {
     for (g, &u) in gate.iter_mut().zip(up) {
-        *g = *g / (1.0 + expf_ggml(-*g)) * u;
+        *g = swiglu_element(*g, u);
     }
+}
+
+/// One element of [`swiglu`]: `silu(g) * u`, the same float operations (so
+/// the same bits; callers wanting speed run it where FMA is enabled, since
+/// `expf_ggml` uses fused multiply-adds).
+#[inline(always)]
+pub fn swiglu_element(g: f32, u: f32) -> f32 {
+    g / (1.0 + expf_ggml(-g)) * u
 }
 
 /// Tanh-approximated GELU in f32, with the fused multiply-add GGML's C
@@ -165,13 +173,24 @@ pub fn gelu(x: f32) -> f32 {
 pub fn geglu(gate: &mut [f32], up: &[f32]) {
     let table = gelu_table();
     for (g, &u) in gate.iter_mut().zip(up) {
-        *g = if *g <= -10.0 {
-            0.0
-        } else if *g >= 10.0 {
-            *g * u
-        } else {
-            table[f16::from_f32(*g).to_bits() as usize] * u
-        };
+        *g = geglu_with(table, *g, u);
+    }
+}
+
+/// One element of [`geglu`]: `gelu(g) * u`, the same float operations.
+#[inline]
+pub fn geglu_element(g: f32, u: f32) -> f32 {
+    geglu_with(gelu_table(), g, u)
+}
+
+#[inline(always)]
+fn geglu_with(table: &[f32], g: f32, u: f32) -> f32 {
+    if g <= -10.0 {
+        0.0
+    } else if g >= 10.0 {
+        g * u
+    } else {
+        table[f16::from_f32(g).to_bits() as usize] * u
     }
 }
 

@@ -9,6 +9,7 @@ pub mod generate;
 pub mod gguf;
 pub mod model;
 pub mod perplexity;
+pub mod sparsity;
 pub mod synthetic;
 pub mod tokenizer;
 

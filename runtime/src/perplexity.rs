@@ -7,6 +7,7 @@ use indicatif::{ProgressBar, ProgressStyle};
 use serde::Serialize;
 
 use crate::model::Model;
+use crate::sparsity::FfnHook;
 use crate::{Result, RuntimeError};
 
 #[derive(Debug, Clone, Serialize)]
@@ -31,6 +32,19 @@ pub fn perplexity(
     max_chunks: Option<usize>,
     progress: bool,
 ) -> Result<Perplexity> {
+    perplexity_with_hook(model, text, ctx, max_chunks, progress, FfnHook::None).map(|(p, _)| p)
+}
+
+/// `perplexity` with a hook on the FFN activations (e.g. sparsity
+/// thresholds), returned afterwards with whatever it counted.
+pub fn perplexity_with_hook(
+    model: &Model,
+    text: &str,
+    ctx: usize,
+    max_chunks: Option<usize>,
+    progress: bool,
+    hook: FfnHook,
+) -> Result<(Perplexity, FfnHook)> {
     if ctx < 4 {
         return Err(RuntimeError::Invalid(format!("context {ctx} too small for perplexity")));
     }
@@ -46,6 +60,7 @@ pub fn perplexity(
     let n_chunks = (tokens.len() / ctx).min(max_chunks.unwrap_or(usize::MAX));
     let first = ctx / 2;
     let mut st = model.new_state(ctx, ctx.min(512), LOGIT_ROWS);
+    st.ffn_hook = hook;
     let bar = if progress {
         ProgressBar::new(n_chunks as u64)
     } else {
@@ -108,14 +123,15 @@ pub fn perplexity(
     } else {
         0.0
     };
-    Ok(Perplexity {
+    let p = Perplexity {
         ppl,
         ppl_stderr,
         chunks: n_chunks,
         ctx,
         tokens_scored: count,
         text_tokens: tokens.len(),
-    })
+    };
+    Ok((p, std::mem::take(&mut st.ffn_hook)))
 }
 
 /// log p(target) under softmax(logits), normaliser summed in f64.

@@ -17,6 +17,7 @@ use rayon::prelude::*;
 use super::config::{Config, FfnActivation};
 use super::weights::{mat, MatRef};
 use super::Model;
+use crate::sparsity::FfnHook;
 use crate::{Result, RuntimeError};
 
 /// Keys as `[layer][pos][kv_head * head_dim]`; values transposed as
@@ -103,6 +104,8 @@ pub struct RunState {
     pub logits: Vec<f32>,
     /// Tokens of the last forward call (rows of `xb`).
     n_rows: usize,
+    /// What happens to the gated FFN activations (calibration, sparsity).
+    pub ffn_hook: FfnHook,
 }
 
 impl RunState {
@@ -131,6 +134,7 @@ impl RunState {
             kv: KvCache::new(c, ctx),
             logits: vec![0.0; max_logit_rows.max(1) * c.n_vocab],
             n_rows: 0,
+            ffn_hook: FfnHook::None,
         }
     }
 
@@ -299,6 +303,7 @@ impl Model {
                 FfnActivation::Silu => ops::swiglu(&mut st.gate[..n * ff], &st.up[..n * ff]),
                 FfnActivation::GeluTanh => ops::geglu(&mut st.gate[..n * ff], &st.up[..n * ff]),
             }
+            st.ffn_hook.apply(il, &mut st.gate[..n * ff]);
             let mut fresh = false;
             prepare(&mut st.acts, &l.ffn_down, &st.gate, n, &mut fresh)?;
             matmul(&mat(file, &l.ffn_down), &st.acts, &mut st.proj[..n * d])?;

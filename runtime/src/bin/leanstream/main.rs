@@ -11,7 +11,8 @@ use leanstream_runtime::fetch::{self, resolve_model};
 use leanstream_runtime::flash;
 use leanstream_runtime::generate::{generate, ChatTemplate, Sampler, SamplerConfig};
 use leanstream_runtime::model::Model;
-use leanstream_runtime::perplexity::perplexity;
+use leanstream_runtime::perplexity::perplexity_with_hook;
+use leanstream_runtime::sparsity::{calibrate, Calibration, FfnHook};
 use leanstream_runtime::synthetic;
 use leanstream_runtime::tokenizer::StreamDecoder;
 
@@ -76,6 +77,27 @@ enum Cmd {
         /// Evaluate at most this many chunks.
         #[arg(long)]
         chunks: Option<usize>,
+        /// Calibration file (from `leanstream calibrate`): skip FFN neurons below its thresholds.
+        #[arg(long, requires = "sparsity")]
+        thresholds: Option<PathBuf>,
+        /// Which calibrated sparsity level of --thresholds to apply.
+        #[arg(long, requires = "thresholds")]
+        sparsity: Option<f32>,
+    },
+    /// Calibrate per-layer activation-sparsity thresholds on real text; writes JSON.
+    Calibrate {
+        #[arg(long)]
+        model: String,
+        /// Calibration text (keep it apart from evaluation text).
+        #[arg(long)]
+        file: PathBuf,
+        /// Target fractions of neurons to skip, comma-separated.
+        #[arg(long, value_delimiter = ',', default_value = "0.5,0.7,0.8")]
+        sparsity: Vec<f32>,
+        #[arg(long, default_value_t = 256)]
+        ctx: usize,
+        #[arg(short = 'o', long)]
+        output: PathBuf,
     },
     /// Measure prompt and decode speed; with --llama-bench, llama.cpp's too, in the same run.
     Bench(bench::BenchArgs),
@@ -172,11 +194,61 @@ fn real_main(cli: Cli) -> Result<()> {
             file,
             ctx,
             chunks,
+            thresholds,
+            sparsity,
         } => {
             let model = load(&model)?;
             let text = std::fs::read_to_string(&file).with_context(|| format!("reading {}", file.display()))?;
-            let p = perplexity(&model, &text, ctx, chunks, true)?;
-            println!("{}", serde_json::to_string_pretty(&p)?);
+            let hook = match (&thresholds, sparsity) {
+                (Some(path), Some(s)) => {
+                    let cal = Calibration::load(path)?;
+                    let level = cal
+                        .level(s)
+                        .with_context(|| format!("{}: no thresholds for sparsity {s}", path.display()))?;
+                    if level.per_layer.len() != model.config.n_layer {
+                        bail!(
+                            "{}: {} layers of thresholds for a {}-layer model",
+                            path.display(),
+                            level.per_layer.len(),
+                            model.config.n_layer
+                        );
+                    }
+                    FfnHook::sparsify(level.per_layer.clone())
+                }
+                _ => FfnHook::None,
+            };
+            let (p, hook) = perplexity_with_hook(&model, &text, ctx, chunks, true, hook)?;
+            let mut report = serde_json::to_value(&p)?;
+            if let Some(skipped) = hook.skipped_fraction() {
+                report["sparsity_target"] = serde_json::json!(sparsity);
+                report["skipped_fraction"] = serde_json::json!(skipped);
+            }
+            println!("{}", serde_json::to_string_pretty(&report)?);
+            Ok(())
+        }
+        Cmd::Calibrate {
+            model: model_arg,
+            file,
+            sparsity,
+            ctx,
+            output,
+        } => {
+            let model = load(&model_arg)?;
+            let text = std::fs::read_to_string(&file).with_context(|| format!("reading {}", file.display()))?;
+            let (levels, tokens) = calibrate(&model, &text, ctx, &sparsity)?;
+            let cal = Calibration {
+                model: model.gguf.path().display().to_string(),
+                text: file.display().to_string(),
+                tokens,
+                levels,
+            };
+            std::fs::write(&output, serde_json::to_string_pretty(&cal)?)
+                .with_context(|| format!("writing {}", output.display()))?;
+            eprintln!(
+                "calibrated {} sparsity levels on {tokens} tokens -> {}",
+                cal.levels.len(),
+                output.display()
+            );
             Ok(())
         }
         Cmd::Bench(args) => bench::run(args),

@@ -1,0 +1,524 @@
+//! A gated FFN (SwiGLU or GeGLU) over any subset of its neurons, each given
+//! as a neuron *bundle*: gate row i + up row i + down column i, back to back,
+//! exactly as a layer's bundles sit in a `.lsflash` file (see the runtime's
+//! `flash::format`: `gate_bytes` of the gate row in `gate_ty`, `up_bytes` of
+//! the up row in `up_ty`, `down_bytes` of the n_embd down weights in Q8_0 or
+//! F16).
+//!
+//! Two stages, slices in and slices out, nothing allocated after setup:
+//!
+//! 1. [`activations`] (per bundle, in whatever order bundles arrive):
+//!    `a_i = act(gate_i · x) * (up_i · x)`. Each dot is one [`vec_dot`] of the
+//!    weight row with the FFN input already converted to the row type's
+//!    vec-dot type ([`FfnInput`]), and the activation is [`ops::swiglu_element`]
+//!    / [`ops::geglu_element`], the element functions of the dense path's
+//!    [`ops::swiglu`] / [`ops::geglu`]. So `a_i` is bit for bit the value the
+//!    dense decode path (one activation row, [`crate::matmul`]) gives neuron
+//!    i, for every weight type whose single-row product *is* one vec-dot:
+//!    all of them except Q4_K with a multiple of 8 rows, which llama.cpp (and
+//!    `matmul`) repacks and multiplies with the repack gemv, rounded
+//!    differently (there the two agree to rounding only). With 8+ activation
+//!    rows, K-quant products use the tiled kernels instead; this module is
+//!    about one token and always uses the vec-dot.
+//!    `a_i` lands in slot i of a dense per-layer [`LayerActivations`].
+//! 2. [`accumulate_down`] (once per layer, after the last bundle):
+//!    `y += Σ a_i * down_i` over the recorded neurons in **ascending neuron
+//!    id**, skipping `a_i == 0`, one fused multiply-add per element and
+//!    neuron ([`axpy_down`]), the down column dequantized on the fly exactly
+//!    as [`crate::dequant`] does (Q8_0: `q as f32 * d`; F16: exact widening).
+//!
+//! # Determinism
+//!
+//! `a_i` is a pure function of bundle i and the input. Stage 1 only writes
+//! slot i of the layer vector, so after all bundles arrived the vector is the
+//! same whatever their order (a neuron fed twice overwrites its slot with the
+//! same value). Stage 2 reads the vector in a fixed order (ascending id,
+//! independent of arrival order and of the file's placement), and its SIMD
+//! and scalar forms perform the same operations in the same order per
+//! element (`y[j] = fma(a_i, w_ij, y[j])`, `w_ij` rounded once), so the final
+//! `y` for a given set of neurons is bit-identical regardless of the order in
+//! which bundles were fed or which kernel ran.
+
+use half::f16;
+
+use crate::dot::{has_avx2, vec_dot};
+use crate::matmul::ActBuffer;
+use crate::ops;
+use crate::{GgmlType, KernelError};
+
+/// The gate/up activation of a gated FFN.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum FfnActivation {
+    /// SwiGLU: `silu(g) * u` (Llama, Mistral, Qwen2, SmolLM).
+    Silu,
+    /// GeGLU with tanh-approximated GELU: `gelu(g) * u` (Gemma).
+    GeluTanh,
+}
+
+impl FfnActivation {
+    /// `act(g) * u`, the dense path's element function.
+    #[inline(always)]
+    pub fn apply(self, g: f32, u: f32) -> f32 {
+        match self {
+            Self::Silu => ops::swiglu_element(g, u),
+            Self::GeluTanh => ops::geglu_element(g, u),
+        }
+    }
+}
+
+/// A bundle's (gate row, up row, down column).
+pub type BundleParts<'a> = (&'a [u8], &'a [u8], &'a [u8]);
+
+/// The shape of one layer's bundles (the runtime's `BundleLayout`, from types).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct BundleFormat {
+    pub gate_ty: GgmlType,
+    pub up_ty: GgmlType,
+    /// Q8_0 or F16.
+    pub down_ty: GgmlType,
+    pub n_embd: usize,
+}
+
+impl BundleFormat {
+    /// Checks the types and that `n_embd` fills whole blocks of each.
+    pub fn new(gate_ty: GgmlType, up_ty: GgmlType, down_ty: GgmlType, n_embd: usize) -> Result<Self, KernelError> {
+        let format = Self {
+            gate_ty,
+            up_ty,
+            down_ty,
+            n_embd,
+        };
+        format.validate()?;
+        Ok(format)
+    }
+
+    /// The fields are public, so every stage re-checks them.
+    fn validate(&self) -> Result<(), KernelError> {
+        if !matches!(self.down_ty, GgmlType::Q8_0 | GgmlType::F16) {
+            return Err(KernelError::UnsupportedType(format!(
+                "{} as a down column type (expected Q8_0 or F16)",
+                self.down_ty
+            )));
+        }
+        for ty in [self.gate_ty, self.up_ty] {
+            if matches!(ty, GgmlType::Q8_1 | GgmlType::Q8K) {
+                return Err(KernelError::UnsupportedType(format!("{ty} as a weight type")));
+            }
+            ty.row_bytes(self.n_embd)?;
+        }
+        self.down_ty.row_bytes(self.n_embd)?;
+        Ok(())
+    }
+
+    /// Bytes of the gate row (0 if `n_embd` splits a block; `new` rejects that).
+    pub fn gate_bytes(&self) -> usize {
+        self.gate_ty.row_bytes(self.n_embd).unwrap_or(0)
+    }
+
+    /// Bytes of the up row.
+    pub fn up_bytes(&self) -> usize {
+        self.up_ty.row_bytes(self.n_embd).unwrap_or(0)
+    }
+
+    /// Bytes of the down column.
+    pub fn down_bytes(&self) -> usize {
+        self.down_ty.row_bytes(self.n_embd).unwrap_or(0)
+    }
+
+    /// Bytes of a whole bundle.
+    pub fn bundle_bytes(&self) -> usize {
+        self.gate_bytes() + self.up_bytes() + self.down_bytes()
+    }
+
+    /// Splits one bundle into (gate row, up row, down column); an error when
+    /// the format is invalid or `bundle` is not exactly one bundle long.
+    pub fn split<'a>(&self, bundle: &'a [u8]) -> Result<BundleParts<'a>, KernelError> {
+        self.validate()?;
+        if bundle.len() != self.bundle_bytes() {
+            return Err(KernelError::ByteLength {
+                what: "neuron bundle",
+                expected: self.bundle_bytes(),
+                got: bundle.len(),
+            });
+        }
+        let (gate, rest) = bundle.split_at(self.gate_bytes());
+        let (up, down) = rest.split_at(self.up_bytes());
+        Ok((gate, up, down))
+    }
+}
+
+/// The FFN input of one token, converted for the gate and up rows' dot types.
+#[derive(Debug, Clone, Copy)]
+pub struct FfnInput<'a> {
+    gate: &'a [u8],
+    up: &'a [u8],
+}
+
+impl<'a> FfnInput<'a> {
+    /// Row `token` of `gate_acts` (converted to `format.gate_ty.vec_dot_type()`)
+    /// and of `up_acts` (to `format.up_ty.vec_dot_type()`); pass the same
+    /// buffer twice when the two types share a dot type.
+    pub fn new(
+        format: &BundleFormat,
+        gate_acts: &'a ActBuffer,
+        up_acts: &'a ActBuffer,
+        token: usize,
+    ) -> Result<Self, KernelError> {
+        format.validate()?;
+        let row = |ty: GgmlType, acts: &'a ActBuffer, what: &'static str| -> Result<&'a [u8], KernelError> {
+            let expected = ty.vec_dot_type();
+            if acts.dot_type() != expected {
+                return Err(KernelError::TypeMismatch {
+                    what,
+                    expected,
+                    got: acts.dot_type(),
+                });
+            }
+            if acts.cols() != format.n_embd {
+                return Err(KernelError::Length {
+                    what,
+                    expected: format.n_embd,
+                    got: acts.cols(),
+                });
+            }
+            if token >= acts.n() {
+                return Err(KernelError::Length {
+                    what: "FFN input rows",
+                    expected: token + 1,
+                    got: acts.n(),
+                });
+            }
+            Ok(acts.row(token))
+        };
+        Ok(Self {
+            gate: row(format.gate_ty, gate_acts, "FFN gate input")?,
+            up: row(format.up_ty, up_acts, "FFN up input")?,
+        })
+    }
+}
+
+/// One layer's activations `a_i`, dense over its `n_ff` neurons, with a
+/// record of which were computed. Allocated once; [`Self::clear`] per token.
+#[derive(Debug, Clone)]
+pub struct LayerActivations {
+    a: Vec<f32>,
+    present: Vec<u64>,
+    count: usize,
+}
+
+impl LayerActivations {
+    pub fn new(n_ff: usize) -> Self {
+        Self {
+            a: vec![0.0; n_ff],
+            present: vec![0; n_ff.div_ceil(64)],
+            count: 0,
+        }
+    }
+
+    pub fn n_ff(&self) -> usize {
+        self.a.len()
+    }
+
+    /// Forgets every recorded neuron.
+    pub fn clear(&mut self) {
+        self.present.iter_mut().for_each(|w| *w = 0);
+        self.count = 0;
+    }
+
+    /// Neurons recorded since the last clear.
+    pub fn len(&self) -> usize {
+        self.count
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.count == 0
+    }
+
+    /// Records `a` for neuron `id` (overwriting an earlier value).
+    pub fn set(&mut self, id: usize, a: f32) -> Result<(), KernelError> {
+        if id >= self.a.len() {
+            return Err(KernelError::Length {
+                what: "neuron id (n_ff)",
+                expected: self.a.len(),
+                got: id,
+            });
+        }
+        let (word, bit) = (id / 64, 1u64 << (id % 64));
+        if self.present[word] & bit == 0 {
+            self.present[word] |= bit;
+            self.count += 1;
+        }
+        self.a[id] = a;
+        Ok(())
+    }
+
+    /// `a_id` if recorded.
+    pub fn get(&self, id: usize) -> Option<f32> {
+        let word = *self.present.get(id / 64)?;
+        (word & (1u64 << (id % 64)) != 0).then(|| self.a[id])
+    }
+
+    /// Recorded `(id, a_id)` in ascending id order.
+    pub fn iter(&self) -> impl Iterator<Item = (usize, f32)> + '_ {
+        self.present.iter().enumerate().flat_map(move |(w, &word)| {
+            let mut bits = word;
+            std::iter::from_fn(move || {
+                if bits == 0 {
+                    return None;
+                }
+                let id = w * 64 + bits.trailing_zeros() as usize;
+                bits &= bits - 1;
+                Some((id, self.a[id]))
+            })
+        })
+    }
+}
+
+/// Stage 1 for one bundle: `act(gate · x) * (up · x)`.
+pub fn neuron_activation(
+    format: &BundleFormat,
+    input: &FfnInput,
+    act: FfnActivation,
+    bundle: &[u8],
+) -> Result<f32, KernelError> {
+    let (gate, up, _) = format.split(bundle)?;
+    let g = vec_dot(format.gate_ty, gate, input.gate, format.n_embd)?;
+    let u = vec_dot(format.up_ty, up, input.up, format.n_embd)?;
+    Ok(act.apply(g, u))
+}
+
+/// Stage 1: for each `(neuron id, bundle)`, computes `a_i`
+/// ([`neuron_activation`]), records it in `layer` and writes `|a_i|` to
+/// `abs_out` (one per bundle, same order; for predictors and thresholds).
+/// Every bundle's size and id is checked before anything is recorded.
+pub fn activations(
+    format: &BundleFormat,
+    input: &FfnInput,
+    act: FfnActivation,
+    bundles: &[(usize, &[u8])],
+    layer: &mut LayerActivations,
+    abs_out: &mut [f32],
+) -> Result<(), KernelError> {
+    format.validate()?;
+    if abs_out.len() != bundles.len() {
+        return Err(KernelError::Length {
+            what: "|a| output",
+            expected: bundles.len(),
+            got: abs_out.len(),
+        });
+    }
+    for &(id, bundle) in bundles {
+        format.split(bundle)?;
+        if id >= layer.n_ff() {
+            return Err(KernelError::Length {
+                what: "neuron id (n_ff)",
+                expected: layer.n_ff(),
+                got: id,
+            });
+        }
+    }
+    #[cfg(target_arch = "x86_64")]
+    if has_avx2() {
+        // SAFETY: avx2 and fma were detected at run time.
+        return unsafe { activations_fma(format, input, act, bundles, layer, abs_out) };
+    }
+    activations_body(format, input, act, bundles, layer, abs_out)
+}
+
+/// The element functions use fused multiply-adds (in `expf_ggml`); this
+/// makes them instructions rather than calls. Same bits either way.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma")]
+unsafe fn activations_fma(
+    format: &BundleFormat,
+    input: &FfnInput,
+    act: FfnActivation,
+    bundles: &[(usize, &[u8])],
+    layer: &mut LayerActivations,
+    abs_out: &mut [f32],
+) -> Result<(), KernelError> {
+    activations_body(format, input, act, bundles, layer, abs_out)
+}
+
+#[inline(always)]
+fn activations_body(
+    format: &BundleFormat,
+    input: &FfnInput,
+    act: FfnActivation,
+    bundles: &[(usize, &[u8])],
+    layer: &mut LayerActivations,
+    abs_out: &mut [f32],
+) -> Result<(), KernelError> {
+    for (&(id, bundle), abs) in bundles.iter().zip(abs_out.iter_mut()) {
+        let a = neuron_activation(format, input, act, bundle)?;
+        layer.set(id, a)?;
+        *abs = a.abs();
+    }
+    Ok(())
+}
+
+/// Stage 2 kernel: `y[j] = fma(a, w[j], y[j])` with `w` the `y.len()`
+/// values of `down_col` (Q8_0 or F16) dequantized as [`crate::dequant`]
+/// does. AVX2+FMA when the CPU has it; bit-identical to [`axpy_down_scalar`].
+pub fn axpy_down(down_ty: GgmlType, a: f32, down_col: &[u8], y: &mut [f32]) -> Result<(), KernelError> {
+    check_down(down_ty, down_col, y.len())?;
+    #[cfg(target_arch = "x86_64")]
+    if has_avx2() {
+        // SAFETY: avx2, fma and f16c were detected at run time; lengths checked.
+        unsafe {
+            match down_ty {
+                GgmlType::Q8_0 => avx2::axpy_q8_0(a, down_col, y),
+                _ => avx2::axpy_f16(a, down_col, y),
+            }
+        }
+        return Ok(());
+    }
+    axpy_scalar_unchecked(down_ty, a, down_col, y);
+    Ok(())
+}
+
+/// The portable twin of [`axpy_down`] (same operations, same bits).
+pub fn axpy_down_scalar(down_ty: GgmlType, a: f32, down_col: &[u8], y: &mut [f32]) -> Result<(), KernelError> {
+    check_down(down_ty, down_col, y.len())?;
+    axpy_scalar_unchecked(down_ty, a, down_col, y);
+    Ok(())
+}
+
+fn check_down(down_ty: GgmlType, down_col: &[u8], n: usize) -> Result<(), KernelError> {
+    if !matches!(down_ty, GgmlType::Q8_0 | GgmlType::F16) {
+        return Err(KernelError::UnsupportedType(format!(
+            "{down_ty} as a down column type (expected Q8_0 or F16)"
+        )));
+    }
+    let expected = down_ty.row_bytes(n)?;
+    if down_col.len() != expected {
+        return Err(KernelError::ByteLength {
+            what: "down column",
+            expected,
+            got: down_col.len(),
+        });
+    }
+    Ok(())
+}
+
+/// Bytes of one Q8_0 block: f16 scale + 32 signed quants.
+const Q8_0_BYTES: usize = 34;
+
+fn axpy_scalar_unchecked(down_ty: GgmlType, a: f32, down_col: &[u8], y: &mut [f32]) {
+    match down_ty {
+        GgmlType::Q8_0 => {
+            for (block, ys) in down_col.chunks_exact(Q8_0_BYTES).zip(y.chunks_exact_mut(32)) {
+                let d = f16::from_le_bytes([block[0], block[1]]).to_f32();
+                for (yj, &q) in ys.iter_mut().zip(&block[2..]) {
+                    let w = q as i8 as f32 * d;
+                    *yj = a.mul_add(w, *yj);
+                }
+            }
+        }
+        _ => {
+            for (yj, h) in y.iter_mut().zip(down_col.chunks_exact(2)) {
+                let w = f16::from_le_bytes([h[0], h[1]]).to_f32();
+                *yj = a.mul_add(w, *yj);
+            }
+        }
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+mod avx2 {
+    use std::arch::x86_64::*;
+
+    use half::f16;
+
+    use super::Q8_0_BYTES;
+
+    /// `down_col` holds `y.len() / 32` Q8_0 blocks (checked by the caller).
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub(super) unsafe fn axpy_q8_0(a: f32, down_col: &[u8], y: &mut [f32]) {
+        let va = _mm256_set1_ps(a);
+        for (block, ys) in down_col.chunks_exact(Q8_0_BYTES).zip(y.chunks_exact_mut(32)) {
+            let d = _mm256_set1_ps(f16::from_le_bytes([block[0], block[1]]).to_f32());
+            let qs = block[2..].as_ptr();
+            let yp = ys.as_mut_ptr();
+            for k in 0..4 {
+                // SAFETY: 8 of the block's 32 quants and 8 of its 32 outputs.
+                let q = _mm_loadl_epi64(qs.add(8 * k) as *const __m128i);
+                let w = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(q)), d);
+                let out = _mm256_fmadd_ps(va, w, _mm256_loadu_ps(yp.add(8 * k)));
+                _mm256_storeu_ps(yp.add(8 * k), out);
+            }
+        }
+    }
+
+    /// `down_col` holds `y.len()` f16 values (checked by the caller).
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub(super) unsafe fn axpy_f16(a: f32, down_col: &[u8], y: &mut [f32]) {
+        let va = _mm256_set1_ps(a);
+        let n = y.len();
+        let main = n - n % 8;
+        let (src, yp) = (down_col.as_ptr(), y.as_mut_ptr());
+        let mut j = 0;
+        while j < main {
+            // SAFETY: values j..j + 8 exist in both slices.
+            let w = _mm256_cvtph_ps(_mm_loadu_si128(src.add(2 * j) as *const __m128i));
+            let out = _mm256_fmadd_ps(va, w, _mm256_loadu_ps(yp.add(j)));
+            _mm256_storeu_ps(yp.add(j), out);
+            j += 8;
+        }
+        for (yj, h) in y[main..].iter_mut().zip(down_col[2 * main..].chunks_exact(2)) {
+            let w = f16::from_le_bytes([h[0], h[1]]).to_f32();
+            *yj = a.mul_add(w, *yj);
+        }
+    }
+}
+
+/// Stage 2, once per layer: `y += Σ a_i * down_i` over the neurons recorded
+/// in `layer`, in ascending id order, skipping `a_i == 0`. `bundle(i)` gives
+/// neuron i's whole bundle (only its down column is read); `y` has n_embd
+/// values. See the module doc for why the result cannot depend on the order
+/// in which stage 1 saw the bundles.
+pub fn accumulate_down<'b>(
+    format: &BundleFormat,
+    layer: &LayerActivations,
+    bundle: impl FnMut(usize) -> &'b [u8],
+    y: &mut [f32],
+) -> Result<(), KernelError> {
+    accumulate(format, layer, bundle, y, axpy_down)
+}
+
+/// [`accumulate_down`] with the scalar kernel (bit-identical to it).
+pub fn accumulate_down_scalar<'b>(
+    format: &BundleFormat,
+    layer: &LayerActivations,
+    bundle: impl FnMut(usize) -> &'b [u8],
+    y: &mut [f32],
+) -> Result<(), KernelError> {
+    accumulate(format, layer, bundle, y, axpy_down_scalar)
+}
+
+type Axpy = fn(GgmlType, f32, &[u8], &mut [f32]) -> Result<(), KernelError>;
+
+fn accumulate<'b>(
+    format: &BundleFormat,
+    layer: &LayerActivations,
+    mut bundle: impl FnMut(usize) -> &'b [u8],
+    y: &mut [f32],
+    axpy: Axpy,
+) -> Result<(), KernelError> {
+    format.validate()?;
+    if y.len() != format.n_embd {
+        return Err(KernelError::Length {
+            what: "FFN output",
+            expected: format.n_embd,
+            got: y.len(),
+        });
+    }
+    for (id, a) in layer.iter() {
+        if a == 0.0 {
+            continue;
+        }
+        let (_, _, down) = format.split(bundle(id))?;
+        axpy(format.down_ty, a, down, y)?;
+    }
+    Ok(())
+}

@@ -1,0 +1,245 @@
+//! Training-free activation sparsity for gated FFNs (SwiGLU, GeGLU): a neuron
+//! is skipped when the magnitude of its gated activation `act(g·x)·(u·x)` is
+//! below its layer's threshold. Thresholds are calibrated on real text so that
+//! a target fraction of neurons falls below them, layer by layer.
+//!
+//! Calibration records a log-scale histogram of |activation| per layer while
+//! the dense model runs (`FfnHook::Record`); a threshold is the histogram's
+//! quantile at the target sparsity. Applying thresholds in the dense forward
+//! pass (`FfnHook::Sparsify`) measures the quality cost of a sparsity level
+//! without any streaming: the oracle upper bound for every predictor.
+
+use serde::{Deserialize, Serialize};
+
+use crate::generate::ingest;
+use crate::model::Model;
+use crate::{Result, RuntimeError};
+
+/// Histogram bins over log2 |a| in [LOG2_MIN, LOG2_MAX): 1/64 octave each (~1.1%).
+const BINS_PER_OCTAVE: usize = 64;
+const LOG2_MIN: i32 = -40;
+const LOG2_MAX: i32 = 24;
+const N_BINS: usize = (LOG2_MAX - LOG2_MIN) as usize * BINS_PER_OCTAVE;
+
+/// Per-layer histograms of |activation|, exact zeros counted apart.
+#[derive(Debug, Clone)]
+pub struct ActivationHistogram {
+    n_layer: usize,
+    bins: Vec<u64>,
+    zeros: Vec<u64>,
+}
+
+impl ActivationHistogram {
+    pub fn new(n_layer: usize) -> Self {
+        Self {
+            n_layer,
+            bins: vec![0; n_layer * N_BINS],
+            zeros: vec![0; n_layer],
+        }
+    }
+
+    fn bin(v: f32) -> usize {
+        let l = v.abs().log2();
+        (((l - LOG2_MIN as f32) * BINS_PER_OCTAVE as f32) as isize).clamp(0, N_BINS as isize - 1) as usize
+    }
+
+    /// Lower edge of a bin, as a magnitude.
+    fn edge(bin: usize) -> f32 {
+        (LOG2_MIN as f32 + bin as f32 / BINS_PER_OCTAVE as f32).exp2()
+    }
+
+    pub fn record(&mut self, layer: usize, activations: &[f32]) {
+        let bins = &mut self.bins[layer * N_BINS..(layer + 1) * N_BINS];
+        for &a in activations {
+            if a == 0.0 {
+                self.zeros[layer] += 1;
+            } else {
+                bins[Self::bin(a)] += 1;
+            }
+        }
+    }
+
+    pub fn count(&self, layer: usize) -> u64 {
+        self.zeros[layer] + self.bins[layer * N_BINS..(layer + 1) * N_BINS].iter().sum::<u64>()
+    }
+
+    /// The magnitude below which a fraction `sparsity` of this layer's
+    /// recorded activations lie (0 for sparsity 0).
+    pub fn threshold(&self, layer: usize, sparsity: f32) -> f32 {
+        let total = self.count(layer);
+        let target = (sparsity.clamp(0.0, 1.0) as f64 * total as f64).round() as u64;
+        if target == 0 {
+            return 0.0;
+        }
+        let mut below = self.zeros[layer];
+        for (b, &c) in self.bins[layer * N_BINS..(layer + 1) * N_BINS].iter().enumerate() {
+            if below + c > target {
+                // The threshold is the upper edge of the last bin wholly below the target.
+                return Self::edge(b);
+            }
+            below += c;
+        }
+        f32::INFINITY
+    }
+
+    pub fn n_layer(&self) -> usize {
+        self.n_layer
+    }
+}
+
+/// What the forward pass does with each layer's gated activations.
+#[derive(Debug, Clone, Default)]
+pub enum FfnHook {
+    #[default]
+    None,
+    /// Record magnitudes (calibration).
+    Record(ActivationHistogram),
+    /// Zero activations below the layer's threshold, counting what was skipped.
+    Sparsify {
+        thresholds: Vec<f32>,
+        skipped: u64,
+        total: u64,
+    },
+}
+
+impl FfnHook {
+    pub fn sparsify(thresholds: Vec<f32>) -> Self {
+        Self::Sparsify {
+            thresholds,
+            skipped: 0,
+            total: 0,
+        }
+    }
+
+    /// Applies the hook to layer `layer`'s activations (all tokens of the batch).
+    pub fn apply(&mut self, layer: usize, activations: &mut [f32]) {
+        match self {
+            Self::None => {}
+            Self::Record(h) => h.record(layer, activations),
+            Self::Sparsify {
+                thresholds,
+                skipped,
+                total,
+            } => {
+                let t = thresholds[layer];
+                for a in activations.iter_mut() {
+                    if a.abs() < t {
+                        *a = 0.0;
+                        *skipped += 1;
+                    }
+                }
+                *total += activations.len() as u64;
+            }
+        }
+    }
+
+    /// Fraction of neurons skipped so far (Sparsify only).
+    pub fn skipped_fraction(&self) -> Option<f64> {
+        match self {
+            Self::Sparsify { skipped, total, .. } if *total > 0 => Some(*skipped as f64 / *total as f64),
+            _ => None,
+        }
+    }
+}
+
+/// Per-layer thresholds for one target sparsity.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+pub struct Thresholds {
+    pub sparsity: f32,
+    pub per_layer: Vec<f32>,
+}
+
+/// The calibration file: thresholds for several sparsities and what they were made from.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+pub struct Calibration {
+    pub model: String,
+    pub text: String,
+    pub tokens: usize,
+    pub levels: Vec<Thresholds>,
+}
+
+impl Calibration {
+    pub fn level(&self, sparsity: f32) -> Option<&Thresholds> {
+        self.levels.iter().find(|l| (l.sparsity - sparsity).abs() < 1e-6)
+    }
+
+    pub fn load(path: &std::path::Path) -> Result<Self> {
+        let text = std::fs::read_to_string(path).map_err(|e| RuntimeError::io(path, e))?;
+        let cal: Self = serde_json::from_str(&text).map_err(|e| RuntimeError::Corrupt {
+            path: path.to_path_buf(),
+            problem: e.to_string(),
+        })?;
+        if cal
+            .levels
+            .iter()
+            .any(|l| l.per_layer.iter().any(|t| t.is_nan() || *t < 0.0))
+        {
+            return Err(RuntimeError::Corrupt {
+                path: path.to_path_buf(),
+                problem: "negative or NaN threshold".into(),
+            });
+        }
+        Ok(cal)
+    }
+}
+
+/// Runs `text` through the dense model in windows of `ctx` tokens and returns
+/// thresholds for each of `sparsities`.
+pub fn calibrate(model: &Model, text: &str, ctx: usize, sparsities: &[f32]) -> Result<(Vec<Thresholds>, usize)> {
+    if let Some(bad) = sparsities.iter().find(|s| !(0.0..1.0).contains(*s)) {
+        return Err(RuntimeError::Invalid(format!("sparsity {bad} outside [0, 1)")));
+    }
+    let tokens = model.tokenizer.encode(text, true, false);
+    if tokens.len() < 2 {
+        return Err(RuntimeError::Invalid("calibration text is too short".into()));
+    }
+    let n_layer = model.config.n_layer;
+    let mut st = model.new_state(ctx, ctx.min(512), 1);
+    st.ffn_hook = FfnHook::Record(ActivationHistogram::new(n_layer));
+    for window in tokens.chunks(ctx) {
+        ingest(model, &mut st, window, 0)?;
+    }
+    let FfnHook::Record(h) = &st.ffn_hook else {
+        unreachable!("set above")
+    };
+    let levels = sparsities
+        .iter()
+        .map(|&s| Thresholds {
+            sparsity: s,
+            per_layer: (0..n_layer).map(|l| h.threshold(l, s)).collect(),
+        })
+        .collect();
+    Ok((levels, tokens.len()))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn thresholds_split_recorded_values_at_the_target_fraction() {
+        let mut h = ActivationHistogram::new(1);
+        let values: Vec<f32> = (1..=10_000)
+            .map(|i| i as f32 * 0.001 * if i % 2 == 0 { -1.0 } else { 1.0 })
+            .collect();
+        h.record(0, &values);
+        for s in [0.25f32, 0.5, 0.8] {
+            let t = h.threshold(0, s);
+            let below = values.iter().filter(|v| v.abs() < t).count() as f32 / values.len() as f32;
+            assert!(
+                (below - s).abs() < 0.02,
+                "sparsity {s}: threshold {t} puts {below} below"
+            );
+        }
+        assert_eq!(h.threshold(0, 0.0), 0.0);
+    }
+
+    #[test]
+    fn sparsify_zeroes_below_threshold_and_counts() {
+        let mut hook = FfnHook::sparsify(vec![0.5]);
+        let mut a = [0.1, -0.6, 0.49, 2.0];
+        hook.apply(0, &mut a);
+        assert_eq!(a, [0.0, -0.6, 0.0, 2.0]);
+        assert_eq!(hook.skipped_fraction(), Some(0.5));
+    }
+}

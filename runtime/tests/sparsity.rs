@@ -1,0 +1,83 @@
+//! Activation-sparsity calibration and thresholding on a synthetic model:
+//! calibrated thresholds skip close to the target fraction on the text they
+//! came from, a zero sparsity changes nothing, and skipping changes outputs.
+
+use std::path::PathBuf;
+
+use leanstream_runtime::model::Model;
+use leanstream_runtime::perplexity::perplexity_with_hook;
+use leanstream_runtime::sparsity::{calibrate, FfnHook};
+use leanstream_runtime::synthetic::SyntheticSpec;
+
+/// Each test writes its own file: tests run in parallel.
+fn model(name: &str) -> Model {
+    let dir = PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join("sparsity");
+    std::fs::create_dir_all(&dir).unwrap();
+    let path = dir.join(name);
+    std::fs::write(&path, SyntheticSpec::tiny("llama").build().unwrap().to_bytes()).unwrap();
+    Model::load(&path).unwrap()
+}
+
+fn text() -> String {
+    let p = concat!(env!("CARGO_MANIFEST_DIR"), "/../data/text/apache-2.0.txt");
+    std::fs::read_to_string(p).unwrap()[..3000].to_string()
+}
+
+#[test]
+fn calibrated_thresholds_hit_their_target_on_the_calibration_text() {
+    let model = model("calibrate.gguf");
+    let text = text();
+    let (levels, tokens) = calibrate(&model, &text, 64, &[0.0, 0.5, 0.8]).unwrap();
+    assert!(tokens > 1000);
+    assert!(levels[0].per_layer.iter().all(|&t| t == 0.0));
+    for level in &levels[1..] {
+        // Thresholds rise with the target, layer by layer.
+        assert!(level.per_layer.iter().all(|&t| t > 0.0));
+        let (_, hook) = perplexity_with_hook(
+            &model,
+            &text,
+            64,
+            None,
+            false,
+            FfnHook::sparsify(level.per_layer.clone()),
+        )
+        .unwrap();
+        let skipped = hook.skipped_fraction().unwrap();
+        // Histogram bins are ~1% wide and perplexity scores its own windows of the text.
+        assert!(
+            (skipped - level.sparsity as f64).abs() < 0.05,
+            "target {} skipped {skipped}",
+            level.sparsity
+        );
+    }
+    assert!(levels[1]
+        .per_layer
+        .iter()
+        .zip(&levels[2].per_layer)
+        .all(|(a, b)| a <= b));
+}
+
+#[test]
+fn zero_thresholds_change_nothing_and_real_ones_do() {
+    let model = model("zero.gguf");
+    let text = text();
+    let dense = perplexity_with_hook(&model, &text, 64, None, false, FfnHook::None)
+        .unwrap()
+        .0;
+    let zero = perplexity_with_hook(&model, &text, 64, None, false, FfnHook::sparsify(vec![0.0; 2]))
+        .unwrap()
+        .0;
+    assert_eq!(dense.ppl.to_bits(), zero.ppl.to_bits());
+    let (levels, _) = calibrate(&model, &text, 64, &[0.8]).unwrap();
+    let sparse = perplexity_with_hook(
+        &model,
+        &text,
+        64,
+        None,
+        false,
+        FfnHook::sparsify(levels[0].per_layer.clone()),
+    )
+    .unwrap()
+    .0;
+    assert_ne!(dense.ppl.to_bits(), sparse.ppl.to_bits());
+}
