@@ -9,7 +9,7 @@ use std::time::{Duration, Instant};
 pub use chat::ChatTemplate;
 pub use sampler::{argmax, Sampler, SamplerConfig};
 
-use crate::model::{Model, RunState};
+use crate::model::{FfnStep, Model, RunState};
 use crate::{Result, RuntimeError};
 
 #[derive(Debug, Clone, Default)]
@@ -35,9 +35,26 @@ impl GenerationStats {
 /// Feeds `tokens` starting at `pos0` in batches of the state's capacity and
 /// leaves the hidden state of the last one ready for `Model::logits` (row 0).
 pub fn ingest(model: &Model, st: &mut RunState, tokens: &[u32], pos0: usize) -> Result<()> {
+    ingest_with(model, st, tokens, pos0, None)
+}
+
+/// `ingest` with the FFN supplied by `ffn` (see `Model::forward_with`).
+pub fn ingest_with(
+    model: &Model,
+    st: &mut RunState,
+    tokens: &[u32],
+    pos0: usize,
+    mut ffn: Option<&mut dyn FfnStep>,
+) -> Result<()> {
     let mut pos = pos0;
     for chunk in tokens.chunks(st.max_batch) {
-        model.forward_outputs(st, chunk, pos, chunk.len() - 1..chunk.len())?;
+        model.forward_with(
+            st,
+            chunk,
+            pos,
+            chunk.len() - 1..chunk.len(),
+            ffn.as_mut().map(|f| &mut **f as &mut dyn FfnStep),
+        )?;
         pos += chunk.len();
     }
     Ok(())
@@ -52,6 +69,19 @@ pub fn generate(
     prompt: &[u32],
     n_predict: usize,
     sampler: &mut Sampler,
+    on_token: impl FnMut(u32) -> Result<()>,
+) -> Result<GenerationStats> {
+    generate_with(model, st, prompt, n_predict, sampler, None, on_token)
+}
+
+/// `generate` with the FFN supplied by `ffn` (see `Model::forward_with`).
+pub fn generate_with(
+    model: &Model,
+    st: &mut RunState,
+    prompt: &[u32],
+    n_predict: usize,
+    sampler: &mut Sampler,
+    mut ffn: Option<&mut dyn FfnStep>,
     mut on_token: impl FnMut(u32) -> Result<()>,
 ) -> Result<GenerationStats> {
     if prompt.is_empty() {
@@ -69,7 +99,7 @@ pub fn generate(
         ..Default::default()
     };
     let t0 = Instant::now();
-    ingest(model, st, prompt, 0)?;
+    ingest_with(model, st, prompt, 0, ffn.as_mut().map(|f| &mut **f as &mut dyn FfnStep))?;
     stats.prompt_time = t0.elapsed();
 
     let t1 = Instant::now();
@@ -86,7 +116,13 @@ pub fn generate(
         if i + 1 == n_predict || pos >= st.ctx {
             break;
         }
-        model.forward(st, &[tok], pos)?;
+        model.forward_with(
+            st,
+            &[tok],
+            pos,
+            0..1,
+            ffn.as_mut().map(|f| &mut **f as &mut dyn FfnStep),
+        )?;
     }
     stats.decode_time = t1.elapsed();
     Ok(stats)

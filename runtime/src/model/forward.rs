@@ -191,6 +191,19 @@ impl Model {
         pos0: usize,
         outputs: std::ops::Range<usize>,
     ) -> Result<()> {
+        self.forward_with(st, tokens, pos0, outputs, None)
+    }
+
+    /// `forward_outputs` with the feed-forward matrices replaced by `ffn`
+    /// (norms, post-norm and residual stay here); `None` runs the dense FFN.
+    pub fn forward_with(
+        &self,
+        st: &mut RunState,
+        tokens: &[u32],
+        pos0: usize,
+        outputs: std::ops::Range<usize>,
+        mut ffn: Option<&mut dyn FfnStep>,
+    ) -> Result<()> {
         let c = &self.config;
         let file = self.gguf.data();
         let mut n = tokens.len();
@@ -293,20 +306,29 @@ impl Model {
 
             // Feed-forward: norm, gate and up, gated activation, down, optional post-norm, residual.
             ops::rms_norm_rows(&st.x[..n * d], &l.ffn_norm, c.rms_eps, &mut st.xb[..n * d]);
-            let ff = c.n_ff;
-            let mut fresh = false;
-            prepare(&mut st.acts, &l.ffn_gate, &st.xb, n, &mut fresh)?;
-            matmul(&mat(file, &l.ffn_gate), &st.acts, &mut st.gate[..n * ff])?;
-            prepare(&mut st.acts, &l.ffn_up, &st.xb, n, &mut fresh)?;
-            matmul(&mat(file, &l.ffn_up), &st.acts, &mut st.up[..n * ff])?;
-            match c.ffn_activation {
-                FfnActivation::Silu => ops::swiglu(&mut st.gate[..n * ff], &st.up[..n * ff]),
-                FfnActivation::GeluTanh => ops::geglu(&mut st.gate[..n * ff], &st.up[..n * ff]),
+            if let Some(f) = ffn.as_deref_mut() {
+                f.ffn(il, &st.xb[..n * d], n, &mut st.proj[..n * d])?;
+            } else {
+                let (Some(gate), Some(up), Some(down)) = (&l.ffn_gate, &l.ffn_up, &l.ffn_down) else {
+                    return Err(RuntimeError::Invalid(format!(
+                        "layer {il} has no FFN matrices (a streamed model needs an FFN step)"
+                    )));
+                };
+                let ff = c.n_ff;
+                let mut fresh = false;
+                prepare(&mut st.acts, gate, &st.xb, n, &mut fresh)?;
+                matmul(&mat(file, gate), &st.acts, &mut st.gate[..n * ff])?;
+                prepare(&mut st.acts, up, &st.xb, n, &mut fresh)?;
+                matmul(&mat(file, up), &st.acts, &mut st.up[..n * ff])?;
+                match c.ffn_activation {
+                    FfnActivation::Silu => ops::swiglu(&mut st.gate[..n * ff], &st.up[..n * ff]),
+                    FfnActivation::GeluTanh => ops::geglu(&mut st.gate[..n * ff], &st.up[..n * ff]),
+                }
+                st.ffn_hook.apply(il, &mut st.gate[..n * ff]);
+                let mut fresh = false;
+                prepare(&mut st.acts, down, &st.gate, n, &mut fresh)?;
+                matmul(&mat(file, down), &st.acts, &mut st.proj[..n * d])?;
             }
-            st.ffn_hook.apply(il, &mut st.gate[..n * ff]);
-            let mut fresh = false;
-            prepare(&mut st.acts, &l.ffn_down, &st.gate, n, &mut fresh)?;
-            matmul(&mat(file, &l.ffn_down), &st.acts, &mut st.proj[..n * d])?;
             residual(
                 &mut st.x[..n * d],
                 &st.proj[..n * d],
@@ -350,6 +372,13 @@ impl Model {
         }
         Ok(&st.logits[..count * c.n_vocab])
     }
+}
+
+/// The feed-forward of one layer supplied from outside the model (e.g.
+/// streamed from flash): `xb` holds the `n` normed input rows `[n][n_embd]`,
+/// `out` receives the FFN output rows (before any post-norm and residual).
+pub trait FfnStep {
+    fn ffn(&mut self, layer: usize, xb: &[f32], n: usize, out: &mut [f32]) -> Result<()>;
 }
 
 /// `x += post_norm(y)` (or `x += y` without a post-norm); `tmp` is scratch.

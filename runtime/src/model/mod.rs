@@ -8,7 +8,7 @@ pub mod weights;
 use std::path::Path;
 
 pub use config::{Arch, Config, FfnActivation};
-pub use forward::{KvCache, RunState};
+pub use forward::{FfnStep, KvCache, RunState};
 pub use weights::{LayerWeights, MatRef, Weights};
 
 use crate::gguf::GgufFile;
@@ -27,6 +27,18 @@ impl Model {
         let gguf = GgufFile::open(path)?;
         let config = Config::from_gguf(&gguf)?;
         let weights = Weights::load(&gguf, &config)?;
+        Self::assemble(gguf, config, weights)
+    }
+
+    /// A model without FFN matrices (e.g. the resident part of a `.lsflash`
+    /// file): its forward pass needs an [`FfnStep`] for the feed-forward.
+    pub fn from_gguf_without_ffn(gguf: GgufFile) -> Result<Self> {
+        let config = Config::from_gguf(&gguf)?;
+        let weights = Weights::load_without_ffn(&gguf, &config)?;
+        Self::assemble(gguf, config, weights)
+    }
+
+    fn assemble(gguf: GgufFile, config: Config, weights: Weights) -> Result<Self> {
         let tokenizer = Tokenizer::from_gguf(&gguf)?;
         if tokenizer.vocab_size() != config.n_vocab {
             return Err(gguf.bad_metadata(

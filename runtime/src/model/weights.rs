@@ -45,9 +45,10 @@ pub struct LayerWeights {
     pub k_norm: Option<Vec<f32>>,
     pub attn_post_norm: Option<Vec<f32>>,
     pub ffn_norm: Vec<f32>,
-    pub ffn_gate: MatRef,
-    pub ffn_up: MatRef,
-    pub ffn_down: MatRef,
+    /// The FFN matrices; `None` when they live elsewhere (a `.lsflash` file's bundles).
+    pub ffn_gate: Option<MatRef>,
+    pub ffn_up: Option<MatRef>,
+    pub ffn_down: Option<MatRef>,
     pub ffn_post_norm: Option<Vec<f32>>,
 }
 
@@ -61,6 +62,15 @@ pub struct Weights {
 
 impl Weights {
     pub fn load(g: &GgufFile, c: &Config) -> Result<Self> {
+        Self::load_parts(g, c, true)
+    }
+
+    /// Everything but the FFN matrices (which may be absent from `g`).
+    pub fn load_without_ffn(g: &GgufFile, c: &Config) -> Result<Self> {
+        Self::load_parts(g, c, false)
+    }
+
+    fn load_parts(g: &GgufFile, c: &Config, with_ffn: bool) -> Result<Self> {
         let token_embd = MatRef::load(g, "token_embd.weight", c.n_vocab, c.n_embd)?;
         let output = if g.tensor_info("output.weight").is_some() {
             MatRef::load(g, "output.weight", c.n_vocab, c.n_embd)?
@@ -83,6 +93,13 @@ impl Weights {
                 Ok(None)
             }
         };
+        let ffn = |name: &str, rows: usize, cols: usize| -> Result<Option<MatRef>> {
+            if with_ffn {
+                MatRef::load(g, name, rows, cols).map(Some)
+            } else {
+                Ok(None)
+            }
+        };
         let mut layers = Vec::with_capacity(c.n_layer);
         for il in 0..c.n_layer {
             let t = |s: &str| format!("blk.{il}.{s}");
@@ -99,9 +116,9 @@ impl Weights {
                 k_norm: needed(gemma, &t("attn_k_norm.weight"), c.head_dim)?,
                 attn_post_norm: needed(gemma, &t("post_attention_norm.weight"), c.n_embd)?,
                 ffn_norm: g.vector_f32(&t("ffn_norm.weight"), c.n_embd)?,
-                ffn_gate: MatRef::load(g, &t("ffn_gate.weight"), c.n_ff, c.n_embd)?,
-                ffn_up: MatRef::load(g, &t("ffn_up.weight"), c.n_ff, c.n_embd)?,
-                ffn_down: MatRef::load(g, &t("ffn_down.weight"), c.n_embd, c.n_ff)?,
+                ffn_gate: ffn(&t("ffn_gate.weight"), c.n_ff, c.n_embd)?,
+                ffn_up: ffn(&t("ffn_up.weight"), c.n_ff, c.n_embd)?,
+                ffn_down: ffn(&t("ffn_down.weight"), c.n_embd, c.n_ff)?,
                 ffn_post_norm: needed(gemma, &t("post_ffw_norm.weight"), c.n_embd)?,
             });
         }
@@ -119,10 +136,19 @@ impl Weights {
             .layers
             .iter()
             .map(|l| {
-                [l.wq, l.wk, l.wv, l.wo, l.ffn_gate, l.ffn_up, l.ffn_down]
-                    .iter()
-                    .map(|m| m.n_bytes)
-                    .sum::<usize>()
+                [
+                    Some(l.wq),
+                    Some(l.wk),
+                    Some(l.wv),
+                    Some(l.wo),
+                    l.ffn_gate,
+                    l.ffn_up,
+                    l.ffn_down,
+                ]
+                .iter()
+                .flatten()
+                .map(|m| m.n_bytes)
+                .sum::<usize>()
             })
             .sum();
         let head = if self.output.offset == self.token_embd.offset {

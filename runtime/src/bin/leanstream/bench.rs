@@ -9,7 +9,9 @@ use std::time::Instant;
 use anyhow::{bail, Context, Result};
 use clap::Args;
 use leanstream_runtime::generate::sampler::Rng;
-use leanstream_runtime::model::Model;
+use leanstream_runtime::model::{FfnStep, RunState};
+
+use crate::Loaded;
 use serde_json::{json, Value};
 
 #[derive(Args)]
@@ -29,6 +31,8 @@ pub struct BenchArgs {
     /// Path of llama.cpp's llama-bench: run it on the same GGUF and report ratios.
     #[arg(long)]
     llama_bench: Option<PathBuf>,
+    #[command(flatten)]
+    flash: crate::FlashArgs,
 }
 
 pub use leanstream_runtime::cache::peak_rss_bytes;
@@ -49,18 +53,26 @@ fn random_tokens(rng: &mut Rng, n: usize, n_vocab: usize) -> Vec<u32> {
 }
 
 /// Tokens per second of processing `n` prompt tokens from an empty context.
-fn prompt_speed(model: &Model, st: &mut leanstream_runtime::model::RunState, tokens: &[u32]) -> Result<f64> {
+fn prompt_speed(loaded: &mut Loaded, st: &mut RunState, tokens: &[u32]) -> Result<f64> {
+    let (model, ffn) = loaded.parts();
     let t = Instant::now();
-    leanstream_runtime::generate::ingest(model, st, tokens, 0)?;
+    leanstream_runtime::generate::ingest_with(model, st, tokens, 0, ffn)?;
     model.logits(st, 0, 1)?;
     Ok(tokens.len() as f64 / t.elapsed().as_secs_f64())
 }
 
 /// Tokens per second of decoding `n` tokens one at a time from an empty context.
-fn decode_speed(model: &Model, st: &mut leanstream_runtime::model::RunState, tokens: &[u32]) -> Result<f64> {
+fn decode_speed(loaded: &mut Loaded, st: &mut RunState, tokens: &[u32]) -> Result<f64> {
+    let (model, mut ffn) = loaded.parts();
     let t = Instant::now();
     for (pos, &tok) in tokens.iter().enumerate() {
-        model.forward(st, &[tok], pos)?;
+        model.forward_with(
+            st,
+            &[tok],
+            pos,
+            0..1,
+            ffn.as_mut().map(|f| &mut **f as &mut dyn FfnStep),
+        )?;
         model.logits(st, 0, 1)?;
     }
     Ok(tokens.len() as f64 / t.elapsed().as_secs_f64())
@@ -72,11 +84,16 @@ pub fn run(a: BenchArgs) -> Result<()> {
     }
     let path = leanstream_runtime::fetch::resolve_model(&a.model)?;
     let t0 = Instant::now();
-    let model = crate::load_path(&path)?;
+    let mut loaded = Loaded::open(&path, &a.flash)?;
     let load_s = t0.elapsed().as_secs_f64();
-    let c = &model.config;
-    let ctx = a.prompt_tokens.max(a.gen_tokens).max(1);
-    let mut st = model.new_state(ctx, 512, 1);
+    if a.llama_bench.is_some() && matches!(loaded, Loaded::Flash(..)) {
+        bail!("--llama-bench needs a GGUF model, not a .lsflash file");
+    }
+    let c = loaded.model().config.clone();
+    let weights_bytes = loaded.model().weights.matrix_bytes();
+    let mut st = loaded
+        .model()
+        .new_state(a.prompt_tokens.max(a.gen_tokens).max(1), 512, 1);
     let mut rng = Rng::new(1234);
     let reps = a.reps.max(1);
 
@@ -86,18 +103,19 @@ pub fn run(a: BenchArgs) -> Result<()> {
     let mut theirs_pp = Vec::new();
     let mut theirs_tg = Vec::new();
     let mut theirs_build = Value::Null;
+    let t_run = Instant::now();
     for rep in 0..=reps {
         // Repetition 0 warms caches and page mappings and is not counted.
         if a.prompt_tokens > 0 {
             let toks = random_tokens(&mut rng, a.prompt_tokens, c.n_vocab);
-            let s = prompt_speed(&model, &mut st, &toks)?;
+            let s = prompt_speed(&mut loaded, &mut st, &toks)?;
             if rep > 0 {
                 pp.push(s);
             }
         }
         if a.gen_tokens > 0 {
             let toks = random_tokens(&mut rng, a.gen_tokens, c.n_vocab);
-            let s = decode_speed(&model, &mut st, &toks)?;
+            let s = decode_speed(&mut loaded, &mut st, &toks)?;
             if rep > 0 {
                 tg.push(s);
             }
@@ -126,10 +144,32 @@ pub fn run(a: BenchArgs) -> Result<()> {
         "decode_tok_s": tg_mean,
         "decode_tok_s_std": tg_std,
         "load_s": load_s,
-        "weights_bytes": model.weights.matrix_bytes(),
+        "weights_bytes": weights_bytes,
         "state_bytes": st.bytes(),
         "peak_rss_bytes": peak_rss_bytes(),
     });
+    if let Loaded::Flash(fm, engine) = &loaded {
+        let s = engine.stats();
+        let tokens = s.tokens.max(1) as f64;
+        let io_s = t_run.elapsed().as_secs_f64();
+        let mem = fm.memory(&st, engine);
+        report["policy"] = json!(engine.policy.to_string());
+        report["ffn_budget_bytes"] = json!(engine.ffn_budget_bytes());
+        report["ffn_total_bytes"] = json!(fm.ffn_bytes());
+        report["bytes_read_per_token"] = json!(s.bytes_read as f64 / tokens);
+        report["reads_per_token"] = json!(s.reads as f64 / tokens);
+        report["read_bw_bytes_s"] = json!(s.bytes_read as f64 / io_s);
+        report["cache_miss_ratio"] = json!(s.cache_miss_ratio());
+        report["memory"] = json!({
+            "resident_weights": mem.resident_weights,
+            "kv_cache": mem.kv_cache,
+            "ffn_cache": mem.ffn_cache,
+            "io_buffers": mem.io_buffers,
+            "predictor": mem.predictor,
+            "other": mem.other,
+            "total": mem.total(),
+        });
+    }
     if a.llama_bench.is_some() {
         let ((tpp, tpp_std), (ttg, ttg_std)) = (stats(&theirs_pp), stats(&theirs_tg));
         let ratio = |ours: f64, theirs: f64| (theirs > 0.0).then(|| ours / theirs);

@@ -7,10 +7,12 @@ use std::time::Instant;
 
 use anyhow::{bail, Context, Result};
 use clap::{Parser, Subcommand};
+use leanstream_runtime::cache::FfnBudget;
+use leanstream_runtime::engine::{is_lsflash, FlashEngine, FlashModel, Policy};
 use leanstream_runtime::fetch::{self, resolve_model};
 use leanstream_runtime::flash;
-use leanstream_runtime::generate::{generate, ChatTemplate, Sampler, SamplerConfig};
-use leanstream_runtime::model::Model;
+use leanstream_runtime::generate::{generate_with, ChatTemplate, Sampler, SamplerConfig};
+use leanstream_runtime::model::{FfnStep, Model};
 use leanstream_runtime::perplexity::perplexity_with_hook;
 use leanstream_runtime::sparsity::{calibrate, Calibration, FfnHook};
 use leanstream_runtime::synthetic;
@@ -59,6 +61,8 @@ enum Cmd {
         /// Context size (default: prompt plus n, within the model's limit).
         #[arg(long)]
         ctx: Option<usize>,
+        #[command(flatten)]
+        flash: FlashArgs,
     },
     /// Print the token ids of TEXT as a JSON array (BOS added when the model asks for it).
     Tokenize {
@@ -140,6 +144,64 @@ enum Cmd {
     },
 }
 
+/// How a `.lsflash` model streams its FFN.
+#[derive(clap::Args, Clone)]
+pub(crate) struct FlashArgs {
+    /// FFN policy of a .lsflash model: dense (all bundles in memory) or dense-stream.
+    #[arg(long)]
+    policy: Option<Policy>,
+    /// Neuron cache budget of dense-stream: bytes (512MiB) or a share of the FFN (25%).
+    #[arg(long, default_value = "25%")]
+    ffn_budget: String,
+}
+
+impl FlashArgs {
+    pub(crate) fn budget(&self) -> Result<FfnBudget> {
+        FfnBudget::parse(&self.ffn_budget).map_err(|e| anyhow::anyhow!("--ffn-budget: {e}"))
+    }
+}
+
+/// A GGUF model, or a `.lsflash` model with its FFN engine.
+pub(crate) enum Loaded {
+    Gguf(Box<Model>),
+    Flash(Box<FlashModel>, Box<FlashEngine>),
+}
+
+impl Loaded {
+    pub(crate) fn open(path: &Path, flash: &FlashArgs) -> Result<Self> {
+        if !path.exists() {
+            bail!(
+                "{}: no such model file (known model names: smollm2, gemma3)",
+                path.display()
+            );
+        }
+        if is_lsflash(path) {
+            let fm = FlashModel::open(path)?;
+            let engine = fm.engine(flash.policy.unwrap_or(Policy::Dense), flash.budget()?)?;
+            return Ok(Self::Flash(Box::new(fm), Box::new(engine)));
+        }
+        if flash.policy.is_some() {
+            bail!("--policy applies to .lsflash models; {} is not one", path.display());
+        }
+        Ok(Self::Gguf(Box::new(Model::load(path)?)))
+    }
+
+    pub(crate) fn model(&self) -> &Model {
+        match self {
+            Self::Gguf(m) => m,
+            Self::Flash(fm, _) => &fm.model,
+        }
+    }
+
+    /// The model and, for a `.lsflash` model, its FFN step.
+    pub(crate) fn parts(&mut self) -> (&Model, Option<&mut dyn FfnStep>) {
+        match self {
+            Self::Gguf(m) => (m, None),
+            Self::Flash(fm, e) => (&fm.model, Some(&mut **e as &mut dyn FfnStep)),
+        }
+    }
+}
+
 fn main() -> ExitCode {
     let cli = Cli::parse();
     // Everything runs inside the pool: a caller outside it would hand each
@@ -174,6 +236,7 @@ fn real_main(cli: Cli) -> Result<()> {
             top_p,
             chat,
             ctx,
+            flash,
         } => {
             let sampler = SamplerConfig {
                 temperature: temp,
@@ -181,7 +244,7 @@ fn real_main(cli: Cli) -> Result<()> {
                 top_p,
                 seed,
             };
-            run(&model, &prompt, n, sampler, chat, ctx)
+            run(&model, &prompt, n, sampler, chat, ctx, &flash)
         }
         Cmd::Tokenize { model, text } => {
             let model = load(&model)?;
@@ -329,10 +392,19 @@ fn load_path(path: &Path) -> Result<Model> {
     Ok(Model::load(path)?)
 }
 
-fn run(model_arg: &str, prompt: &str, n: usize, sampler: SamplerConfig, chat: bool, ctx: Option<usize>) -> Result<()> {
+fn run(
+    model_arg: &str,
+    prompt: &str,
+    n: usize,
+    sampler: SamplerConfig,
+    chat: bool,
+    ctx: Option<usize>,
+    flash: &FlashArgs,
+) -> Result<()> {
     let t0 = Instant::now();
-    let model = load(model_arg)?;
+    let mut loaded = Loaded::open(&resolve_model(model_arg)?, flash)?;
     let load_time = t0.elapsed();
+    let (model, ffn) = loaded.parts();
     let text = if chat {
         let template = model.gguf.get_str("tokenizer.chat_template")?;
         let t = ChatTemplate::detect(template, model.config.arch)
@@ -348,7 +420,7 @@ fn run(model_arg: &str, prompt: &str, n: usize, sampler: SamplerConfig, chat: bo
     let mut decoder = StreamDecoder::new();
     let stdout = std::io::stdout();
     let mut out = stdout.lock();
-    let stats = generate(&model, &mut st, &ids, n, &mut sampler, |tok| {
+    let stats = generate_with(model, &mut st, &ids, n, &mut sampler, ffn, |tok| {
         let piece = decoder.push(&model.tokenizer, tok);
         out.write_all(piece.as_bytes())
             .and_then(|_| out.flush())
