@@ -11,7 +11,7 @@
 
 mod harness;
 
-use harness::{aligned, bits_fnv, fnv1a, Lcg};
+use harness::{aligned, fnv1a, output_mismatches, Lcg};
 use leanstream_kernels::matmul::{matmul_scalar, uses_tiled_kquant, TILED_KQUANT_MIN_ROWS};
 use leanstream_kernels::{matmul, ActBuffer, GgmlType, QMatrix};
 use serde_json::Value;
@@ -76,23 +76,12 @@ impl Case {
 
     /// Differences from llama.cpp's outputs, described.
     fn mismatches(&self, out: &[f32], label: &str) -> Vec<String> {
-        let mut found = Vec::new();
-        for (t, (fnv, head)) in self.want.iter().enumerate() {
-            let row = &out[t * self.rows..(t + 1) * self.rows];
-            if bits_fnv(row) == *fnv {
-                continue;
-            }
-            let first_bad = head.iter().zip(row).position(|(&w, g)| w != g.to_bits());
-            let detail = match first_bad {
-                Some(i) => format!("output {i}: ours {:e}, llama.cpp {:e}", row[i], f32::from_bits(head[i])),
-                None => format!("first {} outputs agree, a later one differs", head.len()),
-            };
-            found.push(format!(
-                "{label} {} rows={} cols={} n={} row {t}: {detail}",
-                self.ty, self.rows, self.cols, self.n
-            ));
-        }
-        found
+        output_mismatches(
+            out,
+            self.rows,
+            &self.want,
+            &format!("{label} {} rows={} cols={} n={}", self.ty, self.rows, self.cols, self.n),
+        )
     }
 }
 

@@ -56,3 +56,22 @@ pub fn hex(s: &str) -> Vec<u8> {
         .map(|i| u8::from_str_radix(&s[i..i + 2], 16).unwrap())
         .collect()
 }
+
+/// Rows of `out` (`rows` outputs per activation row) whose bits differ from
+/// the recorded per-row hashes and leading values, each described after `label`.
+pub fn output_mismatches(out: &[f32], rows: usize, want: &[(u64, Vec<u32>)], label: &str) -> Vec<String> {
+    let mut found = Vec::new();
+    for (t, (fnv, head)) in want.iter().enumerate() {
+        let row = &out[t * rows..(t + 1) * rows];
+        if bits_fnv(row) == *fnv {
+            continue;
+        }
+        let first_bad = head.iter().zip(row).position(|(&w, g)| w != g.to_bits());
+        let detail = match first_bad {
+            Some(i) => format!("output {i}: ours {:e}, llama.cpp {:e}", row[i], f32::from_bits(head[i])),
+            None => format!("first {} outputs agree, a later one differs", head.len()),
+        };
+        found.push(format!("{label} row {t}: {detail}"));
+    }
+    found
+}
