@@ -650,57 +650,68 @@ unsafe fn q6_scale_pick(i: usize) -> __m128i {
     _mm_set_epi64x((2 * i as i64 + 1) * ONES, (2 * i as i64) * ONES)
 }
 
+/// Integer part of one Q6_K block against `T` Q8_K blocks, as GGML's AVX2
+/// kernels compute it: per token, eight int32 lanes of `scale * (q - 32) * y`.
+/// Exact, so the vec-dot and tiled kernels share it whatever they do next.
+#[inline]
+#[target_feature(enable = "avx2,fma")]
+unsafe fn q6_k_block_sums<const T: usize>(xb: &BlockQ6K, ys: &[&[BlockQ8K]; T], i: usize) -> [__m256i; T] {
+    let m3 = _mm256_set1_epi8(3);
+    let m15 = _mm256_set1_epi8(15);
+    let scales = _mm_loadu_si128(xb.scales.as_ptr() as *const __m128i);
+    let mut sumi = [_mm256_setzero_si256(); T];
+    for j in 0..QK_K / 128 {
+        let q4bits1 = _mm256_loadu_si256(xb.ql.as_ptr().add(64 * j) as *const __m256i);
+        let q4bits2 = _mm256_loadu_si256(xb.ql.as_ptr().add(64 * j + 32) as *const __m256i);
+        let q4bits_h = _mm256_loadu_si256(xb.qh.as_ptr().add(32 * j) as *const __m256i);
+        let q4h_0 = _mm256_slli_epi16(_mm256_and_si256(q4bits_h, m3), 4);
+        let q4h_1 = _mm256_slli_epi16(_mm256_and_si256(q4bits_h, _mm256_set1_epi8(12)), 2);
+        let q4h_2 = _mm256_and_si256(q4bits_h, _mm256_set1_epi8(48));
+        let q4h_3 = _mm256_srli_epi16(_mm256_and_si256(q4bits_h, _mm256_set1_epi8(-64)), 2);
+        // Unsigned 6-bit values; the -32 offset is applied once per block below.
+        let q = [
+            _mm256_or_si256(_mm256_and_si256(q4bits1, m15), q4h_0),
+            _mm256_or_si256(_mm256_and_si256(q4bits2, m15), q4h_1),
+            _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(q4bits1, 4), m15), q4h_2),
+            _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(q4bits2, 4), m15), q4h_3),
+        ];
+        let mut scale = [_mm256_setzero_si256(); 4];
+        for (k, s) in scale.iter_mut().enumerate() {
+            *s = _mm256_cvtepi8_epi16(_mm_shuffle_epi8(scales, q6_scale_pick(4 * j + k)));
+        }
+        for t in 0..T {
+            let q8 = ys[t].get_unchecked(i).qs.as_ptr().add(128 * j);
+            let mut p16 = [_mm256_setzero_si256(); 4];
+            for k in 0..4 {
+                let prod = _mm256_maddubs_epi16(q[k], load_256(q8.add(32 * k)));
+                p16[k] = _mm256_madd_epi16(scale[k], prod);
+            }
+            sumi[t] = _mm256_add_epi32(sumi[t], _mm256_add_epi32(p16[0], p16[1]));
+            sumi[t] = _mm256_add_epi32(sumi[t], _mm256_add_epi32(p16[2], p16[3]));
+        }
+    }
+    let scales_16 = _mm256_cvtepi8_epi16(scales);
+    for t in 0..T {
+        // 32 * sum(scale * bsum): the -32 offset of every value at once.
+        let q8sums = _mm256_loadu_si256(ys[t].get_unchecked(i).bsums.as_ptr() as *const __m256i);
+        let q8sclsub = _mm256_slli_epi32(_mm256_madd_epi16(q8sums, scales_16), 5);
+        sumi[t] = _mm256_sub_epi32(sumi[t], q8sclsub);
+    }
+    sumi
+}
+
 #[target_feature(enable = "avx2,fma,f16c")]
 unsafe fn q6_k_tile<const R: usize, const T: usize>(xs: [&[BlockQ6K]; R], ys: [&[BlockQ8K]; T]) -> [[f32; T]; R] {
     let nb = common_len(&xs, &ys);
-    let m3 = _mm256_set1_epi8(3);
-    let m15 = _mm256_set1_epi8(15);
     let mut acc = [[_mm256_setzero_ps(); T]; R];
     for i in 0..nb {
         for r in 0..R {
             let xb = xs[r].get_unchecked(i);
             let xd = fp16(xb.d);
-            let scales = _mm_loadu_si128(xb.scales.as_ptr() as *const __m128i);
-            let mut sumi = [_mm256_setzero_si256(); T];
-            for j in 0..QK_K / 128 {
-                let q4bits1 = _mm256_loadu_si256(xb.ql.as_ptr().add(64 * j) as *const __m256i);
-                let q4bits2 = _mm256_loadu_si256(xb.ql.as_ptr().add(64 * j + 32) as *const __m256i);
-                let q4bits_h = _mm256_loadu_si256(xb.qh.as_ptr().add(32 * j) as *const __m256i);
-                let q4h_0 = _mm256_slli_epi16(_mm256_and_si256(q4bits_h, m3), 4);
-                let q4h_1 = _mm256_slli_epi16(_mm256_and_si256(q4bits_h, _mm256_set1_epi8(12)), 2);
-                let q4h_2 = _mm256_and_si256(q4bits_h, _mm256_set1_epi8(48));
-                let q4h_3 = _mm256_srli_epi16(_mm256_and_si256(q4bits_h, _mm256_set1_epi8(-64)), 2);
-                // Unsigned 6-bit values; the -32 offset is applied once per block below.
-                let q = [
-                    _mm256_or_si256(_mm256_and_si256(q4bits1, m15), q4h_0),
-                    _mm256_or_si256(_mm256_and_si256(q4bits2, m15), q4h_1),
-                    _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(q4bits1, 4), m15), q4h_2),
-                    _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(q4bits2, 4), m15), q4h_3),
-                ];
-                let mut scale = [_mm256_setzero_si256(); 4];
-                for (k, s) in scale.iter_mut().enumerate() {
-                    *s = _mm256_cvtepi8_epi16(_mm_shuffle_epi8(scales, q6_scale_pick(4 * j + k)));
-                }
-                for t in 0..T {
-                    let q8 = ys[t].get_unchecked(i).qs.as_ptr().add(128 * j);
-                    let mut p16 = [_mm256_setzero_si256(); 4];
-                    for k in 0..4 {
-                        let prod = _mm256_maddubs_epi16(q[k], load_256(q8.add(32 * k)));
-                        p16[k] = _mm256_madd_epi16(scale[k], prod);
-                    }
-                    sumi[t] = _mm256_add_epi32(sumi[t], _mm256_add_epi32(p16[0], p16[1]));
-                    sumi[t] = _mm256_add_epi32(sumi[t], _mm256_add_epi32(p16[2], p16[3]));
-                }
-            }
-            let scales_16 = _mm256_cvtepi8_epi16(scales);
+            let sums = q6_k_block_sums(xb, &ys, i);
             for t in 0..T {
-                let yb = ys[t].get_unchecked(i);
-                let d = yb.d * xd;
-                // 32 * sum(scale * bsum): the -32 offset of every value at once.
-                let q8sums = _mm256_loadu_si256(yb.bsums.as_ptr() as *const __m256i);
-                let q8sclsub = _mm256_slli_epi32(_mm256_madd_epi16(q8sums, scales_16), 5);
-                let s = _mm256_sub_epi32(sumi[t], q8sclsub);
-                acc[r][t] = _mm256_fmadd_ps(_mm256_set1_ps(d), _mm256_cvtepi32_ps(s), acc[r][t]);
+                let d = ys[t].get_unchecked(i).d * xd;
+                acc[r][t] = _mm256_fmadd_ps(_mm256_set1_ps(d), _mm256_cvtepi32_ps(sums[t]), acc[r][t]);
             }
         }
     }
@@ -917,52 +928,13 @@ unsafe fn lanes_out<const R: usize, const T: usize>(acc: [__m256; R]) -> [[f32; 
 unsafe fn q6_k_tiled_tile<const R: usize, const T: usize>(xs: [&[BlockQ6K]; R], ys: [&[BlockQ8K]; T]) -> [[f32; T]; R] {
     const { assert!(T <= 8) };
     let nb = common_len(&xs, &ys);
-    let m3 = _mm256_set1_epi8(3);
-    let m15 = _mm256_set1_epi8(15);
     let mut acc = [_mm256_setzero_ps(); R];
     for i in 0..nb {
         let yd = q8k_scales(&ys, i);
         for r in 0..R {
             let xb = xs[r].get_unchecked(i);
-            let scales = _mm_loadu_si128(xb.scales.as_ptr() as *const __m128i);
             let mut sumi = [_mm256_setzero_si256(); 8];
-            for j in 0..QK_K / 128 {
-                let q4bits1 = _mm256_loadu_si256(xb.ql.as_ptr().add(64 * j) as *const __m256i);
-                let q4bits2 = _mm256_loadu_si256(xb.ql.as_ptr().add(64 * j + 32) as *const __m256i);
-                let q4bits_h = _mm256_loadu_si256(xb.qh.as_ptr().add(32 * j) as *const __m256i);
-                let q4h_0 = _mm256_slli_epi16(_mm256_and_si256(q4bits_h, m3), 4);
-                let q4h_1 = _mm256_slli_epi16(_mm256_and_si256(q4bits_h, _mm256_set1_epi8(12)), 2);
-                let q4h_2 = _mm256_and_si256(q4bits_h, _mm256_set1_epi8(48));
-                let q4h_3 = _mm256_srli_epi16(_mm256_and_si256(q4bits_h, _mm256_set1_epi8(-64)), 2);
-                // Unsigned 6-bit values; the -32 offset is applied once per block below.
-                let q = [
-                    _mm256_or_si256(_mm256_and_si256(q4bits1, m15), q4h_0),
-                    _mm256_or_si256(_mm256_and_si256(q4bits2, m15), q4h_1),
-                    _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(q4bits1, 4), m15), q4h_2),
-                    _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(q4bits2, 4), m15), q4h_3),
-                ];
-                let mut scale = [_mm256_setzero_si256(); 4];
-                for (k, s) in scale.iter_mut().enumerate() {
-                    *s = _mm256_cvtepi8_epi16(_mm_shuffle_epi8(scales, q6_scale_pick(4 * j + k)));
-                }
-                for t in 0..T {
-                    let q8 = ys[t].get_unchecked(i).qs.as_ptr().add(128 * j);
-                    let mut p16 = [_mm256_setzero_si256(); 4];
-                    for k in 0..4 {
-                        let prod = _mm256_maddubs_epi16(q[k], load_256(q8.add(32 * k)));
-                        p16[k] = _mm256_madd_epi16(scale[k], prod);
-                    }
-                    sumi[t] = _mm256_add_epi32(sumi[t], _mm256_add_epi32(p16[0], p16[1]));
-                    sumi[t] = _mm256_add_epi32(sumi[t], _mm256_add_epi32(p16[2], p16[3]));
-                }
-            }
-            let scales_16 = _mm256_cvtepi8_epi16(scales);
-            for t in 0..T {
-                // 32 * sum(scale * bsum): the -32 offset of every value at once.
-                let q8sums = _mm256_loadu_si256(ys[t].get_unchecked(i).bsums.as_ptr() as *const __m256i);
-                let q8sclsub = _mm256_slli_epi32(_mm256_madd_epi16(q8sums, scales_16), 5);
-                sumi[t] = _mm256_sub_epi32(sumi[t], q8sclsub);
-            }
+            sumi[..T].copy_from_slice(&q6_k_block_sums(xb, &ys, i));
             let block = _mm256_mul_ps(_mm256_cvtepi32_ps(hsum_epi32_x8(sumi)), _mm256_set1_ps(fp16(xb.d)));
             acc[r] = _mm256_fmadd_ps(block, yd, acc[r]);
         }
