@@ -287,6 +287,26 @@ pub fn neuron_activation(
     Ok(act.apply(g, u))
 }
 
+/// The gate pre-activation `gate · x` of one gate row (a policy holding gate
+/// rows apart from their bundles decides from it before loading them).
+pub fn gate_dot(format: &BundleFormat, input: &FfnInput, gate_row: &[u8]) -> Result<f32, KernelError> {
+    vec_dot(format.gate_ty, gate_row, input.gate, format.n_embd)
+}
+
+/// [`neuron_activation`] when `g = gate · x` is already known: the same
+/// value, bit for bit, from the bundle's up row.
+pub fn activation_with_gate(
+    format: &BundleFormat,
+    input: &FfnInput,
+    act: FfnActivation,
+    g: f32,
+    bundle: &[u8],
+) -> Result<f32, KernelError> {
+    let (_, up, _) = format.split(bundle)?;
+    let u = vec_dot(format.up_ty, up, input.up, format.n_embd)?;
+    Ok(act.apply(g, u))
+}
+
 /// Stage 1: for each `(neuron id, bundle)`, computes `a_i`
 /// ([`neuron_activation`]), records it in `layer` and writes `|a_i|` to
 /// `abs_out` (one per bundle, same order; for predictors and thresholds).
@@ -484,6 +504,45 @@ pub fn accumulate_down<'b>(
     y: &mut [f32],
 ) -> Result<(), KernelError> {
     accumulate(format, layer, bundle, y, axpy_down)
+}
+
+/// [`accumulate_down`] split over `y` across rayon's threads: each task owns
+/// a run of whole down blocks of `y` and adds every neuron's share to it in
+/// the same ascending id order, so every `y[j]` sees the same operations in
+/// the same order as in [`accumulate_down`] (the results are bit-identical).
+pub fn accumulate_down_parallel<'b>(
+    format: &BundleFormat,
+    layer: &LayerActivations,
+    bundle: impl Fn(usize) -> &'b [u8] + Sync,
+    y: &mut [f32],
+) -> Result<(), KernelError> {
+    use rayon::prelude::*;
+    format.validate()?;
+    if y.len() != format.n_embd {
+        return Err(KernelError::Length {
+            what: "FFN output",
+            expected: format.n_embd,
+            got: y.len(),
+        });
+    }
+    let blk = format.down_ty.block_size();
+    let blk_bytes = format.down_ty.row_bytes(blk)?;
+    let n_blocks = y.len() / blk;
+    // Below ~8 blocks per task the split costs more than it saves.
+    let tasks = rayon::current_num_threads().min(n_blocks / 8).max(1);
+    let per_task = n_blocks.div_ceil(tasks) * blk;
+    y.par_chunks_mut(per_task).enumerate().try_for_each(|(t, ys)| {
+        let b0 = t * per_task / blk;
+        let cols = b0 * blk_bytes..(b0 + ys.len() / blk) * blk_bytes;
+        for (id, a) in layer.iter() {
+            if a == 0.0 {
+                continue;
+            }
+            let (_, _, down) = format.split(bundle(id))?;
+            axpy_down(format.down_ty, a, &down[cols.clone()], ys)?;
+        }
+        Ok(())
+    })
 }
 
 /// [`accumulate_down`] with the scalar kernel (bit-identical to it).

@@ -6,7 +6,7 @@
 use indicatif::{ProgressBar, ProgressStyle};
 use serde::Serialize;
 
-use crate::model::Model;
+use crate::model::{FfnStep, Model};
 use crate::sparsity::FfnHook;
 use crate::{Result, RuntimeError};
 
@@ -19,6 +19,26 @@ pub struct Perplexity {
     pub ctx: usize,
     pub tokens_scored: usize,
     pub text_tokens: usize,
+    /// The top-1 token at each scored position, in order (for agreement
+    /// between two runs over the same text).
+    #[serde(skip)]
+    pub predictions: Vec<u32>,
+}
+
+impl Perplexity {
+    /// Fraction of scored positions where `self` and `other` predict the
+    /// same top-1 token (both must score the same text the same way).
+    pub fn top1_agreement(&self, other: &Perplexity) -> Option<f64> {
+        (self.predictions.len() == other.predictions.len() && !self.predictions.is_empty()).then(|| {
+            let same = self
+                .predictions
+                .iter()
+                .zip(&other.predictions)
+                .filter(|(a, b)| a == b)
+                .count();
+            same as f64 / self.predictions.len() as f64
+        })
+    }
 }
 
 /// Rows of logits projected at once: bounds memory at 32 × vocabulary floats.
@@ -44,6 +64,20 @@ pub fn perplexity_with_hook(
     max_chunks: Option<usize>,
     progress: bool,
     hook: FfnHook,
+) -> Result<(Perplexity, FfnHook)> {
+    perplexity_with(model, text, ctx, max_chunks, progress, hook, None)
+}
+
+/// `perplexity_with_hook` with the FFN supplied by `ffn` (a `.lsflash`
+/// model's engine; see `Model::forward_with`).
+pub fn perplexity_with(
+    model: &Model,
+    text: &str,
+    ctx: usize,
+    max_chunks: Option<usize>,
+    progress: bool,
+    hook: FfnHook,
+    mut ffn: Option<&mut dyn FfnStep>,
 ) -> Result<(Perplexity, FfnHook)> {
     if ctx < 4 {
         return Err(RuntimeError::Invalid(format!("context {ctx} too small for perplexity")));
@@ -72,6 +106,7 @@ pub fn perplexity_with_hook(
     );
 
     let (mut nll, mut nll2, mut count_scored) = (0.0f64, 0.0f64, 0usize);
+    let mut predictions = Vec::new();
     let mut chunk_tokens = vec![0u32; ctx];
     for i in 0..n_chunks {
         let start = i * ctx;
@@ -88,11 +123,23 @@ pub fn perplexity_with_hook(
             let batch_end = pos + batch.len();
             let out_start = first.max(pos);
             if out_start >= batch_end {
-                model.forward_outputs(&mut st, batch, pos, batch.len() - 1..batch.len())?;
+                model.forward_with(
+                    &mut st,
+                    batch,
+                    pos,
+                    batch.len() - 1..batch.len(),
+                    ffn.as_mut().map(|f| &mut **f as &mut dyn FfnStep),
+                )?;
                 pos = batch_end;
                 continue;
             }
-            model.forward_outputs(&mut st, batch, pos, out_start - pos..batch.len())?;
+            model.forward_with(
+                &mut st,
+                batch,
+                pos,
+                out_start - pos..batch.len(),
+                ffn.as_mut().map(|f| &mut **f as &mut dyn FfnStep),
+            )?;
             // Position ctx-1 predicts nothing inside the chunk.
             let score_end = batch_end.min(ctx - 1);
             let mut row = out_start;
@@ -102,6 +149,7 @@ pub fn perplexity_with_hook(
                 for (r, l) in logits.chunks_exact(model.config.n_vocab).enumerate() {
                     let target = chunk_tokens[row + r + 1] as usize;
                     let lp = log_softmax_at(l, target);
+                    predictions.push(crate::generate::argmax(l));
                     nll -= lp;
                     nll2 += lp * lp;
                     count_scored += 1;
@@ -130,6 +178,7 @@ pub fn perplexity_with_hook(
         ctx,
         tokens_scored: count,
         text_tokens: tokens.len(),
+        predictions,
     };
     Ok((p, std::mem::take(&mut st.ffn_hook)))
 }

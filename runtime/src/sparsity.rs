@@ -14,6 +14,7 @@ use serde::{Deserialize, Serialize};
 use crate::generate::ingest;
 use crate::model::Model;
 use crate::{Result, RuntimeError};
+use leanstream_kernels::sparse_ffn::FfnActivation;
 
 /// Histogram bins over log2 |a| in [LOG2_MIN, LOG2_MAX): 1/64 octave each (~1.1%).
 const BINS_PER_OCTAVE: usize = 64;
@@ -49,13 +50,16 @@ impl ActivationHistogram {
     }
 
     pub fn record(&mut self, layer: usize, activations: &[f32]) {
-        let bins = &mut self.bins[layer * N_BINS..(layer + 1) * N_BINS];
+        let mut bins = self.layer_bins(layer);
         for &a in activations {
-            if a == 0.0 {
-                self.zeros[layer] += 1;
-            } else {
-                bins[Self::bin(a)] += 1;
-            }
+            bins.add(a);
+        }
+    }
+
+    fn layer_bins(&mut self, layer: usize) -> LayerBins<'_> {
+        LayerBins {
+            bins: &mut self.bins[layer * N_BINS..(layer + 1) * N_BINS],
+            zeros: &mut self.zeros[layer],
         }
     }
 
@@ -87,13 +91,39 @@ impl ActivationHistogram {
     }
 }
 
+/// One layer's bins, borrowed for recording.
+struct LayerBins<'a> {
+    bins: &'a mut [u64],
+    zeros: &'a mut u64,
+}
+
+impl LayerBins<'_> {
+    #[inline]
+    fn add(&mut self, a: f32) {
+        if a == 0.0 {
+            *self.zeros += 1;
+        } else {
+            self.bins[ActivationHistogram::bin(a)] += 1;
+        }
+    }
+}
+
 /// What the forward pass does with each layer's gated activations.
 #[derive(Debug, Clone, Default)]
 pub enum FfnHook {
     #[default]
     None,
-    /// Record magnitudes (calibration).
-    Record(ActivationHistogram),
+    /// Record magnitudes (calibration): of the gated activation `act(g)·u`,
+    /// and of the gate alone `act(g)` (what a policy holding only gate rows
+    /// can threshold).
+    Record {
+        full: ActivationHistogram,
+        gate: ActivationHistogram,
+        /// Per (layer, neuron): sum of |act(g)·u| over the rows seen, and
+        /// the rows per layer (the mean ranks neurons for a hot set).
+        sum_abs: Vec<f64>,
+        rows: Vec<u64>,
+    },
     /// Zero activations below the layer's threshold, counting what was skipped.
     Sparsify {
         thresholds: Vec<f32>,
@@ -115,7 +145,19 @@ impl FfnHook {
     pub fn apply(&mut self, layer: usize, activations: &mut [f32]) {
         match self {
             Self::None => {}
-            Self::Record(h) => h.record(layer, activations),
+            Self::Record {
+                full, sum_abs, rows, ..
+            } => {
+                full.record(layer, activations);
+                let n_ff = sum_abs.len() / rows.len();
+                let sums = &mut sum_abs[layer * n_ff..(layer + 1) * n_ff];
+                for row in activations.chunks_exact(n_ff) {
+                    for (s, &a) in sums.iter_mut().zip(row) {
+                        *s += a.abs() as f64;
+                    }
+                    rows[layer] += 1;
+                }
+            }
             Self::Sparsify {
                 thresholds,
                 skipped,
@@ -133,6 +175,26 @@ impl FfnHook {
         }
     }
 
+    /// Sees layer `layer`'s gate pre-activations `g` before the gated
+    /// product (records `act(g)` when calibrating; otherwise nothing).
+    pub fn observe_gate(&mut self, layer: usize, g: &[f32], act: FfnActivation) {
+        if let Self::Record { gate, .. } = self {
+            let mut bins = gate.layer_bins(layer);
+            for &v in g {
+                bins.add(act.apply(v, 1.0));
+            }
+        }
+    }
+
+    pub fn record(n_layer: usize, n_ff: usize) -> Self {
+        Self::Record {
+            full: ActivationHistogram::new(n_layer),
+            gate: ActivationHistogram::new(n_layer),
+            sum_abs: vec![0.0; n_layer * n_ff],
+            rows: vec![0; n_layer],
+        }
+    }
+
     /// Fraction of neurons skipped so far (Sparsify only).
     pub fn skipped_fraction(&self) -> Option<f64> {
         match self {
@@ -146,7 +208,12 @@ impl FfnHook {
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
 pub struct Thresholds {
     pub sparsity: f32,
+    /// On |act(g)·u|: the exact criterion.
     pub per_layer: Vec<f32>,
+    /// On |act(g)|, calibrated to the same sparsity: the criterion of a
+    /// policy that decides from gate rows alone (`gate-first`).
+    #[serde(default)]
+    pub gate_per_layer: Vec<f32>,
 }
 
 /// The calibration file: thresholds for several sparsities and what they were made from.
@@ -156,6 +223,18 @@ pub struct Calibration {
     pub text: String,
     pub tokens: usize,
     pub levels: Vec<Thresholds>,
+    /// Per layer, each neuron's mean |act(g)·u| (ranks a static hot set).
+    #[serde(default)]
+    pub neuron_scores: Vec<Vec<f32>>,
+}
+
+/// What [`calibrate`] measured.
+#[derive(Debug, Clone)]
+pub struct Calibrated {
+    pub levels: Vec<Thresholds>,
+    /// Per layer, each neuron's mean |act(g)·u|.
+    pub neuron_scores: Vec<Vec<f32>>,
+    pub tokens: usize,
 }
 
 impl Calibration {
@@ -169,11 +248,12 @@ impl Calibration {
             path: path.to_path_buf(),
             problem: e.to_string(),
         })?;
-        if cal
-            .levels
-            .iter()
-            .any(|l| l.per_layer.iter().any(|t| t.is_nan() || *t < 0.0))
-        {
+        if cal.levels.iter().any(|l| {
+            l.per_layer
+                .iter()
+                .chain(&l.gate_per_layer)
+                .any(|t| t.is_nan() || *t < 0.0)
+        }) {
             return Err(RuntimeError::Corrupt {
                 path: path.to_path_buf(),
                 problem: "negative or NaN threshold".into(),
@@ -184,8 +264,8 @@ impl Calibration {
 }
 
 /// Runs `text` through the dense model in windows of `ctx` tokens and returns
-/// thresholds for each of `sparsities`.
-pub fn calibrate(model: &Model, text: &str, ctx: usize, sparsities: &[f32]) -> Result<(Vec<Thresholds>, usize)> {
+/// thresholds for each of `sparsities` and each neuron's mean |activation|.
+pub fn calibrate(model: &Model, text: &str, ctx: usize, sparsities: &[f32]) -> Result<Calibrated> {
     if let Some(bad) = sparsities.iter().find(|s| !(0.0..1.0).contains(*s)) {
         return Err(RuntimeError::Invalid(format!("sparsity {bad} outside [0, 1)")));
     }
@@ -195,21 +275,42 @@ pub fn calibrate(model: &Model, text: &str, ctx: usize, sparsities: &[f32]) -> R
     }
     let n_layer = model.config.n_layer;
     let mut st = model.new_state(ctx, ctx.min(512), 1);
-    st.ffn_hook = FfnHook::Record(ActivationHistogram::new(n_layer));
+    st.ffn_hook = FfnHook::record(n_layer, model.config.n_ff);
     for window in tokens.chunks(ctx) {
         ingest(model, &mut st, window, 0)?;
     }
-    let FfnHook::Record(h) = &st.ffn_hook else {
+    let FfnHook::Record {
+        full,
+        gate,
+        sum_abs,
+        rows,
+    } = &st.ffn_hook
+    else {
         unreachable!("set above")
     };
     let levels = sparsities
         .iter()
         .map(|&s| Thresholds {
             sparsity: s,
-            per_layer: (0..n_layer).map(|l| h.threshold(l, s)).collect(),
+            per_layer: (0..n_layer).map(|l| full.threshold(l, s)).collect(),
+            gate_per_layer: (0..n_layer).map(|l| gate.threshold(l, s)).collect(),
         })
         .collect();
-    Ok((levels, tokens.len()))
+    let n_ff = model.config.n_ff;
+    let neuron_scores = (0..n_layer)
+        .map(|l| {
+            let n = rows[l].max(1) as f64;
+            sum_abs[l * n_ff..(l + 1) * n_ff]
+                .iter()
+                .map(|&s| (s / n) as f32)
+                .collect()
+        })
+        .collect();
+    Ok(Calibrated {
+        levels,
+        neuron_scores,
+        tokens: tokens.len(),
+    })
 }
 
 #[cfg(test)]

@@ -26,28 +26,18 @@ fn pack_to(src: &Path, name: &str, placement: Option<Vec<Vec<u32>>>) -> PathBuf 
     let opts = PackOptions {
         down: DownType::Q8_0,
         placement,
+        sparsity: Vec::new(),
+        neuron_scores: Vec::new(),
         progress: false,
     };
     pack(src, &out, &opts).unwrap();
     out
 }
 
-/// Greedy tokens and the logits before each.
-type Run = (Vec<u32>, Vec<Vec<f32>>);
+use common::Run;
 
 fn greedy_flash(fm: &FlashModel, engine: &mut FlashEngine, prompt: &[u32], n: usize) -> Run {
-    let mut st = fm.model.new_state(prompt.len() + n + 1, 8, 1);
-    let (mut toks, mut logits) = (Vec::new(), Vec::new());
-    fm.forward(&mut st, engine, prompt, 0, prompt.len() - 1..prompt.len())
-        .unwrap();
-    for pos in prompt.len()..prompt.len() + n {
-        let l = fm.model.logits(&mut st, 0, 1).unwrap().to_vec();
-        let tok = argmax(&l);
-        toks.push(tok);
-        logits.push(l);
-        fm.forward(&mut st, engine, &[tok], pos, 0..1).unwrap();
-    }
-    (toks, logits)
+    common::greedy_flash(fm, engine, prompt, n).unwrap()
 }
 
 fn greedy_gguf(m: &Model, prompt: &[u32], n: usize) -> Run {

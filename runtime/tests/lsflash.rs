@@ -33,6 +33,8 @@ fn opts(down: DownType, placement: Option<Vec<Vec<u32>>>) -> PackOptions {
     PackOptions {
         down,
         placement,
+        sparsity: Vec::new(),
+        neuron_scores: Vec::new(),
         progress: false,
     }
 }
@@ -57,7 +59,7 @@ fn check_round_trip(gguf: &Path, flash: &LsFlash, placement: Option<&[Vec<u32>]>
     assert_eq!(flash.config().n_ff, c.n_ff);
     assert_eq!(flash.config().n_embd, c.n_embd);
     // The resident image has everything but the FFN matrices, byte for byte.
-    let res = flash.resident();
+    let res = flash.resident().unwrap();
     assert_eq!(res.tensors.len(), g.tensors.len() - 3 * c.n_layer);
     for t in &res.tensors {
         assert!(!t.name.contains("ffn_gate.") && !t.name.contains("ffn_up.") && !t.name.contains("ffn_down."));
@@ -212,9 +214,9 @@ fn wrong_magic_and_version() {
     let msg = open_err(&write("magic.lsflash", &b));
     assert!(msg.contains("magic"), "{msg}");
     let mut b = good.clone();
-    b[8] = 2;
+    b[8] = 1;
     let msg = open_err(&write("version.lsflash", &b));
-    assert!(msg.contains("version"), "{msg}");
+    assert!(msg.contains("version") && msg.contains("re-pack"), "{msg}");
     let p = write(
         "gguf.lsflash",
         &SyntheticSpec::tiny("llama").build().unwrap().to_bytes(),
@@ -343,6 +345,88 @@ fn forged_headers_with_valid_checksums_are_rejected_naming_the_field() {
     ];
     for (field, edit) in cases {
         let p = forged(&good, &format!("forged_{field}.lsflash"), edit);
+        let msg = open_err(&p);
+        eprintln!("{field}: {msg}");
+        assert!(msg.contains(&format!("'{field}'")), "{field}: {msg}");
+    }
+}
+
+#[test]
+fn sparsity_levels_and_neuron_scores_round_trip_and_forgeries_are_named() {
+    use leanstream_runtime::flash::SparsityLevel;
+    let src = synthetic("levels", GgmlType::Q8_0);
+    let probe = LsFlash::open({
+        let out = dir().join("levels_probe.lsflash");
+        pack(&src, &out, &opts(DownType::Q8_0, None)).unwrap();
+        out
+    })
+    .unwrap();
+    let (n_layer, n_ff) = (probe.n_layer(), probe.n_ff());
+    let level = |s: f32| SparsityLevel {
+        sparsity: s,
+        full: (0..n_layer).map(|l| s + l as f32).collect(),
+        gate: (0..n_layer).map(|l| 2.0 * s + l as f32).collect(),
+    };
+    let scores: Vec<Vec<f32>> = (0..n_layer)
+        .map(|l| (0..n_ff).map(|i| (l * n_ff + i) as f32).collect())
+        .collect();
+    let mut o = opts(DownType::Q8_0, None);
+    o.sparsity = vec![level(0.8), level(0.5)];
+    o.neuron_scores = scores.clone();
+    let out = dir().join("levels.lsflash");
+    pack(&src, &out, &o).unwrap();
+    let f = LsFlash::open(&out).unwrap();
+    let h = f.header();
+    // Stored by ascending sparsity; 0 needs no thresholds.
+    assert_eq!(h.sparsity, vec![level(0.5), level(0.8)]);
+    assert_eq!(h.level(0.8), Some(level(0.8)));
+    assert_eq!(h.level(0.0), Some(SparsityLevel::dense(n_layer)));
+    assert_eq!(h.level(0.7), None);
+    assert_eq!(h.neuron_scores, scores);
+    f.verify().unwrap();
+
+    // Bad levels are refused at pack time, naming the problem.
+    let mut bad = opts(DownType::Q8_0, None);
+    bad.sparsity = vec![SparsityLevel {
+        full: vec![f32::NAN; n_layer],
+        ..level(0.5)
+    }];
+    let e = pack(&src, dir().join("bad_levels.lsflash"), &bad)
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("sparsity level 0.5"), "{e}");
+
+    // Forged values with a valid checksum are named by field.
+    let good = std::fs::read(&out).unwrap();
+    let arch_len = h.arch.len();
+    let levels_at = 32 + 8 + 4 + arch_len + 8 * 4 + 8 + 8 + 32 + 8 + 8 + n_layer * n_ff * 4 + n_layer * 72;
+    let level_len = 4 + 2 * n_layer * 4;
+    let scores_flag_at = levels_at + 4 + 2 * level_len;
+    let put32 = |m: &mut Vec<u8>, at: usize, v: u32| m[at..at + 4].copy_from_slice(&v.to_le_bytes());
+    let cases: Vec<(&str, Box<MetaEdit>)> = vec![
+        ("n_sparsity_levels", Box::new(move |m| put32(m, levels_at, 1000))),
+        // One level more shifts the scores flag onto threshold bytes.
+        ("has_neuron_scores", Box::new(move |m| put32(m, levels_at, 3))),
+        (
+            "sparsity[0].sparsity",
+            Box::new(move |m| put32(m, levels_at + 4, 1.5f32.to_bits())),
+        ),
+        (
+            "sparsity[1].full[0]",
+            Box::new(move |m| put32(m, levels_at + 4 + level_len + 4, f32::NAN.to_bits())),
+        ),
+        (
+            "sparsity[0].gate[1]",
+            Box::new(move |m| put32(m, levels_at + 8 + (n_layer + 1) * 4, (-1.0f32).to_bits())),
+        ),
+        ("has_neuron_scores", Box::new(move |m| put32(m, scores_flag_at, 7))),
+        (
+            "neuron_scores[0][2]",
+            Box::new(move |m| put32(m, scores_flag_at + 12, f32::INFINITY.to_bits())),
+        ),
+    ];
+    for (k, (field, edit)) in cases.into_iter().enumerate() {
+        let p = forged(&good, &format!("forged_levels_{k}.lsflash"), edit);
         let msg = open_err(&p);
         eprintln!("{field}: {msg}");
         assert!(msg.contains(&format!("'{field}'")), "{field}: {msg}");

@@ -386,6 +386,8 @@ fn caches_bundles_of_a_packed_model() {
     let opts = PackOptions {
         down: DownType::F16,
         placement: None,
+        sparsity: Vec::new(),
+        neuron_scores: Vec::new(),
         progress: false,
     };
     pack(&src, &out, &opts).unwrap();

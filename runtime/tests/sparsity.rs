@@ -27,8 +27,16 @@ fn text() -> String {
 fn calibrated_thresholds_hit_their_target_on_the_calibration_text() {
     let model = model("calibrate.gguf");
     let text = text();
-    let (levels, tokens) = calibrate(&model, &text, 64, &[0.0, 0.5, 0.8]).unwrap();
+    let c = calibrate(&model, &text, 64, &[0.0, 0.5, 0.8]).unwrap();
+    let (levels, tokens) = (c.levels, c.tokens);
     assert!(tokens > 1000);
+    // One mean |activation| per neuron, positive where the layer is used.
+    assert_eq!(c.neuron_scores.len(), model.config.n_layer);
+    assert!(c
+        .neuron_scores
+        .iter()
+        .all(|r| r.len() == model.config.n_ff && r.iter().all(|v| v.is_finite() && *v >= 0.0)));
+    assert!(c.neuron_scores.iter().all(|r| r.iter().any(|&v| v > 0.0)));
     assert!(levels[0].per_layer.iter().all(|&t| t == 0.0));
     for level in &levels[1..] {
         // Thresholds rise with the target, layer by layer.
@@ -68,7 +76,7 @@ fn zero_thresholds_change_nothing_and_real_ones_do() {
         .unwrap()
         .0;
     assert_eq!(dense.ppl.to_bits(), zero.ppl.to_bits());
-    let (levels, _) = calibrate(&model, &text, 64, &[0.8]).unwrap();
+    let levels = calibrate(&model, &text, 64, &[0.8]).unwrap().levels;
     let sparse = perplexity_with_hook(
         &model,
         &text,

@@ -70,7 +70,8 @@ use crate::model::Config;
 use crate::{Result, RuntimeError};
 
 pub const MAGIC: &[u8; 8] = b"LSFLASH\0";
-pub const VERSION: u32 = 1;
+/// 2 added the sparsity thresholds after the layer table.
+pub const VERSION: u32 = 2;
 /// Size of the fixed preamble; the meta block follows it.
 pub const PREAMBLE_LEN: usize = 64;
 /// Alignment of the resident image, the bundle region and each layer's first bundle.
@@ -78,6 +79,8 @@ pub const ALIGN: u64 = 4096;
 /// Bytes of one layer table entry.
 pub const LAYER_ENTRY_LEN: usize = 72;
 const MAX_ARCH_LEN: usize = 64;
+/// Most sparsity levels one file carries.
+pub const MAX_SPARSITY_LEVELS: usize = 64;
 const MAX_DIM: u32 = 1 << 20;
 const MAX_VOCAB: u32 = 1 << 24;
 
@@ -162,8 +165,48 @@ pub struct LayerEntry {
     pub sha256: [u8; 32],
 }
 
+/// Calibrated thresholds for one target sparsity (see [`crate::sparsity`]).
+#[derive(Debug, Clone, PartialEq)]
+pub struct SparsityLevel {
+    /// Target fraction of neurons skipped, in [0, 1).
+    pub sparsity: f32,
+    /// Per layer, on |act(g)·u|.
+    pub full: Vec<f32>,
+    /// Per layer, on |act(g)| (the gate-only criterion).
+    pub gate: Vec<f32>,
+}
+
+impl SparsityLevel {
+    /// No neuron skipped.
+    pub fn dense(n_layer: usize) -> Self {
+        Self {
+            sparsity: 0.0,
+            full: vec![0.0; n_layer],
+            gate: vec![0.0; n_layer],
+        }
+    }
+
+    /// From a calibration's thresholds (both criteria must cover `n_layer`).
+    pub fn from_thresholds(t: &crate::sparsity::Thresholds, n_layer: usize) -> Result<Self> {
+        if t.per_layer.len() != n_layer || t.gate_per_layer.len() != n_layer {
+            return Err(RuntimeError::Invalid(format!(
+                "thresholds for sparsity {} cover {} (full) and {} (gate) layers; the model has {n_layer} \
+                 (re-run calibrate with this build to get gate thresholds)",
+                t.sparsity,
+                t.per_layer.len(),
+                t.gate_per_layer.len()
+            )));
+        }
+        Ok(Self {
+            sparsity: t.sparsity,
+            full: t.per_layer.clone(),
+            gate: t.gate_per_layer.clone(),
+        })
+    }
+}
+
 /// Everything in the preamble and meta block, decoded and validated.
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq)]
 pub struct Header {
     pub source_sha256: [u8; 32],
     pub source_len: u64,
@@ -184,18 +227,63 @@ pub struct Header {
     /// `placement[l][p]`: the neuron stored at position `p` of layer `l`.
     pub placement: Vec<Vec<u32>>,
     pub layers: Vec<LayerEntry>,
+    /// Calibrated thresholds, by ascending sparsity (may be empty).
+    pub sparsity: Vec<SparsityLevel>,
+    /// Per layer, each neuron's calibrated mean |activation| (ranks the
+    /// static hot set of the neuron cache); empty when not calibrated.
+    pub neuron_scores: Vec<Vec<f32>>,
 }
 
 impl Header {
-    /// Length of the meta block for a model of this shape.
-    pub fn meta_len(arch_len: usize, n_layer: usize, n_ff: usize) -> usize {
-        32 + 8 + 4 + arch_len + 7 * 4 + 4 + 8 + 8 + 32 + 8 + 8 + n_layer * n_ff * 4 + n_layer * LAYER_ENTRY_LEN
+    /// Length of the meta block for a model of this shape with `n_levels`
+    /// sparsity levels, without the neuron scores (`+ n_layer * n_ff * 4` with them).
+    pub fn meta_len(arch_len: usize, n_layer: usize, n_ff: usize, n_levels: usize) -> usize {
+        32 + 8
+            + 4
+            + arch_len
+            + 7 * 4
+            + 4
+            + 8
+            + 8
+            + 32
+            + 8
+            + 8
+            + n_layer * n_ff * 4
+            + n_layer * LAYER_ENTRY_LEN
+            + 4
+            + n_levels * (4 + 2 * n_layer * 4)
+            + 4
+    }
+
+    /// Length of this header's meta block.
+    pub fn encoded_len(&self) -> usize {
+        let scores = if self.neuron_scores.is_empty() {
+            0
+        } else {
+            self.layers.len() * self.n_ff as usize * 4
+        };
+        Self::meta_len(
+            self.arch.len(),
+            self.layers.len(),
+            self.n_ff as usize,
+            self.sparsity.len(),
+        ) + scores
+    }
+
+    /// The level calibrated for `sparsity` (0 needs none).
+    pub fn level(&self, sparsity: f32) -> Option<SparsityLevel> {
+        if sparsity == 0.0 {
+            return Some(SparsityLevel::dense(self.layers.len()));
+        }
+        self.sparsity
+            .iter()
+            .find(|l| (l.sparsity - sparsity).abs() < 1e-4)
+            .cloned()
     }
 
     /// The meta block's bytes.
     pub fn encode_meta(&self) -> Vec<u8> {
-        let n_ff = self.n_ff as usize;
-        let mut b = Vec::with_capacity(Self::meta_len(self.arch.len(), self.layers.len(), n_ff));
+        let mut b = Vec::with_capacity(self.encoded_len());
         b.extend_from_slice(&self.source_sha256);
         b.extend_from_slice(&self.source_len.to_le_bytes());
         b.extend_from_slice(&(self.arch.len() as u32).to_le_bytes());
@@ -238,6 +326,18 @@ impl Header {
             b.extend_from_slice(&l.len.to_le_bytes());
             b.extend_from_slice(&l.sha256);
         }
+        b.extend_from_slice(&(self.sparsity.len() as u32).to_le_bytes());
+        for level in &self.sparsity {
+            b.extend_from_slice(&level.sparsity.to_le_bytes());
+            for &t in level.full.iter().chain(&level.gate) {
+                b.extend_from_slice(&t.to_le_bytes());
+            }
+        }
+        b.extend_from_slice(&u32::from(!self.neuron_scores.is_empty()).to_le_bytes());
+        for &v in self.neuron_scores.iter().flatten() {
+            b.extend_from_slice(&v.to_le_bytes());
+        }
+        debug_assert_eq!(b.len(), self.encoded_len());
         b
     }
 
@@ -303,6 +403,9 @@ impl<'a> Cursor<'a> {
     fn u64(&mut self, what: &str) -> Result<u64> {
         Ok(u64::from_le_bytes(self.take(8, what)?.try_into().expect("8 bytes")))
     }
+    fn f32(&mut self, what: &str) -> Result<f32> {
+        Ok(f32::from_le_bytes(self.take(4, what)?.try_into().expect("4 bytes")))
+    }
     fn sha(&mut self, what: &str) -> Result<[u8; 32]> {
         Ok(self.take(32, what)?.try_into().expect("32 bytes"))
     }
@@ -358,8 +461,26 @@ fn decode_meta(path: &Path, meta: &[u8], file_len: u64) -> Result<Header> {
     let bundle_len = c.u64("bundle_len")?;
 
     let (nl, nf) = (n_layer as usize, n_ff as usize);
-    // Check the whole remaining size before allocating the placement.
-    let expected = Header::meta_len(arch_len, nl, nf);
+    // Check the whole remaining size before allocating the placement. The
+    // level count follows the layer table; the scores flag follows the levels.
+    let fixed = Header::meta_len(arch_len, nl, nf, 0);
+    let n_levels = meta
+        .get(fixed - 8..fixed - 4)
+        .map_or(0, |b| u32::from_le_bytes(b.try_into().expect("4 bytes")) as usize);
+    if n_levels > MAX_SPARSITY_LEVELS {
+        return Err(bad(
+            "n_sparsity_levels",
+            format!("{n_levels} is more than {MAX_SPARSITY_LEVELS}"),
+        ));
+    }
+    let without_scores = Header::meta_len(arch_len, nl, nf, n_levels);
+    let has_scores = meta
+        .get(without_scores - 4..without_scores)
+        .map_or(0, |b| u32::from_le_bytes(b.try_into().expect("4 bytes")));
+    if has_scores > 1 {
+        return Err(bad("has_neuron_scores", format!("{has_scores}, expected 0 or 1")));
+    }
+    let expected = without_scores + has_scores as usize * nl * nf * 4;
     if meta.len() != expected {
         return Err(bad(
             "meta_len",
@@ -470,6 +591,49 @@ fn decode_meta(path: &Path, meta: &[u8], file_len: u64) -> Result<Header> {
             sha256,
         });
     }
+    c.u32("n_sparsity_levels")?;
+    let mut sparsity = Vec::with_capacity(n_levels);
+    for k in 0..n_levels {
+        let field = |f: &str| format!("sparsity[{k}].{f}");
+        let s = c.f32(&field("sparsity"))?;
+        if !(0.0..1.0).contains(&s) {
+            return Err(bad(&field("sparsity"), format!("{s} is outside [0, 1)")));
+        }
+        let mut values = Vec::with_capacity(2 * nl);
+        for j in 0..2 * nl {
+            let name = if j < nl { "full" } else { "gate" };
+            let t = c.f32(&field(name))?;
+            if t.is_nan() || t < 0.0 {
+                return Err(bad(
+                    &format!("{}[{}]", field(name), j % nl),
+                    format!("{t} is not a threshold (negative or NaN)"),
+                ));
+            }
+            values.push(t);
+        }
+        let gate = values.split_off(nl);
+        sparsity.push(SparsityLevel {
+            sparsity: s,
+            full: values,
+            gate,
+        });
+    }
+    c.u32("has_neuron_scores")?;
+    let mut neuron_scores = Vec::with_capacity(has_scores as usize * nl);
+    for l in 0..has_scores as usize * nl {
+        let raw = c.take(nf * 4, "neuron_scores")?;
+        let row: Vec<f32> = raw
+            .chunks_exact(4)
+            .map(|b| f32::from_le_bytes(b.try_into().expect("4 bytes")))
+            .collect();
+        if let Some(i) = row.iter().position(|v| !v.is_finite() || *v < 0.0) {
+            return Err(bad(
+                &format!("neuron_scores[{l}][{i}]"),
+                format!("{} is not a mean magnitude", row[i]),
+            ));
+        }
+        neuron_scores.push(row);
+    }
     debug_assert_eq!(c.pos, meta.len());
     Ok(Header {
         source_sha256,
@@ -490,6 +654,8 @@ fn decode_meta(path: &Path, meta: &[u8], file_len: u64) -> Result<Header> {
         bundle_len,
         placement,
         layers,
+        sparsity,
+        neuron_scores,
     })
 }
 
@@ -501,7 +667,8 @@ pub struct LsFlash {
     header: Header,
     /// `position[l][i]`: where neuron `i` of layer `l` is stored.
     position: Vec<Vec<u32>>,
-    resident: GgufFile,
+    /// The resident image, until the model that runs it takes it.
+    resident: Option<GgufFile>,
     config: Config,
 }
 
@@ -537,7 +704,7 @@ impl LsFlash {
         if version != VERSION {
             return Err(corrupt(
                 &path,
-                format!("header field 'version': {version}, this build reads version {VERSION}"),
+                format!("header field 'version': {version}, this build reads version {VERSION} (re-pack the model)"),
             ));
         }
         let flags = u32::from_le_bytes(pre[12..16].try_into().expect("4 bytes"));
@@ -561,6 +728,7 @@ impl LsFlash {
                 "header checksum mismatch (field 'meta_sha256'): the header or index is damaged",
             ));
         }
+        super::pagecache::drop_cached(&file);
         let header = decode_meta(&path, &meta, file_len)?;
         let position = header
             .placement
@@ -607,7 +775,7 @@ impl LsFlash {
             file,
             header,
             position,
-            resident,
+            resident: Some(resident),
             config,
         })
     }
@@ -625,9 +793,16 @@ impl LsFlash {
         &self.config
     }
 
-    /// The resident part (all non-FFN tensors and all metadata) as a GGUF.
-    pub fn resident(&self) -> &GgufFile {
-        &self.resident
+    /// The resident part (all non-FFN tensors and all metadata) as a GGUF;
+    /// `None` once [`take_resident`](Self::take_resident) moved it out.
+    pub fn resident(&self) -> Option<&GgufFile> {
+        self.resident.as_ref()
+    }
+
+    /// Moves the resident image out (to build the model from it without a
+    /// second copy in memory).
+    pub fn take_resident(&mut self) -> Option<GgufFile> {
+        self.resident.take()
     }
 
     /// Absolute byte range of the resident GGUF image in the file.
@@ -680,6 +855,7 @@ impl LsFlash {
         self.file
             .read_exact_at(&mut buf, off)
             .map_err(|e| RuntimeError::io(&self.path, e))?;
+        self.drop_cached();
         Ok(buf)
     }
 
@@ -716,7 +892,13 @@ impl LsFlash {
             hasher.update(&buf[..n]);
             done += n as u64;
         }
+        self.drop_cached();
         Ok(hasher.finalize().into())
+    }
+
+    /// Drops what buffered reads left of the file in the page cache.
+    pub fn drop_cached(&self) {
+        super::pagecache::drop_cached(&self.file);
     }
 }
 

@@ -4,6 +4,7 @@
 pub mod format;
 pub mod io;
 pub mod pack;
+pub mod pagecache;
 
-pub use format::{BundleLayout, DownType, Header, LsFlash};
+pub use format::{BundleLayout, DownType, Header, LsFlash, SparsityLevel};
 pub use pack::{pack, PackOptions, PackReport};

@@ -17,7 +17,8 @@ use leanstream_kernels::quantize::quantize_row;
 use sha2::{Digest, Sha256};
 
 use super::format::{
-    align_up, check_permutation, sha256_file, BundleLayout, DownType, Header, LayerEntry, PREAMBLE_LEN,
+    align_up, check_permutation, sha256_file, BundleLayout, DownType, Header, LayerEntry, SparsityLevel,
+    MAX_SPARSITY_LEVELS, PREAMBLE_LEN,
 };
 use crate::gguf::{GgufFile, GgufWriter};
 use crate::model::Config;
@@ -28,6 +29,10 @@ pub struct PackOptions {
     pub down: DownType,
     /// Per layer, the neuron to store at each position; identity when `None`.
     pub placement: Option<Vec<Vec<u32>>>,
+    /// Calibrated sparsity thresholds to store in the header.
+    pub sparsity: Vec<SparsityLevel>,
+    /// Per layer, each neuron's calibrated mean |activation| (or empty).
+    pub neuron_scores: Vec<Vec<f32>>,
     /// Show a progress bar on stderr.
     pub progress: bool,
 }
@@ -86,6 +91,39 @@ pub fn pack(gguf_path: impl AsRef<Path>, out_path: impl AsRef<Path>, opts: &Pack
         }
     };
 
+    let mut sparsity = opts.sparsity.clone();
+    sparsity.sort_by(|a, b| a.sparsity.total_cmp(&b.sparsity));
+    if sparsity.len() > MAX_SPARSITY_LEVELS {
+        return Err(RuntimeError::Invalid(format!(
+            "{} sparsity levels; a file holds at most {MAX_SPARSITY_LEVELS}",
+            sparsity.len()
+        )));
+    }
+    for level in &sparsity {
+        let bad = level.full.len() != n_layer
+            || level.gate.len() != n_layer
+            || !(0.0..1.0).contains(&level.sparsity)
+            || level.full.iter().chain(&level.gate).any(|t| t.is_nan() || *t < 0.0);
+        if bad {
+            return Err(RuntimeError::Invalid(format!(
+                "sparsity level {}: needs {n_layer} non-negative thresholds per criterion and a sparsity in [0, 1)",
+                level.sparsity
+            )));
+        }
+    }
+
+    let scores_ok = opts.neuron_scores.is_empty()
+        || (opts.neuron_scores.len() == n_layer
+            && opts
+                .neuron_scores
+                .iter()
+                .all(|r| r.len() == n_ff && r.iter().all(|v| v.is_finite() && *v >= 0.0)));
+    if !scores_ok {
+        return Err(RuntimeError::Invalid(format!(
+            "neuron scores: need {n_layer} layers of {n_ff} finite non-negative values"
+        )));
+    }
+
     // Per-layer bundle layouts, checked before anything is written.
     let down_ty = opts.down.ggml();
     let mut layouts = Vec::with_capacity(n_layer);
@@ -112,7 +150,12 @@ pub fn pack(gguf_path: impl AsRef<Path>, out_path: impl AsRef<Path>, opts: &Pack
     let (source_sha256, source_len) = sha256_file(src_path)?;
 
     // The layout of the whole file.
-    let meta_len = Header::meta_len(arch.len(), n_layer, n_ff);
+    let scores_len = if opts.neuron_scores.is_empty() {
+        0
+    } else {
+        n_layer * n_ff * 4
+    };
+    let meta_len = Header::meta_len(arch.len(), n_layer, n_ff, sparsity.len()) + scores_len;
     let resident_offset = align_up((PREAMBLE_LEN + meta_len) as u64);
     let bundle_offset = align_up(resident_offset + resident.len() as u64);
     let mut layers = Vec::with_capacity(n_layer);
@@ -148,6 +191,8 @@ pub fn pack(gguf_path: impl AsRef<Path>, out_path: impl AsRef<Path>, opts: &Pack
         bundle_len: pos - bundle_offset,
         placement,
         layers,
+        sparsity,
+        neuron_scores: opts.neuron_scores.clone(),
     };
 
     let mut tmp_name = out_path.as_os_str().to_owned();
@@ -260,10 +305,7 @@ fn write_file(g: &GgufFile, tmp_path: &Path, header: &mut Header, resident: &[u8
     bar.finish_and_clear();
 
     let meta = header.encode_meta();
-    debug_assert_eq!(
-        meta.len(),
-        Header::meta_len(header.arch.len(), header.layers.len(), n_ff)
-    );
+    debug_assert_eq!(meta.len(), header.encoded_len());
     w.seek(SeekFrom::Start(0)).map_err(io)?;
     w.write_all(&Header::encode_preamble(&meta)).map_err(io)?;
     w.write_all(&meta).map_err(io)?;

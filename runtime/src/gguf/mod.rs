@@ -58,12 +58,26 @@ impl GgufFile {
     /// resident part of an `.lsflash` file). Tensor offsets, [`Self::data`] and
     /// [`Self::file_len`] are relative to the embedded image; errors name `path`.
     /// The caller checks that the range lies inside the file.
+    ///
+    /// The image is *copied* into anonymous memory and its pages dropped from
+    /// the page cache: the resident part then counts where it belongs (the
+    /// process, not the kernel's file cache), and the file can be replaced
+    /// while it runs.
     pub fn open_range(path: impl AsRef<Path>, offset: u64, len: usize) -> Result<Self> {
+        use std::os::unix::fs::FileExt;
         let path = path.as_ref().to_path_buf();
         let file = std::fs::File::open(&path).map_err(|e| RuntimeError::io(&path, e))?;
-        // SAFETY: as in `open`.
-        let mmap = unsafe { memmap2::MmapOptions::new().offset(offset).len(len).map(&file) }
+        if len == 0 {
+            return Err(RuntimeError::Corrupt {
+                path,
+                problem: "empty GGUF image".into(),
+            });
+        }
+        let mut image = memmap2::MmapMut::map_anon(len).map_err(|e| RuntimeError::io(&path, e))?;
+        file.read_exact_at(&mut image[..len], offset)
             .map_err(|e| RuntimeError::io(&path, e))?;
+        crate::flash::pagecache::drop_cached(&file);
+        let mmap = image.make_read_only().map_err(|e| RuntimeError::io(&path, e))?;
         Self::from_mmap(path, mmap)
     }
 

@@ -38,11 +38,9 @@ impl Arch {
     }
 }
 
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum FfnActivation {
-    Silu,
-    GeluTanh,
-}
+/// The gated FFN's activation: the kernels' enum, so the dense and the
+/// bundle paths name the same thing.
+pub use leanstream_kernels::sparse_ffn::FfnActivation;
 
 #[derive(Debug, Clone)]
 pub struct Config {

@@ -320,6 +320,7 @@ impl Model {
                 matmul(&mat(file, gate), &st.acts, &mut st.gate[..n * ff])?;
                 prepare(&mut st.acts, up, &st.xb, n, &mut fresh)?;
                 matmul(&mat(file, up), &st.acts, &mut st.up[..n * ff])?;
+                st.ffn_hook.observe_gate(il, &st.gate[..n * ff], c.ffn_activation);
                 match c.ffn_activation {
                     FfnActivation::Silu => ops::swiglu(&mut st.gate[..n * ff], &st.up[..n * ff]),
                     FfnActivation::GeluTanh => ops::geglu(&mut st.gate[..n * ff], &st.up[..n * ff]),

@@ -41,3 +41,36 @@ pub fn model_path(name: &str) -> Option<PathBuf> {
         None
     }
 }
+
+/// Greedy tokens and the logits before each.
+pub type Run = (Vec<u32>, Vec<Vec<f32>>);
+
+/// Greedy decoding of `n` tokens after `prompt` with a `.lsflash` model's engine.
+pub fn greedy_flash(
+    fm: &leanstream_runtime::engine::FlashModel,
+    engine: &mut leanstream_runtime::engine::FlashEngine,
+    prompt: &[u32],
+    n: usize,
+) -> leanstream_runtime::Result<Run> {
+    let mut st = fm.model.new_state(prompt.len() + n + 1, 8, 1);
+    let (mut toks, mut logits) = (Vec::new(), Vec::new());
+    fm.forward(&mut st, engine, prompt, 0, prompt.len() - 1..prompt.len())?;
+    for pos in prompt.len()..prompt.len() + n {
+        let l = fm.model.logits(&mut st, 0, 1)?.to_vec();
+        let tok = leanstream_runtime::generate::argmax(&l);
+        toks.push(tok);
+        logits.push(l);
+        fm.forward(&mut st, engine, &[tok], pos, 0..1)?;
+    }
+    Ok((toks, logits))
+}
+
+/// Whether two runs have the same tokens and bit-identical logits.
+pub fn same_bits(a: &Run, b: &Run) -> bool {
+    a.0 == b.0
+        && a.1.len() == b.1.len()
+        && a.1
+            .iter()
+            .zip(&b.1)
+            .all(|(x, y)| x.len() == y.len() && x.iter().zip(y).all(|(p, q)| p.to_bits() == q.to_bits()))
+}

@@ -2,16 +2,20 @@
 //! random tokens, optionally running llama.cpp's llama-bench in the same
 //! invocation so the two are compared under the same machine conditions.
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::time::Instant;
 
 use anyhow::{bail, Context, Result};
 use clap::Args;
+use leanstream_runtime::engine::{CachePolicy, EngineOptions, FlashModel, Policy};
+use leanstream_runtime::flash::{pagecache, SparsityLevel};
 use leanstream_runtime::generate::sampler::Rng;
 use leanstream_runtime::model::{FfnStep, RunState};
+use leanstream_runtime::perplexity::perplexity_with;
+use leanstream_runtime::sparsity::FfnHook;
 
-use crate::Loaded;
+use crate::{plot, Loaded};
 use serde_json::{json, Value};
 
 #[derive(Args)]
@@ -33,6 +37,27 @@ pub struct BenchArgs {
     llama_bench: Option<PathBuf>,
     #[command(flatten)]
     flash: crate::FlashArgs,
+    /// Real text to measure quality against dense on (.lsflash models):
+    /// perplexity and top-1 agreement at the run's sparsity and policy.
+    #[arg(long)]
+    quality_file: Option<PathBuf>,
+    #[arg(long, default_value_t = 256)]
+    quality_ctx: usize,
+    #[arg(long, default_value_t = 4)]
+    quality_chunks: usize,
+    /// Run every policy at every budget (each in its own process, so each
+    /// peak RSS is its own) and write sweep.json and sweep.svg to --out.
+    #[arg(long, requires = "out")]
+    sweep: bool,
+    /// FFN budgets of the sweep.
+    #[arg(long, value_delimiter = ',', default_value = "10%,25%,50%,100%")]
+    sweep_budgets: Vec<String>,
+    /// Policies of the sweep (dense runs once: it holds the whole FFN).
+    #[arg(long, value_delimiter = ',', default_value = "dense,dense-stream,oracle,gate-first")]
+    sweep_policies: Vec<Policy>,
+    /// Output folder of --sweep.
+    #[arg(long)]
+    out: Option<PathBuf>,
 }
 
 pub use leanstream_runtime::cache::peak_rss_bytes;
@@ -78,24 +103,51 @@ fn decode_speed(loaded: &mut Loaded, st: &mut RunState, tokens: &[u32]) -> Resul
     Ok(tokens.len() as f64 / t.elapsed().as_secs_f64())
 }
 
+/// Prompt and decode token sequences of each repetition (repetition 0 warms up).
+type Plan = Vec<(Vec<u32>, Vec<u32>)>;
+
+fn make_plan(reps: usize, prompt_tokens: usize, gen_tokens: usize, n_vocab: usize) -> Plan {
+    let mut rng = Rng::new(1234);
+    (0..=reps)
+        .map(|_| {
+            let p = random_tokens(&mut rng, prompt_tokens, n_vocab);
+            let g = random_tokens(&mut rng, gen_tokens, n_vocab);
+            (p, g)
+        })
+        .collect()
+}
+
 pub fn run(a: BenchArgs) -> Result<()> {
     if a.prompt_tokens == 0 && a.gen_tokens == 0 {
         bail!("nothing to measure: --prompt-tokens and --gen-tokens are both 0");
     }
+    if a.sweep {
+        return sweep(&a);
+    }
     let path = leanstream_runtime::fetch::resolve_model(&a.model)?;
     let t0 = Instant::now();
-    let mut loaded = Loaded::open(&path, &a.flash)?;
-    let load_s = t0.elapsed().as_secs_f64();
+    let state_tokens = a.prompt_tokens.max(a.gen_tokens).max(1);
+    let (mut loaded, mut st) = Loaded::open(&path, &a.flash, |m| Ok(m.new_state(state_tokens, 512, 1)))?;
     if a.llama_bench.is_some() && matches!(loaded, Loaded::Flash(..)) {
         bail!("--llama-bench needs a GGUF model, not a .lsflash file");
     }
     let c = loaded.model().config.clone();
     let weights_bytes = loaded.model().weights.matrix_bytes();
-    let mut st = loaded
-        .model()
-        .new_state(a.prompt_tokens.max(a.gen_tokens).max(1), 512, 1);
-    let mut rng = Rng::new(1234);
     let reps = a.reps.max(1);
+    let plan = make_plan(reps, a.prompt_tokens, a.gen_tokens, c.n_vocab);
+    // The oracle first records the active sets of exactly this plan.
+    loaded.record_oracle(&a.flash, &mut st, |loaded, st| {
+        for (p, g) in &plan {
+            if !p.is_empty() {
+                prompt_speed(loaded, st, p)?;
+            }
+            if !g.is_empty() {
+                decode_speed(loaded, st, g)?;
+            }
+        }
+        Ok(())
+    })?;
+    let load_s = t0.elapsed().as_secs_f64();
 
     let threads = rayon::current_num_threads();
     let mut pp = Vec::new();
@@ -104,18 +156,16 @@ pub fn run(a: BenchArgs) -> Result<()> {
     let mut theirs_tg = Vec::new();
     let mut theirs_build = Value::Null;
     let t_run = Instant::now();
-    for rep in 0..=reps {
+    for (rep, (ptoks, gtoks)) in plan.iter().enumerate() {
         // Repetition 0 warms caches and page mappings and is not counted.
-        if a.prompt_tokens > 0 {
-            let toks = random_tokens(&mut rng, a.prompt_tokens, c.n_vocab);
-            let s = prompt_speed(&mut loaded, &mut st, &toks)?;
+        if !ptoks.is_empty() {
+            let s = prompt_speed(&mut loaded, &mut st, ptoks)?;
             if rep > 0 {
                 pp.push(s);
             }
         }
-        if a.gen_tokens > 0 {
-            let toks = random_tokens(&mut rng, a.gen_tokens, c.n_vocab);
-            let s = decode_speed(&mut loaded, &mut st, &toks)?;
+        if !gtoks.is_empty() {
+            let s = decode_speed(&mut loaded, &mut st, gtoks)?;
             if rep > 0 {
                 tg.push(s);
             }
@@ -129,6 +179,7 @@ pub fn run(a: BenchArgs) -> Result<()> {
             theirs_build = r.build;
         }
     }
+    let run_s = t_run.elapsed().as_secs_f64();
     let stats = |xs: &[f64]| if xs.is_empty() { (0.0, 0.0) } else { mean_std(xs) };
     let ((pp_mean, pp_std), (tg_mean, tg_std)) = (stats(&pp), stats(&tg));
     let mut report = json!({
@@ -146,19 +197,22 @@ pub fn run(a: BenchArgs) -> Result<()> {
         "load_s": load_s,
         "weights_bytes": weights_bytes,
         "state_bytes": st.bytes(),
-        "peak_rss_bytes": peak_rss_bytes(),
     });
-    if let Loaded::Flash(fm, engine) = &loaded {
+    if let Some((fm, engine)) = loaded.flash() {
         let s = engine.stats();
         let tokens = s.tokens.max(1) as f64;
-        let io_s = t_run.elapsed().as_secs_f64();
         let mem = fm.memory(&st, engine);
+        let (cached, file_len) = pagecache::cached_bytes(fm.flash.path())?;
         report["policy"] = json!(engine.policy.to_string());
+        report["cache_policy"] = json!(engine.cache_policy_name());
+        report["sparsity"] = json!(engine.sparsity());
+        report["skipped_fraction"] = json!(s.skipped_fraction());
         report["ffn_budget_bytes"] = json!(engine.ffn_budget_bytes());
         report["ffn_total_bytes"] = json!(fm.ffn_bytes());
+        report["mem_budget"] = json!(a.flash.mem_budget);
         report["bytes_read_per_token"] = json!(s.bytes_read as f64 / tokens);
         report["reads_per_token"] = json!(s.reads as f64 / tokens);
-        report["read_bw_bytes_s"] = json!(s.bytes_read as f64 / io_s);
+        report["read_bw_bytes_s"] = json!(s.bytes_read as f64 / run_s);
         report["cache_miss_ratio"] = json!(s.cache_miss_ratio());
         report["memory"] = json!({
             "resident_weights": mem.resident_weights,
@@ -169,6 +223,24 @@ pub fn run(a: BenchArgs) -> Result<()> {
             "other": mem.other,
             "total": mem.total(),
         });
+        report["page_cache_bytes"] = json!(cached);
+        report["file_bytes"] = json!(file_len);
+    }
+    // Peak RSS before the quality runs, which hold engines of their own.
+    report["peak_rss_bytes"] = json!(peak_rss_bytes());
+    if let (Some(file), Some((fm, engine))) = (&a.quality_file, loaded.flash()) {
+        let cache_bytes = engine.ffn_budget_bytes();
+        report["quality"] = quality(
+            fm,
+            engine.policy,
+            a.flash.sparsity,
+            cache_bytes,
+            file,
+            a.quality_ctx,
+            a.quality_chunks,
+        )?;
+    } else if a.quality_file.is_some() {
+        bail!("--quality-file applies to .lsflash models");
     }
     if a.llama_bench.is_some() {
         let ((tpp, tpp_std), (ttg, ttg_std)) = (stats(&theirs_pp), stats(&theirs_tg));
@@ -184,6 +256,140 @@ pub fn run(a: BenchArgs) -> Result<()> {
         report["ratio_decode"] = json!(ratio(tg_mean, ttg));
     }
     println!("{}", serde_json::to_string_pretty(&report)?);
+    Ok(())
+}
+
+/// Perplexity and top-1 agreement of `policy` at `sparsity` against dense,
+/// through the streaming engine. The dense reference streams too (it is
+/// bit-identical to `dense`, tested); the oracle's numbers are those of
+/// `dense-stream` at the same thresholds, which keeps the same neurons.
+fn quality(
+    fm: &FlashModel,
+    policy: Policy,
+    sparsity: f32,
+    cache_bytes: u64,
+    file: &PathBuf,
+    ctx: usize,
+    chunks: usize,
+) -> Result<Value> {
+    let text = std::fs::read_to_string(file).with_context(|| format!("reading {}", file.display()))?;
+    let eval = |policy: Policy, level: SparsityLevel| -> Result<_> {
+        let mut e = fm.engine_with(EngineOptions {
+            policy,
+            cache_bytes,
+            cache_policy: CachePolicy::Lru,
+            level,
+            record: false,
+            trace: None,
+        })?;
+        let (p, _) = perplexity_with(&fm.model, &text, ctx, Some(chunks), false, FfnHook::None, Some(&mut e))?;
+        Ok((p, e.stats().skipped_fraction()))
+    };
+    let (dense, _) = eval(Policy::DenseStream, SparsityLevel::dense(fm.flash.n_layer()))?;
+    let same_as = match policy {
+        Policy::GateFirst => Policy::GateFirst,
+        _ => Policy::DenseStream,
+    };
+    let (ours, skipped) = eval(same_as, fm.sparsity_level(sparsity)?)?;
+    Ok(json!({
+        "file": file.display().to_string(),
+        "ctx": ctx,
+        "chunks": ours.chunks,
+        "tokens_scored": ours.tokens_scored,
+        "ppl": ours.ppl,
+        "ppl_stderr": ours.ppl_stderr,
+        "ppl_dense": dense.ppl,
+        "ppl_ratio": ours.ppl / dense.ppl,
+        "top1_agreement": ours.top1_agreement(&dense),
+        "skipped_fraction": skipped,
+    }))
+}
+
+/// `--sweep`: each (policy, budget) in a child `leanstream bench`, then the
+/// JSON of all and the plot.
+fn sweep(a: &BenchArgs) -> Result<()> {
+    let out = a.out.as_ref().context("--sweep needs --out")?;
+    std::fs::create_dir_all(out).with_context(|| format!("creating {}", out.display()))?;
+    let exe = std::env::current_exe().context("locating the leanstream binary")?;
+    let mut runs = Vec::new();
+    for &policy in &a.sweep_policies {
+        let budgets: Vec<&str> = if policy == Policy::Dense {
+            vec!["100%"]
+        } else {
+            a.sweep_budgets.iter().map(String::as_str).collect()
+        };
+        for budget in budgets {
+            let mut cmd = Command::new(&exe);
+            cmd.arg("bench")
+                .args(["--model", &a.model])
+                .args(["--policy", &policy.to_string()])
+                .args(["--ffn-budget", budget])
+                .args(["--sparsity", &a.flash.sparsity.to_string()])
+                .args(["--prompt-tokens", &a.prompt_tokens.to_string()])
+                .args(["--gen-tokens", &a.gen_tokens.to_string()])
+                .args(["--reps", &a.reps.to_string()]);
+            if let Some(c) = a.flash.cache_policy {
+                cmd.args(["--cache-policy", &c.to_string()]);
+            }
+            if let Some(q) = &a.quality_file {
+                cmd.arg("--quality-file").arg(q);
+                cmd.args(["--quality-ctx", &a.quality_ctx.to_string()]);
+                cmd.args(["--quality-chunks", &a.quality_chunks.to_string()]);
+            }
+            eprintln!("sweep: {policy} at {budget} ...");
+            let o = cmd.output().with_context(|| format!("starting {}", exe.display()))?;
+            if !o.status.success() {
+                bail!(
+                    "sweep run {policy} at {budget} failed: {}",
+                    String::from_utf8_lossy(&o.stderr).trim()
+                );
+            }
+            let mut r: Value = serde_json::from_slice(&o.stdout).context("parsing a sweep run's JSON")?;
+            r["ffn_budget"] = json!(budget);
+            eprintln!(
+                "sweep: {policy} at {budget}: {:.2} tok/s decode, {:.1} MiB accounted, peak RSS {:.1} MiB",
+                r["decode_tok_s"].as_f64().unwrap_or(0.0),
+                r["memory"]["total"].as_f64().unwrap_or(0.0) / (1 << 20) as f64,
+                r["peak_rss_bytes"].as_f64().unwrap_or(0.0) / (1 << 20) as f64
+            );
+            runs.push(r);
+        }
+    }
+    let json_path = out.join("sweep.json");
+    std::fs::write(&json_path, serde_json::to_string_pretty(&runs)?)
+        .with_context(|| format!("writing {}", json_path.display()))?;
+    let mut series: Vec<plot::Series> = Vec::new();
+    for r in &runs {
+        let name = r["policy"].as_str().unwrap_or("?").to_string();
+        let x = r["memory"]["total"].as_f64().unwrap_or(0.0) / (1 << 20) as f64;
+        let y = r["decode_tok_s"].as_f64().unwrap_or(0.0);
+        match series.iter_mut().find(|s| s.name == name) {
+            Some(s) => s.points.push((x, y)),
+            None => series.push(plot::Series {
+                name,
+                points: vec![(x, y)],
+            }),
+        }
+    }
+    let title = format!(
+        "{} — decode tokens/s against memory, sparsity {}",
+        Path::new(&a.model)
+            .file_name()
+            .map_or(a.model.clone(), |f| f.to_string_lossy().into_owned()),
+        a.flash.sparsity
+    );
+    let svg = plot::line_chart(
+        &title,
+        "total memory, MiB (resident + KV + cache + I/O + predictor)",
+        "decode tokens/s",
+        &series,
+    );
+    let svg_path = out.join("sweep.svg");
+    std::fs::write(&svg_path, svg).with_context(|| format!("writing {}", svg_path.display()))?;
+    println!(
+        "{}",
+        serde_json::to_string_pretty(&json!({"runs": runs, "json": json_path, "plot": svg_path}))?
+    );
     Ok(())
 }
 

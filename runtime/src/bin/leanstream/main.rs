@@ -7,18 +7,21 @@ use std::time::Instant;
 
 use anyhow::{bail, Context, Result};
 use clap::{Parser, Subcommand};
-use leanstream_runtime::cache::FfnBudget;
-use leanstream_runtime::engine::{is_lsflash, FlashEngine, FlashModel, Policy};
+use leanstream_runtime::cache::{fmt_bytes, FfnBudget};
+use leanstream_runtime::engine::{
+    is_lsflash, ActiveTrace, CachePolicy, EngineOptions, FlashEngine, FlashModel, Policy,
+};
 use leanstream_runtime::fetch::{self, resolve_model};
 use leanstream_runtime::flash;
 use leanstream_runtime::generate::{generate_with, ChatTemplate, Sampler, SamplerConfig};
-use leanstream_runtime::model::{FfnStep, Model};
+use leanstream_runtime::model::{FfnStep, Model, RunState};
 use leanstream_runtime::perplexity::perplexity_with_hook;
 use leanstream_runtime::sparsity::{calibrate, Calibration, FfnHook};
 use leanstream_runtime::synthetic;
 use leanstream_runtime::tokenizer::StreamDecoder;
 
 mod bench;
+mod plot;
 
 #[derive(Parser)]
 #[command(
@@ -119,6 +122,18 @@ enum Cmd {
         /// Neuron placement, JSON {"layers": [[neuron ids...], ...]} (default: identity).
         #[arg(long)]
         placement: Option<PathBuf>,
+        /// Calibrate sparsity thresholds on this real text and store them in the header.
+        #[arg(long, conflicts_with = "calibration")]
+        calibrate: Option<PathBuf>,
+        /// Sparsity levels to calibrate with --calibrate.
+        #[arg(long, value_delimiter = ',', default_value = "0.5,0.7,0.8")]
+        sparsities: Vec<f32>,
+        /// Context of the calibration windows.
+        #[arg(long, default_value_t = 256)]
+        calib_ctx: usize,
+        /// Store the thresholds of a calibration file (from `leanstream calibrate`).
+        #[arg(long)]
+        calibration: Option<PathBuf>,
     },
     /// Write a GGUF of a published model's shape with seeded random weights (streamed to disk).
     Synthetic {
@@ -145,30 +160,111 @@ enum Cmd {
 }
 
 /// How a `.lsflash` model streams its FFN.
-#[derive(clap::Args, Clone)]
+#[derive(clap::Args, Clone, Default)]
 pub(crate) struct FlashArgs {
-    /// FFN policy of a .lsflash model: dense (all bundles in memory) or dense-stream.
+    /// FFN policy of a .lsflash model: dense, dense-stream, oracle or gate-first.
     #[arg(long)]
-    policy: Option<Policy>,
-    /// Neuron cache budget of dense-stream: bytes (512MiB) or a share of the FFN (25%).
-    #[arg(long, default_value = "25%")]
-    ffn_budget: String,
+    pub(crate) policy: Option<Policy>,
+    /// Neuron cache budget: bytes (512MiB) or a share of the FFN (25%). Default 25%.
+    #[arg(long, conflicts_with = "mem_budget")]
+    pub(crate) ffn_budget: Option<String>,
+    /// Total memory for the whole process (bytes, e.g. 300MiB): the neuron
+    /// cache gets what the resident weights, run state and I/O buffers leave.
+    #[arg(long)]
+    pub(crate) mem_budget: Option<String>,
+    /// Fraction of FFN neurons to skip: a level calibrated at pack time (0: none).
+    #[arg(long, default_value_t = 0.0)]
+    pub(crate) sparsity: f32,
+    /// Neuron cache eviction: lru, hot (calibrated hot set) or window[:K].
+    /// Default: hot when the file has calibrated scores, else lru.
+    #[arg(long)]
+    pub(crate) cache_policy: Option<CachePolicy>,
 }
 
 impl FlashArgs {
-    pub(crate) fn budget(&self) -> Result<FfnBudget> {
-        FfnBudget::parse(&self.ffn_budget).map_err(|e| anyhow::anyhow!("--ffn-budget: {e}"))
+    fn is_set(&self) -> bool {
+        self.policy.is_some()
+            || self.ffn_budget.is_some()
+            || self.mem_budget.is_some()
+            || self.sparsity != 0.0
+            || self.cache_policy.is_some()
+    }
+
+    pub(crate) fn policy(&self) -> Policy {
+        self.policy.unwrap_or(Policy::Dense)
+    }
+
+    /// Bytes of the neuron cache for `policy` on `fm` with run state `st`
+    /// (and, for the oracle, a trace of `trace_bytes`).
+    pub(crate) fn cache_bytes(&self, fm: &FlashModel, policy: Policy, st: &RunState, trace_bytes: u64) -> Result<u64> {
+        let Some(mem) = &self.mem_budget else {
+            let b = self.ffn_budget.as_deref().unwrap_or("25%");
+            let budget = FfnBudget::parse(b).map_err(|e| anyhow::anyhow!("--ffn-budget: {e}"))?;
+            return Ok(budget.resolve(fm.ffn_bytes()));
+        };
+        let total = match FfnBudget::parse(mem).map_err(|e| anyhow::anyhow!("--mem-budget: {e}"))? {
+            FfnBudget::Bytes(b) => b,
+            FfnBudget::Percent(_) => bail!("--mem-budget takes bytes (e.g. 300MiB), not a percentage"),
+        };
+        let weights = fm.flash.resident_range().1;
+        let state = st.bytes() as u64;
+        let engine = fm.engine_overhead_bytes(policy, st.max_batch) + trace_bytes;
+        let fixed = weights + state + engine;
+        if fixed > total {
+            bail!(
+                "--mem-budget {}: the resident parts alone need {} (weights {}, run state {}, {policy} buffers {}); \
+                 nothing would be left for the neuron cache",
+                fmt_bytes(total),
+                fmt_bytes(fixed),
+                fmt_bytes(weights),
+                fmt_bytes(state),
+                fmt_bytes(engine)
+            );
+        }
+        Ok(total - fixed)
+    }
+
+    /// The engine for `fm` under these settings; `record` keeps the kept
+    /// sets for an oracle replay.
+    pub(crate) fn engine(
+        &self,
+        fm: &FlashModel,
+        policy: Policy,
+        st: &RunState,
+        trace: Option<ActiveTrace>,
+        record: bool,
+    ) -> Result<FlashEngine> {
+        let trace_bytes = trace.as_ref().map_or(0, |t| t.bytes());
+        let has_scores = !fm.flash.header().neuron_scores.is_empty();
+        Ok(fm.engine_with(EngineOptions {
+            policy,
+            cache_bytes: self.cache_bytes(fm, policy, st, trace_bytes)?,
+            cache_policy: self
+                .cache_policy
+                .unwrap_or(if has_scores { CachePolicy::Hot } else { CachePolicy::Lru }),
+            level: fm.sparsity_level(self.sparsity)?,
+            record,
+            trace,
+        })?)
     }
 }
 
 /// A GGUF model, or a `.lsflash` model with its FFN engine.
 pub(crate) enum Loaded {
     Gguf(Box<Model>),
-    Flash(Box<FlashModel>, Box<FlashEngine>),
+    /// The engine is `None` only while an oracle's replaces its recorder.
+    Flash(Box<FlashModel>, Option<Box<FlashEngine>>),
 }
 
 impl Loaded {
-    pub(crate) fn open(path: &Path, flash: &FlashArgs) -> Result<Self> {
+    /// Opens the model at `path`, its run state from `state`, and (for a
+    /// `.lsflash` model) the FFN engine sized for that state. An oracle
+    /// engine starts without a trace: see [`Loaded::record_oracle`].
+    pub(crate) fn open(
+        path: &Path,
+        flash: &FlashArgs,
+        state: impl FnOnce(&Model) -> Result<RunState>,
+    ) -> Result<(Self, RunState)> {
         if !path.exists() {
             bail!(
                 "{}: no such model file (known model names: smollm2, gemma3)",
@@ -177,13 +273,58 @@ impl Loaded {
         }
         if is_lsflash(path) {
             let fm = FlashModel::open(path)?;
-            let engine = fm.engine(flash.policy.unwrap_or(Policy::Dense), flash.budget()?)?;
-            return Ok(Self::Flash(Box::new(fm), Box::new(engine)));
+            let st = state(&fm.model)?;
+            // The oracle's engine is made once its trace is recorded; until
+            // then a dense-stream engine of the same budget stands in.
+            let policy = match flash.policy() {
+                Policy::Oracle => Policy::DenseStream,
+                p => p,
+            };
+            let engine = flash.engine(&fm, policy, &st, None, flash.policy() == Policy::Oracle)?;
+            return Ok((Self::Flash(Box::new(fm), Some(Box::new(engine))), st));
         }
-        if flash.policy.is_some() {
-            bail!("--policy applies to .lsflash models; {} is not one", path.display());
+        if flash.is_set() {
+            bail!(
+                "--policy, --ffn-budget, --mem-budget and --sparsity apply to .lsflash models; {} is not one",
+                path.display()
+            );
         }
-        Ok(Self::Gguf(Box::new(Model::load(path)?)))
+        let m = Model::load(path)?;
+        let st = state(&m)?;
+        Ok((Self::Gguf(Box::new(m)), st))
+    }
+
+    /// For `--policy oracle`: runs `job` once with the recording engine,
+    /// then swaps in the oracle engine replaying what it recorded. `job`
+    /// must do exactly what the measured run will do. Other policies: nothing.
+    pub(crate) fn record_oracle(
+        &mut self,
+        flash: &FlashArgs,
+        st: &mut RunState,
+        job: impl FnOnce(&mut Self, &mut RunState) -> Result<()>,
+    ) -> Result<()> {
+        if flash.policy() != Policy::Oracle || !matches!(self, Self::Flash(..)) {
+            return Ok(());
+        }
+        job(self, st)?;
+        let Self::Flash(fm, engine) = self else {
+            unreachable!("checked above")
+        };
+        let trace = engine
+            .take()
+            .and_then(|mut e| e.take_trace())
+            .context("the recording engine kept no trace")?;
+        // The recorder (and its cache) is gone before the oracle's is allocated.
+        *engine = Some(Box::new(flash.engine(fm, Policy::Oracle, st, Some(trace), false)?));
+        Ok(())
+    }
+
+    /// The flash model and its engine, for reports.
+    pub(crate) fn flash(&self) -> Option<(&FlashModel, &FlashEngine)> {
+        match self {
+            Self::Flash(fm, Some(e)) => Some((fm, e)),
+            _ => None,
+        }
     }
 
     pub(crate) fn model(&self) -> &Model {
@@ -197,7 +338,7 @@ impl Loaded {
     pub(crate) fn parts(&mut self) -> (&Model, Option<&mut dyn FfnStep>) {
         match self {
             Self::Gguf(m) => (m, None),
-            Self::Flash(fm, e) => (&fm.model, Some(&mut **e as &mut dyn FfnStep)),
+            Self::Flash(fm, e) => (&fm.model, e.as_deref_mut().map(|e| e as &mut dyn FfnStep)),
         }
     }
 }
@@ -298,12 +439,14 @@ fn real_main(cli: Cli) -> Result<()> {
         } => {
             let model = load(&model_arg)?;
             let text = std::fs::read_to_string(&file).with_context(|| format!("reading {}", file.display()))?;
-            let (levels, tokens) = calibrate(&model, &text, ctx, &sparsity)?;
+            let c = calibrate(&model, &text, ctx, &sparsity)?;
+            let tokens = c.tokens;
             let cal = Calibration {
                 model: model.gguf.path().display().to_string(),
                 text: file.display().to_string(),
                 tokens,
-                levels,
+                levels: c.levels,
+                neuron_scores: c.neuron_scores,
             };
             std::fs::write(&output, serde_json::to_string_pretty(&cal)?)
                 .with_context(|| format!("writing {}", output.display()))?;
@@ -320,7 +463,19 @@ fn real_main(cli: Cli) -> Result<()> {
             out,
             down,
             placement,
-        } => pack(&model, &out, down, placement.as_deref()),
+            calibrate,
+            sparsities,
+            calib_ctx,
+            calibration,
+        } => {
+            let thresholds = ThresholdSource {
+                text: calibrate,
+                sparsities,
+                ctx: calib_ctx,
+                file: calibration,
+            };
+            pack(&model, &out, down, placement.as_deref(), &thresholds)
+        }
         Cmd::Synthetic {
             shape,
             quant,
@@ -356,12 +511,64 @@ fn real_main(cli: Cli) -> Result<()> {
     }
 }
 
-fn pack(model: &str, out: &Path, down: flash::DownType, placement: Option<&Path>) -> Result<()> {
+/// Where `pack` gets sparsity thresholds from.
+struct ThresholdSource {
+    text: Option<PathBuf>,
+    sparsities: Vec<f32>,
+    ctx: usize,
+    file: Option<PathBuf>,
+}
+
+impl ThresholdSource {
+    /// Sparsity levels and neuron scores to store (both empty without a source).
+    fn levels(&self, gguf: &Path) -> Result<(Vec<flash::SparsityLevel>, Vec<Vec<f32>>)> {
+        let (thresholds, scores) = match (&self.text, &self.file) {
+            (Some(text_path), _) => {
+                let model = load_path(gguf)?;
+                let text =
+                    std::fs::read_to_string(text_path).with_context(|| format!("reading {}", text_path.display()))?;
+                let t = Instant::now();
+                let c = calibrate(&model, &text, self.ctx, &self.sparsities)?;
+                eprintln!(
+                    "calibrated {} sparsity levels on {} tokens of {} in {:.1} s",
+                    c.levels.len(),
+                    c.tokens,
+                    text_path.display(),
+                    t.elapsed().as_secs_f64()
+                );
+                (c.levels, c.neuron_scores)
+            }
+            (None, Some(file)) => {
+                let cal = Calibration::load(file)?;
+                (cal.levels, cal.neuron_scores)
+            }
+            (None, None) => return Ok((Vec::new(), Vec::new())),
+        };
+        let n_layer =
+            leanstream_runtime::model::Config::from_gguf(&leanstream_runtime::gguf::GgufFile::open(gguf)?)?.n_layer;
+        let levels = thresholds
+            .iter()
+            .map(|t| Ok(flash::SparsityLevel::from_thresholds(t, n_layer)?))
+            .collect::<Result<_>>()?;
+        Ok((levels, scores))
+    }
+}
+
+fn pack(
+    model: &str,
+    out: &Path,
+    down: flash::DownType,
+    placement: Option<&Path>,
+    thresholds: &ThresholdSource,
+) -> Result<()> {
     let path = resolve_model(model)?;
     let placement = placement.map(flash::pack::load_placement).transpose()?;
+    let (sparsity, neuron_scores) = thresholds.levels(&path)?;
     let opts = flash::PackOptions {
         down,
         placement,
+        sparsity,
+        neuron_scores,
         progress: std::io::stderr().is_terminal(),
     };
     let r = flash::pack(&path, out, &opts)?;
@@ -396,27 +603,40 @@ fn run(
     model_arg: &str,
     prompt: &str,
     n: usize,
-    sampler: SamplerConfig,
+    sampler_cfg: SamplerConfig,
     chat: bool,
     ctx: Option<usize>,
     flash: &FlashArgs,
 ) -> Result<()> {
     let t0 = Instant::now();
-    let mut loaded = Loaded::open(&resolve_model(model_arg)?, flash)?;
+    let prompt_ids = |model: &Model| -> Result<Vec<u32>> {
+        let text = if chat {
+            let template = model.gguf.get_str("tokenizer.chat_template")?;
+            let t = ChatTemplate::detect(template, model.config.arch)
+                .context("the model's chat template is not one LeanStream recognises")?;
+            t.format_user(prompt)
+        } else {
+            prompt.to_string()
+        };
+        Ok(model.tokenizer.encode(&text, true, chat))
+    };
+    let path = resolve_model(model_arg)?;
+    let (mut loaded, mut st) = Loaded::open(&path, flash, |model| {
+        let ids = prompt_ids(model)?;
+        let ctx = ctx.unwrap_or(ids.len() + n + 1).min(model.config.context_length);
+        Ok(model.new_state(ctx, 512, 1))
+    })?;
+    let ids = prompt_ids(loaded.model())?;
+    // The oracle replays a first, silent run of the same generation.
+    loaded.record_oracle(flash, &mut st, |loaded, st| {
+        let (model, ffn) = loaded.parts();
+        let mut sampler = Sampler::new(sampler_cfg, model.config.n_vocab);
+        generate_with(model, st, &ids, n, &mut sampler, ffn, |_| Ok(()))?;
+        Ok(())
+    })?;
     let load_time = t0.elapsed();
     let (model, ffn) = loaded.parts();
-    let text = if chat {
-        let template = model.gguf.get_str("tokenizer.chat_template")?;
-        let t = ChatTemplate::detect(template, model.config.arch)
-            .context("the model's chat template is not one LeanStream recognises")?;
-        t.format_user(prompt)
-    } else {
-        prompt.to_string()
-    };
-    let ids = model.tokenizer.encode(&text, true, chat);
-    let ctx = ctx.unwrap_or(ids.len() + n + 1).min(model.config.context_length);
-    let mut st = model.new_state(ctx, 512, 1);
-    let mut sampler = Sampler::new(sampler, model.config.n_vocab);
+    let mut sampler = Sampler::new(sampler_cfg, model.config.n_vocab);
     let mut decoder = StreamDecoder::new();
     let stdout = std::io::stdout();
     let mut out = stdout.lock();
@@ -437,5 +657,20 @@ fn run(
         stats.decode_tok_s(),
         bench::peak_rss_bytes() as f64 / (1 << 20) as f64
     );
+    if let Some((fm, engine)) = loaded.flash() {
+        let s = engine.stats();
+        let (cached, len) = flash::pagecache::cached_bytes(fm.flash.path())?;
+        eprintln!(
+            "{} | sparsity {} (skipped {:.1}%) | {:.1} MiB read/token | cache miss ratio {:.3} | memory: {} | {} of {} of the .lsflash file in the page cache",
+            engine.policy,
+            engine.sparsity(),
+            100.0 * s.skipped_fraction(),
+            s.bytes_read as f64 / s.tokens.max(1) as f64 / (1 << 20) as f64,
+            s.cache_miss_ratio(),
+            fm.memory(&st, engine),
+            fmt_bytes(cached),
+            fmt_bytes(len)
+        );
+    }
     Ok(())
 }

@@ -1,0 +1,44 @@
+//! The page cache and a packed file: LeanStream's memory budget is only real
+//! if the kernel does not keep the file's pages on our behalf, so every
+//! buffered read of a `.lsflash` file is followed by [`drop_cached`], and
+//! [`cached_bytes`] checks (with `mincore`) what is left.
+
+use std::fs::File;
+use std::os::fd::AsRawFd;
+use std::path::Path;
+
+use crate::{Result, RuntimeError};
+
+/// Asks the kernel to drop all of `file`'s clean cached pages: the whole
+/// file, not just the range read, because readahead pulls in neighbours.
+/// Advice only: failure changes nothing but memory use.
+pub fn drop_cached(file: &File) {
+    // SAFETY: plain syscall on an open descriptor.
+    unsafe {
+        libc::posix_fadvise(file.as_raw_fd(), 0, 0, libc::POSIX_FADV_DONTNEED);
+    }
+}
+
+/// Bytes of the file at `path` resident in the page cache now, and the file's
+/// length, from `mincore` over a fresh read-only mapping (mapping faults
+/// nothing in, so the check does not disturb what it measures).
+pub fn cached_bytes(path: &Path) -> Result<(u64, u64)> {
+    let file = File::open(path).map_err(|e| RuntimeError::io(path, e))?;
+    let len = file.metadata().map_err(|e| RuntimeError::io(path, e))?.len();
+    if len == 0 {
+        return Ok((0, 0));
+    }
+    // SAFETY: the map is read-only and never dereferenced; only mincore sees it.
+    let map = unsafe { memmap2::Mmap::map(&file) }.map_err(|e| RuntimeError::io(path, e))?;
+    // SAFETY: sysconf has no preconditions.
+    let page = unsafe { libc::sysconf(libc::_SC_PAGESIZE) }.max(4096) as u64;
+    let pages = len.div_ceil(page) as usize;
+    let mut vec = vec![0u8; pages];
+    // SAFETY: the range is the mapping we own; `vec` has one byte per page.
+    let rc = unsafe { libc::mincore(map.as_ptr() as *mut libc::c_void, map.len(), vec.as_mut_ptr()) };
+    if rc != 0 {
+        return Err(RuntimeError::io(path, std::io::Error::last_os_error()));
+    }
+    let resident = vec.iter().filter(|&&b| b & 1 != 0).count() as u64;
+    Ok(((resident * page).min(len), len))
+}

@@ -1,0 +1,183 @@
+//! The `leanstream` binary on `.lsflash` models: `--mem-budget` accounting
+//! and refusal, peak RSS within the budget plus a stated slack, the file not
+//! left in the page cache, and `bench --sweep` output.
+
+mod common;
+
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output};
+
+use leanstream_runtime::flash::{pack, DownType, PackOptions};
+use leanstream_runtime::synthetic::SyntheticSpec;
+use serde_json::Value;
+
+/// What the process holds beyond the accounted categories: the binary and
+/// its libraries, the tokenizer, thread stacks, allocator slack.
+const RSS_SLACK: u64 = 16 << 20;
+
+fn dir() -> PathBuf {
+    let d = PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join("cli_flash");
+    std::fs::create_dir_all(&d).unwrap();
+    d
+}
+
+fn pack_plain(src: &Path, name: &str) -> PathBuf {
+    let out = dir().join(format!("{name}.lsflash"));
+    let opts = PackOptions {
+        down: DownType::Q8_0,
+        placement: None,
+        sparsity: Vec::new(),
+        neuron_scores: Vec::new(),
+        progress: false,
+    };
+    pack(src, &out, &opts).unwrap();
+    out
+}
+
+fn tiny() -> PathBuf {
+    let src = dir().join("tiny.gguf");
+    std::fs::write(&src, SyntheticSpec::tiny("llama").build().unwrap().to_bytes()).unwrap();
+    pack_plain(&src, "tiny")
+}
+
+fn leanstream(args: &[&str]) -> Output {
+    Command::new(env!("CARGO_BIN_EXE_leanstream"))
+        .args(["--threads", "2"])
+        .args(args)
+        .output()
+        .unwrap()
+}
+
+fn json_of(o: &Output) -> Value {
+    assert!(o.status.success(), "failed: {}", String::from_utf8_lossy(&o.stderr));
+    serde_json::from_slice(&o.stdout).unwrap()
+}
+
+#[test]
+fn bad_flash_settings_are_refused_with_the_reason() {
+    let m = tiny();
+    let m = m.to_str().unwrap();
+    let run = |extra: &[&str]| {
+        let mut args = vec!["run", "--model", m, "--prompt", "hello", "-n", "2", "--temp", "0"];
+        args.extend_from_slice(extra);
+        let o = leanstream(&args);
+        assert!(!o.status.success(), "{extra:?} should fail");
+        String::from_utf8_lossy(&o.stderr).into_owned()
+    };
+    let e = run(&["--policy", "dense-stream", "--mem-budget", "64KiB"]);
+    assert!(
+        e.contains("--mem-budget") && e.contains("resident parts alone need"),
+        "{e}"
+    );
+    let e = run(&["--policy", "oracle", "--sparsity", "0.5"]);
+    assert!(e.contains("no thresholds for sparsity 0.5"), "{e}");
+    let e = run(&["--mem-budget", "25%"]);
+    assert!(e.contains("takes bytes"), "{e}");
+    let e = run(&["--policy", "gate-only"]);
+    assert!(e.contains("gate-first"), "{e}");
+}
+
+#[test]
+fn sweep_writes_json_and_plot() {
+    let m = tiny();
+    let out = dir().join("sweep");
+    let o = leanstream(&[
+        "bench",
+        "--model",
+        m.to_str().unwrap(),
+        "--sweep",
+        "--out",
+        out.to_str().unwrap(),
+        "--sweep-budgets",
+        "25%,100%",
+        "--sweep-policies",
+        "dense,dense-stream,oracle,gate-first",
+        "--prompt-tokens",
+        "4",
+        "--gen-tokens",
+        "4",
+        "--reps",
+        "1",
+    ]);
+    json_of(&o);
+    let runs: Vec<Value> = serde_json::from_str(&std::fs::read_to_string(out.join("sweep.json")).unwrap()).unwrap();
+    let policies: Vec<&str> = runs.iter().map(|r| r["policy"].as_str().unwrap()).collect();
+    assert_eq!(
+        policies,
+        [
+            "dense",
+            "dense-stream",
+            "dense-stream",
+            "oracle",
+            "oracle",
+            "gate-first",
+            "gate-first"
+        ]
+    );
+    for r in &runs {
+        assert!(r["decode_tok_s"].as_f64().unwrap() > 0.0, "{r}");
+        assert!(r["memory"]["total"].as_u64().unwrap() > 0, "{r}");
+        if r["policy"] != "dense" {
+            assert!(r["bytes_read_per_token"].as_f64().unwrap() > 0.0, "{r}");
+        }
+    }
+    // A larger cache means more memory, never less.
+    let mem = |i: usize| runs[i]["memory"]["total"].as_u64().unwrap();
+    assert!(mem(1) < mem(2), "25% vs 100% budget");
+    let svg = std::fs::read_to_string(out.join("sweep.svg")).unwrap();
+    assert_eq!(
+        svg.matches("<polyline").count(),
+        3,
+        "one line per policy with two budgets"
+    );
+    for p in ["dense", "dense-stream", "oracle", "gate-first"] {
+        assert!(svg.contains(&format!(">{p}</text>")), "legend lacks {p}");
+    }
+}
+
+#[test]
+fn smollm2_stays_within_mem_budget() {
+    let Some(src) = common::model_path("smollm2") else {
+        return;
+    };
+    let m = pack_plain(&src, "smollm2");
+    let budget: u64 = 120 << 20;
+    for policy in ["dense-stream", "oracle", "gate-first"] {
+        let r = json_of(&leanstream(&[
+            "bench",
+            "--model",
+            m.to_str().unwrap(),
+            "--policy",
+            policy,
+            "--mem-budget",
+            "120MiB",
+            "--prompt-tokens",
+            "8",
+            "--gen-tokens",
+            "8",
+            "--reps",
+            "1",
+        ]));
+        let (total, rss) = (
+            r["memory"]["total"].as_u64().unwrap(),
+            r["peak_rss_bytes"].as_u64().unwrap(),
+        );
+        let cached = r["page_cache_bytes"].as_u64().unwrap();
+        eprintln!(
+            "{policy}: accounted {:.1} MiB, peak RSS {:.1} MiB, cache {:.1} MiB, page cache {cached} B",
+            total as f64 / 1048576.0,
+            rss as f64 / 1048576.0,
+            r["memory"]["ffn_cache"].as_f64().unwrap() / 1048576.0
+        );
+        assert!(total <= budget, "{policy}: accounted {total} > budget {budget}");
+        assert!(
+            rss <= budget + RSS_SLACK,
+            "{policy}: peak RSS {rss} > budget {budget} + slack"
+        );
+        assert!(
+            cached * 100 <= r["file_bytes"].as_u64().unwrap(),
+            "{policy}: {cached} B in the page cache"
+        );
+        assert!(r["memory"]["ffn_cache"].as_u64().unwrap() > 0);
+    }
+}
