@@ -9,7 +9,10 @@
 #   file; its quality numbers mean nothing and are not printed).
 # Env: BUDGET (25%), GEN (64), REPS (2), SPARSITIES (0.5,0.7,0.8),
 #      CALIB (data/text/apache-2.0.txt), EVAL (data/text/gpl-3.0-excerpt.txt),
-#      OUT (folder for the JSON lines; default $LEANSTREAM_HOME/bench-flash).
+#      OUT (folder for the JSON lines; default $LEANSTREAM_HOME/bench-flash),
+#      QUALITY (1; 0 skips the perplexity runs, which do not depend on I/O),
+#      PACK_ARGS (`leanstream pack` arguments beyond calibration; default --hot-first; the
+#      packed file is reused while it exists, so delete it after changing them).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 export CARGO_TARGET_DIR=${CARGO_TARGET_DIR:-$HOME/.cache/leanstream/target}
@@ -29,7 +32,7 @@ for m in "${models[@]}"; do
   real=0
   case $m in smollm2|gemma3) real=1 ;; esac
   if [ ! -f "$flash" ]; then
-    "$ls" pack --model "$m" -o "$flash" --calibrate "$calib" --sparsities "$sparsities" >&2
+    "$ls" pack --model "$m" -o "$flash" --calibrate "$calib" --sparsities "$sparsities" ${PACK_ARGS---hot-first} >&2
   fi
   jl=$out/$name.jsonl
   : > "$jl"
@@ -40,7 +43,7 @@ for m in "${models[@]}"; do
       --prompt-tokens 0 --gen-tokens "$gen" --reps "$reps" "$@" | python3 -c 'import json,sys; print(json.dumps(json.load(sys.stdin)))' >> "$jl"
   }
   quality=()
-  [ $real = 1 ] && quality=(--quality-file "$eval_text" --quality-ctx 256 --quality-chunks 8)
+  [ $real = 1 ] && [ "${QUALITY:-1}" = 1 ] && quality=(--quality-file "$eval_text" --quality-ctx 256 --quality-chunks 8)
   run dense 0
   run dense-stream 0
   for s in ${sparsities//,/ }; do
@@ -70,7 +73,7 @@ print(f"\n{runs[0]['model']}  (FFN {runs[0]['ffn_total_bytes']/mib:.1f} MiB, bud
 print("| policy | sparsity | decode tok/s | × dense | MiB read/token | reads/token | read MB/s | cache miss | memory MiB | peak RSS MiB |")
 print("|---|---|---|---|---|---|---|---|---|---|")
 for r in runs:
-    print(f"| {r['policy']} | {r['sparsity']} | {r['decode_tok_s']:.2f} | {r['decode_tok_s']/dense['decode_tok_s']:.3f} | "
+    print(f"| {r['policy']} | {r['sparsity']:.2f} | {r['decode_tok_s']:.2f} | {r['decode_tok_s']/dense['decode_tok_s']:.3f} | "
           f"{r['bytes_read_per_token']/mib:.1f} | {r['reads_per_token']:.0f} | {r['read_bw_bytes_s']/1e6:.0f} | "
           f"{r['cache_miss_ratio']:.3f} | {r['memory']['total']/mib:.1f} | {r['peak_rss_bytes']/mib:.1f} |")
 if fio:
@@ -83,7 +86,7 @@ if real and q:
     print("|---|---|---|---|---|---|---|")
     for r in q:
         k = r["quality"]
-        crit = "|act(g)|" if r["policy"] == "gate-first" else "|act(g)·u|"
-        print(f"| {r['policy']} ({crit}) | {r['sparsity']} | {k['skipped_fraction']:.3f} | {k['ppl']:.3f} | {k['ppl_dense']:.3f} | {k['ppl_ratio']:.3f} | {k['top1_agreement']:.3f} |")
+        crit = "on act(g)" if r["policy"] == "gate-first" else "on act(g)·u"
+        print(f"| {r['policy']} ({crit}) | {r['sparsity']:.2f} | {k['skipped_fraction']:.3f} | {k['ppl']:.3f} | {k['ppl_dense']:.3f} | {k['ppl_ratio']:.3f} | {k['top1_agreement']:.3f} |")
 PY
 done

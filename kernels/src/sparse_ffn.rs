@@ -517,14 +517,7 @@ pub fn accumulate_down_parallel<'b>(
     y: &mut [f32],
 ) -> Result<(), KernelError> {
     use rayon::prelude::*;
-    format.validate()?;
-    if y.len() != format.n_embd {
-        return Err(KernelError::Length {
-            what: "FFN output",
-            expected: format.n_embd,
-            got: y.len(),
-        });
-    }
+    check_output(format, y)?;
     let blk = format.down_ty.block_size();
     let blk_bytes = format.down_ty.row_bytes(blk)?;
     let n_blocks = y.len() / blk;
@@ -557,13 +550,8 @@ pub fn accumulate_down_scalar<'b>(
 
 type Axpy = fn(GgmlType, f32, &[u8], &mut [f32]) -> Result<(), KernelError>;
 
-fn accumulate<'b>(
-    format: &BundleFormat,
-    layer: &LayerActivations,
-    mut bundle: impl FnMut(usize) -> &'b [u8],
-    y: &mut [f32],
-    axpy: Axpy,
-) -> Result<(), KernelError> {
+/// A valid format and an output of `n_embd` values.
+fn check_output(format: &BundleFormat, y: &[f32]) -> Result<(), KernelError> {
     format.validate()?;
     if y.len() != format.n_embd {
         return Err(KernelError::Length {
@@ -572,6 +560,17 @@ fn accumulate<'b>(
             got: y.len(),
         });
     }
+    Ok(())
+}
+
+fn accumulate<'b>(
+    format: &BundleFormat,
+    layer: &LayerActivations,
+    mut bundle: impl FnMut(usize) -> &'b [u8],
+    y: &mut [f32],
+    axpy: Axpy,
+) -> Result<(), KernelError> {
+    check_output(format, y)?;
     for (id, a) in layer.iter() {
         if a == 0.0 {
             continue;

@@ -122,22 +122,17 @@ pub fn perplexity_with(
         for batch in chunk_tokens.chunks(st.max_batch) {
             let batch_end = pos + batch.len();
             let out_start = first.max(pos);
-            if out_start >= batch_end {
-                model.forward_with(
-                    &mut st,
-                    batch,
-                    pos,
-                    batch.len() - 1..batch.len(),
-                    ffn.as_mut().map(|f| &mut **f as &mut dyn FfnStep),
-                )?;
-                pos = batch_end;
-                continue;
-            }
+            // A batch before the scored half still needs one output row.
+            let outputs = if out_start >= batch_end {
+                batch.len() - 1..batch.len()
+            } else {
+                out_start - pos..batch.len()
+            };
             model.forward_with(
                 &mut st,
                 batch,
                 pos,
-                out_start - pos..batch.len(),
+                outputs,
                 ffn.as_mut().map(|f| &mut **f as &mut dyn FfnStep),
             )?;
             // Position ctx-1 predicts nothing inside the chunk.

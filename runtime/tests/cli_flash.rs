@@ -135,13 +135,15 @@ fn sweep_writes_json_and_plot() {
     }
 }
 
-#[test]
-fn smollm2_stays_within_mem_budget() {
-    let Some(src) = common::model_path("smollm2") else {
+/// Every streaming policy under `--mem-budget`: the accounted total within
+/// the budget, peak RSS within it plus [`RSS_SLACK`], the file out of the page cache.
+fn stays_within_mem_budget(name: &str, budget_mib: u64) {
+    let Some(src) = common::model_path(name) else {
         return;
     };
-    let m = pack_plain(&src, "smollm2");
-    let budget: u64 = 120 << 20;
+    let m = pack_plain(&src, name);
+    let budget = budget_mib << 20;
+    let budget_arg = format!("{budget_mib}MiB");
     for policy in ["dense-stream", "oracle", "gate-first"] {
         let r = json_of(&leanstream(&[
             "bench",
@@ -150,7 +152,7 @@ fn smollm2_stays_within_mem_budget() {
             "--policy",
             policy,
             "--mem-budget",
-            "120MiB",
+            &budget_arg,
             "--prompt-tokens",
             "8",
             "--gen-tokens",
@@ -158,26 +160,27 @@ fn smollm2_stays_within_mem_budget() {
             "--reps",
             "1",
         ]));
-        let (total, rss) = (
-            r["memory"]["total"].as_u64().unwrap(),
-            r["peak_rss_bytes"].as_u64().unwrap(),
-        );
+        let (total, rss) = (r["memory"]["total"].as_u64().unwrap(), r["peak_rss_bytes"].as_u64().unwrap());
         let cached = r["page_cache_bytes"].as_u64().unwrap();
         eprintln!(
-            "{policy}: accounted {:.1} MiB, peak RSS {:.1} MiB, cache {:.1} MiB, page cache {cached} B",
+            "{name} {policy}: accounted {:.1} MiB, peak RSS {:.1} MiB, cache {:.1} MiB, page cache {cached} B",
             total as f64 / 1048576.0,
             rss as f64 / 1048576.0,
             r["memory"]["ffn_cache"].as_f64().unwrap() / 1048576.0
         );
         assert!(total <= budget, "{policy}: accounted {total} > budget {budget}");
-        assert!(
-            rss <= budget + RSS_SLACK,
-            "{policy}: peak RSS {rss} > budget {budget} + slack"
-        );
-        assert!(
-            cached * 100 <= r["file_bytes"].as_u64().unwrap(),
-            "{policy}: {cached} B in the page cache"
-        );
+        assert!(rss <= budget + RSS_SLACK, "{policy}: peak RSS {rss} > budget {budget} + slack");
+        assert!(cached * 100 <= r["file_bytes"].as_u64().unwrap(), "{policy}: {cached} B in the page cache");
         assert!(r["memory"]["ffn_cache"].as_u64().unwrap() > 0);
     }
+}
+
+#[test]
+fn smollm2_stays_within_mem_budget() {
+    stays_within_mem_budget("smollm2", 130);
+}
+
+#[test]
+fn gemma3_stays_within_mem_budget() {
+    stays_within_mem_budget("gemma3", 310);
 }

@@ -14,12 +14,20 @@ pub struct MemoryReport {
     /// Read buffers of the I/O engine.
     pub io_buffers: u64,
     pub predictor: u64,
+    /// The tokenizer's tables (estimated from their capacities).
+    pub tokenizer: u64,
     pub other: u64,
 }
 
 impl MemoryReport {
     pub fn total(&self) -> u64 {
-        self.resident_weights + self.kv_cache + self.ffn_cache + self.io_buffers + self.predictor + self.other
+        self.resident_weights
+            + self.kv_cache
+            + self.ffn_cache
+            + self.io_buffers
+            + self.predictor
+            + self.tokenizer
+            + self.other
     }
 }
 
@@ -29,12 +37,13 @@ impl fmt::Display for MemoryReport {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         write!(
             f,
-            "weights {} + kv {} + ffn cache {} + io {} + predictor {} + other {} = {}",
+            "weights {} + kv {} + ffn cache {} + io {} + predictor {} + tokenizer {} + other {} = {}",
             fmt_bytes(self.resident_weights),
             fmt_bytes(self.kv_cache),
             fmt_bytes(self.ffn_cache),
             fmt_bytes(self.io_buffers),
             fmt_bytes(self.predictor),
+            fmt_bytes(self.tokenizer),
             fmt_bytes(self.other),
             fmt_bytes(self.total()),
         )
@@ -89,13 +98,14 @@ mod tests {
             ffn_cache: 512 << 20,
             io_buffers: 8 << 20,
             predictor: 0,
+            tokenizer: 1 << 20,
             other: 1536,
         };
-        assert_eq!(r.total(), (3 << 29) + (584 << 20) + 1536);
+        assert_eq!(r.total(), (3 << 29) + (585 << 20) + 1536);
         let s = r.to_string();
         assert_eq!(
             s,
-            "weights 1.50 GiB + kv 64.0 MiB + ffn cache 512 MiB + io 8.00 MiB + predictor 0 B + other 1.50 KiB = 2.07 GiB"
+            "weights 1.50 GiB + kv 64.0 MiB + ffn cache 512 MiB + io 8.00 MiB + predictor 0 B + tokenizer 1.00 MiB + other 1.50 KiB = 2.07 GiB"
         );
         assert!(!s.contains('\n'));
     }

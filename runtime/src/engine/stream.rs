@@ -110,12 +110,10 @@ pub struct Streamer {
     placement: Vec<Vec<u32>>,
     /// Most bundle bytes in one request.
     max_run_bytes: usize,
-    /// A gap of unneeded bundles this small joins two runs into one read.
-    max_gap_bytes: usize,
-    /// ... or any gap within one alignment unit (read anyway), else only
-    /// while bytes read / bytes needed stays at or under this.
-    max_amplification: f64,
-    alignment: usize,
+    /// A gap of unneeded bundles at most this long joins two runs into one
+    /// read: cheaper than a second request when the device's per-request
+    /// cost exceeds the gap's transfer time.
+    merge_gap_bytes: usize,
     /// Bytes of needed bundles (what `bytes_requested` would be without merging).
     bytes_needed: u64,
     stages: [Stage; 2],
@@ -144,7 +142,7 @@ impl LayerView<'_> {
 }
 
 impl Streamer {
-    pub fn new(m: &FlashModel, budget: u64, policy: CachePolicy) -> Result<Self> {
+    pub fn new(m: &FlashModel, budget: u64, policy: CachePolicy, merge_gap_bytes: usize) -> Result<Self> {
         let f = &m.flash;
         let shape = CacheShape::from_flash(f);
         let eviction: Box<dyn EvictionPolicy> = match policy {
@@ -192,12 +190,8 @@ impl Streamer {
         };
         let cfg = io.config();
         let max_run_bytes = cfg.max_read_bytes - 2 * cfg.alignment;
-        let (max_gap_bytes, max_amplification, alignment) =
-            (cfg.max_gap as usize, cfg.max_amplification, cfg.alignment);
         Ok(Self {
-            max_gap_bytes,
-            max_amplification,
-            alignment,
+            merge_gap_bytes,
             bytes_needed: 0,
             io,
             cache,
@@ -258,10 +252,9 @@ impl Streamer {
 
     /// Looks up layer `l`'s wanted bundles in the cache (pinning hits) and
     /// enqueues the misses. Needed bundles close on flash share one request:
-    /// a gap of unneeded bundles is read along when it is short (at most
-    /// `max_gap_bytes`) and either lies within one alignment unit (O_DIRECT
-    /// would read it anyway) or keeps the run's read amplification in bounds.
-    /// This keeps the request count of scattered sparse sets low.
+    /// a gap of unneeded bundles of at most `merge_gap_bytes` is read along.
+    /// This keeps the request count of scattered sparse sets low (the I/O
+    /// engine then coalesces neighbouring requests within its own limits).
     fn request(&mut self, l: usize, want: Want) -> Result<()> {
         let k = self.next_stage;
         self.next_stage ^= 1;
@@ -276,8 +269,6 @@ impl Streamer {
         s.runs.clear();
         let bb = self.bundle_bytes[l];
         let max_run = (self.max_run_bytes / bb).max(1);
-        // Needed bundles of the current run (for its amplification).
-        let mut run_needed = 0usize;
         for (p, &i) in self.placement[l].iter().enumerate() {
             let i = i as usize;
             if !want.contains(i) {
@@ -292,24 +283,11 @@ impl Streamer {
             s.need[i] = true;
             s.missing += 1;
             self.bytes_needed += bb as u64;
-            let joined = match s.runs.last_mut() {
-                Some((p0, n)) if p + 1 - *p0 <= max_run => {
-                    let gap = (p - (*p0 + *n)) * bb;
-                    let amp = ((p + 1 - *p0) * bb) as f64 / ((run_needed + 1) * bb) as f64;
-                    let ok = gap == 0
-                        || (gap <= self.max_gap_bytes && (gap < self.alignment || amp <= self.max_amplification));
-                    if ok {
-                        *n = p + 1 - *p0;
-                    }
-                    ok
+            match s.runs.last_mut() {
+                Some((p0, n)) if p + 1 - *p0 <= max_run && (p - (*p0 + *n)) * bb <= self.merge_gap_bytes => {
+                    *n = p + 1 - *p0
                 }
-                _ => false,
-            };
-            if joined {
-                run_needed += 1;
-            } else {
-                s.runs.push((p, 1));
-                run_needed = 1;
+                _ => s.runs.push((p, 1)),
             }
         }
         for (r, &(p0, n)) in s.runs.iter().enumerate() {

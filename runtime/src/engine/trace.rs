@@ -121,30 +121,40 @@ impl TraceCursor {
         Some(layer)
     }
 
-    /// Takes the next call, which must be `layer` over `rows` rows; returns
-    /// (row bitmaps, union bitmap).
-    pub fn advance(&mut self, layer: usize, rows: usize) -> Result<(&[u64], &[u64])> {
+    /// Takes the next call, which must be `layer` over `rows` rows, and
+    /// returns its index (for [`rows`](Self::rows)); [`union`](Self::union)
+    /// is then its rows' union.
+    pub fn advance(&mut self, layer: usize, rows: usize) -> Result<usize> {
         let k = self.next;
-        let mut union = std::mem::take(&mut self.union);
-        let found = self.union_of(k, &mut union);
-        self.union = union;
-        match (found, self.trace.call(k)) {
-            (Some(l), Some((_, r, _))) if l == layer && r == rows => {}
-            (_, Some((l, r, _))) => {
+        match self.trace.call(k) {
+            Some((l, r, _)) if l == layer && r == rows => {}
+            Some((l, r, _)) => {
                 return Err(RuntimeError::Invalid(format!(
                     "oracle trace out of step at call {k}: it recorded layer {l} over {r} rows, \
                      the run asks for layer {layer} over {rows} rows (replay the exact recorded run)"
                 )))
             }
-            _ => {
+            None => {
                 return Err(RuntimeError::Invalid(format!(
                     "oracle trace exhausted after {k} calls (the run is longer than the recorded one)"
                 )))
             }
         }
+        let mut union = std::mem::take(&mut self.union);
+        self.union_of(k, &mut union);
+        self.union = union;
         self.next += 1;
-        let (_, _, bits) = self.trace.call(k).expect("checked above");
-        Ok((bits, &self.union))
+        Ok(k)
+    }
+
+    /// Row bitmaps of call `k` (`rows * words` words).
+    pub fn rows(&self, k: usize) -> &[u64] {
+        self.trace.call(k).map_or(&[], |(_, _, bits)| bits)
+    }
+
+    /// Union of the rows of the call last taken by [`advance`](Self::advance).
+    pub fn union(&self) -> &[u64] {
+        &self.union
     }
 
     /// The call after the current one: its layer and union (for prefetching).
@@ -198,9 +208,9 @@ mod tests {
         let mut c = TraceCursor::new(t);
         let mut next = vec![0u64; 3];
         assert_eq!(c.peek_next(&mut next), Some(0));
-        let (rows, union) = c.advance(0, 2).unwrap();
-        assert_eq!(set_bits(&rows[..3]).collect::<Vec<_>>(), vec![1]);
-        assert_eq!(set_bits(union).collect::<Vec<_>>(), vec![1, 129]);
+        let k = c.advance(0, 2).unwrap();
+        assert_eq!(set_bits(&c.rows(k)[..3]).collect::<Vec<_>>(), vec![1]);
+        assert_eq!(set_bits(c.union()).collect::<Vec<_>>(), vec![1, 129]);
         assert_eq!(c.peek_next(&mut next), Some(1));
         assert_eq!(set_bits(&next).collect::<Vec<_>>(), vec![64]);
         let e = c.advance(2, 1).unwrap_err().to_string();

@@ -61,6 +61,19 @@ pub fn load_placement(path: &Path) -> Result<Vec<Vec<u32>>> {
     Ok(p.layers)
 }
 
+/// Per layer, neuron ids by descending score (ties by id): a placement that
+/// puts a layer's hot neurons in one contiguous range at its start.
+pub fn order_by_score(scores: &[Vec<f32>]) -> Vec<Vec<u32>> {
+    scores
+        .iter()
+        .map(|row| {
+            let mut order: Vec<u32> = (0..row.len() as u32).collect();
+            order.sort_by(|&a, &b| row[b as usize].total_cmp(&row[a as usize]).then(a.cmp(&b)));
+            order
+        })
+        .collect()
+}
+
 fn ffn_name(l: usize, part: &str) -> String {
     format!("blk.{l}.ffn_{part}.weight")
 }

@@ -38,8 +38,18 @@ impl Model {
         Self::assemble(gguf, config, weights)
     }
 
-    fn assemble(gguf: GgufFile, config: Config, weights: Weights) -> Result<Self> {
+    fn assemble(mut gguf: GgufFile, config: Config, weights: Weights) -> Result<Self> {
         let tokenizer = Tokenizer::from_gguf(&gguf)?;
+        // The tokenizer holds its own copy; a 262k-token vocabulary parsed
+        // twice is tens of MiB that no memory budget should pay for.
+        for key in [
+            "tokenizer.ggml.tokens",
+            "tokenizer.ggml.scores",
+            "tokenizer.ggml.token_type",
+            "tokenizer.ggml.merges",
+        ] {
+            gguf.metadata.remove(key);
+        }
         if tokenizer.vocab_size() != config.n_vocab {
             return Err(gguf.bad_metadata(
                 "tokenizer.ggml.tokens",

@@ -32,6 +32,20 @@ pub(crate) struct Bpe {
     rank_by_bytes: FxHashMap<Box<[u8]>, u32>,
 }
 
+impl Bpe {
+    pub(crate) fn heap_bytes(&self) -> usize {
+        use super::vocab::{malloc_bytes, table_bytes};
+        let raw: usize = self.raw_to_id.keys().map(|k| malloc_bytes(k.len())).sum();
+        let merged: usize = self.rank_by_bytes.keys().map(|k| malloc_bytes(k.len())).sum();
+        std::mem::size_of::<Self>()
+            + table_bytes(&self.raw_to_id)
+            + raw
+            + table_bytes(&self.rank_by_ids)
+            + table_bytes(&self.rank_by_bytes)
+            + merged
+    }
+}
+
 /// Maps a text in the GPT-2 byte alphabet back to raw bytes.
 pub(crate) struct ByteDecoder {
     table: FxHashMap<char, u8>,

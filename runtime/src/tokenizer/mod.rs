@@ -162,6 +162,20 @@ impl Tokenizer {
         self.vocab.len()
     }
 
+    /// Estimated heap bytes (for memory accounting): buffer capacities, and
+    /// for each small allocation the size glibc's malloc gives it.
+    pub fn heap_bytes(&self) -> u64 {
+        let algo = match &self.algo {
+            Algo::Spm(_) => std::mem::size_of::<Spm>(),
+            Algo::Bpe(b) => b.heap_bytes(),
+        };
+        (self.vocab.heap_bytes()
+            + algo
+            + self.special.heap_bytes()
+            + self.pieces.capacity()
+            + self.piece_end.capacity() * 4) as u64
+    }
+
     pub fn bos(&self) -> Option<u32> {
         self.vocab.bos
     }

@@ -27,6 +27,14 @@ pub(crate) struct SpecialTokens {
     order: Vec<u32>,
 }
 
+impl SpecialTokens {
+    pub(crate) fn heap_bytes(&self) -> usize {
+        super::vocab::table_bytes(&self.edges)
+            + self.terminal.capacity() * std::mem::size_of::<Option<u32>>()
+            + self.order.capacity() * 4
+    }
+}
+
 /// Byte state while partitioning.
 const FREE: u8 = 0;
 const TAKEN: u8 = 1;

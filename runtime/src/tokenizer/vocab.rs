@@ -82,6 +82,20 @@ pub(crate) enum Model {
     Bpe(PreType),
 }
 
+/// Bytes glibc's malloc takes for an allocation of `len` bytes.
+pub(crate) fn malloc_bytes(len: usize) -> usize {
+    if len == 0 {
+        0
+    } else {
+        (len + 8).next_multiple_of(16).max(32)
+    }
+}
+
+/// Heap bytes of a hash map's table (keys' own allocations not included).
+pub(crate) fn table_bytes<K, V, S>(m: &std::collections::HashMap<K, V, S>) -> usize {
+    m.capacity() * (std::mem::size_of::<(K, V)>() + 1)
+}
+
 pub(crate) struct Vocab {
     pub model: Model,
     pub texts: Vec<Box<str>>,
@@ -241,6 +255,18 @@ fn meta_err(gguf: &GgufFile, key: &str, problem: impl Into<String>) -> RuntimeEr
 }
 
 impl Vocab {
+    pub(crate) fn heap_bytes(&self) -> usize {
+        let texts: usize = self.texts.iter().map(|t| malloc_bytes(t.len())).sum();
+        let keys: usize = self.by_text.keys().map(|t| malloc_bytes(t.len())).sum();
+        self.texts.capacity() * std::mem::size_of::<Box<str>>()
+            + texts
+            + self.scores.capacity() * 4
+            + self.attrs.capacity() * 2
+            + table_bytes(&self.by_text)
+            + keys
+            + self.eog.capacity()
+    }
+
     pub fn from_gguf(gguf: &GgufFile) -> Result<Vocab> {
         let model_name = gguf
             .get_str(KEY_MODEL)?

@@ -205,6 +205,7 @@ pub fn run(a: BenchArgs) -> Result<()> {
         let (cached, file_len) = pagecache::cached_bytes(fm.flash.path())?;
         report["policy"] = json!(engine.policy.to_string());
         report["cache_policy"] = json!(engine.cache_policy_name());
+        report["bytes_requested_per_token"] = json!(s.bytes_requested as f64 / tokens);
         report["sparsity"] = json!(engine.sparsity());
         report["skipped_fraction"] = json!(s.skipped_fraction());
         report["ffn_budget_bytes"] = json!(engine.ffn_budget_bytes());
@@ -220,6 +221,7 @@ pub fn run(a: BenchArgs) -> Result<()> {
             "ffn_cache": mem.ffn_cache,
             "io_buffers": mem.io_buffers,
             "predictor": mem.predictor,
+            "tokenizer": mem.tokenizer,
             "other": mem.other,
             "total": mem.total(),
         });
@@ -278,6 +280,7 @@ fn quality(
             policy,
             cache_bytes,
             cache_policy: CachePolicy::Lru,
+            merge_gap_bytes: leanstream_runtime::engine::DEFAULT_MERGE_GAP,
             level,
             record: false,
             trace: None,
@@ -330,6 +333,9 @@ fn sweep(a: &BenchArgs) -> Result<()> {
                 .args(["--reps", &a.reps.to_string()]);
             if let Some(c) = a.flash.cache_policy {
                 cmd.args(["--cache-policy", &c.to_string()]);
+            }
+            if let Some(g) = &a.flash.merge_gap {
+                cmd.args(["--merge-gap", g]);
             }
             if let Some(q) = &a.quality_file {
                 cmd.arg("--quality-file").arg(q);

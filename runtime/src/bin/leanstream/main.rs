@@ -9,7 +9,7 @@ use anyhow::{bail, Context, Result};
 use clap::{Parser, Subcommand};
 use leanstream_runtime::cache::{fmt_bytes, FfnBudget};
 use leanstream_runtime::engine::{
-    is_lsflash, ActiveTrace, CachePolicy, EngineOptions, FlashEngine, FlashModel, Policy,
+    is_lsflash, ActiveTrace, CachePolicy, EngineOptions, FlashEngine, FlashModel, Policy, DEFAULT_MERGE_GAP,
 };
 use leanstream_runtime::fetch::{self, resolve_model};
 use leanstream_runtime::flash;
@@ -134,6 +134,10 @@ enum Cmd {
         /// Store the thresholds of a calibration file (from `leanstream calibrate`).
         #[arg(long)]
         calibration: Option<PathBuf>,
+        /// Order each layer's bundles by calibrated score, highest first, so the
+        /// hot set and most active neurons sit in one contiguous range.
+        #[arg(long, conflicts_with = "placement")]
+        hot_first: bool,
     },
     /// Write a GGUF of a published model's shape with seeded random weights (streamed to disk).
     Synthetic {
@@ -179,6 +183,10 @@ pub(crate) struct FlashArgs {
     /// Default: hot when the file has calibrated scores, else lru.
     #[arg(long)]
     pub(crate) cache_policy: Option<CachePolicy>,
+    /// Unneeded bytes one read may span between two needed bundles (bytes,
+    /// e.g. 64KiB): larger trades bandwidth for fewer requests.
+    #[arg(long)]
+    pub(crate) merge_gap: Option<String>,
 }
 
 impl FlashArgs {
@@ -188,6 +196,7 @@ impl FlashArgs {
             || self.mem_budget.is_some()
             || self.sparsity != 0.0
             || self.cache_policy.is_some()
+            || self.merge_gap.is_some()
     }
 
     pub(crate) fn policy(&self) -> Policy {
@@ -206,13 +215,13 @@ impl FlashArgs {
             FfnBudget::Bytes(b) => b,
             FfnBudget::Percent(_) => bail!("--mem-budget takes bytes (e.g. 300MiB), not a percentage"),
         };
-        let weights = fm.flash.resident_range().1;
+        let weights = fm.flash.resident_range().1 + fm.model.tokenizer.heap_bytes();
         let state = st.bytes() as u64;
         let engine = fm.engine_overhead_bytes(policy, st.max_batch) + trace_bytes;
         let fixed = weights + state + engine;
         if fixed > total {
             bail!(
-                "--mem-budget {}: the resident parts alone need {} (weights {}, run state {}, {policy} buffers {}); \
+                "--mem-budget {}: the resident parts alone need {} (weights and tokenizer {}, run state {}, {policy} buffers {}); \
                  nothing would be left for the neuron cache",
                 fmt_bytes(total),
                 fmt_bytes(fixed),
@@ -236,12 +245,19 @@ impl FlashArgs {
     ) -> Result<FlashEngine> {
         let trace_bytes = trace.as_ref().map_or(0, |t| t.bytes());
         let has_scores = !fm.flash.header().neuron_scores.is_empty();
+        let merge_gap_bytes = match self.merge_gap.as_deref().map(FfnBudget::parse) {
+            None => DEFAULT_MERGE_GAP,
+            Some(Ok(FfnBudget::Bytes(b))) => b as usize,
+            Some(Ok(FfnBudget::Percent(_))) => bail!("--merge-gap takes bytes (e.g. 64KiB)"),
+            Some(Err(e)) => bail!("--merge-gap: {e}"),
+        };
         Ok(fm.engine_with(EngineOptions {
             policy,
             cache_bytes: self.cache_bytes(fm, policy, st, trace_bytes)?,
             cache_policy: self
                 .cache_policy
                 .unwrap_or(if has_scores { CachePolicy::Hot } else { CachePolicy::Lru }),
+            merge_gap_bytes,
             level: fm.sparsity_level(self.sparsity)?,
             record,
             trace,
@@ -467,6 +483,7 @@ fn real_main(cli: Cli) -> Result<()> {
             sparsities,
             calib_ctx,
             calibration,
+            hot_first,
         } => {
             let thresholds = ThresholdSource {
                 text: calibrate,
@@ -474,7 +491,7 @@ fn real_main(cli: Cli) -> Result<()> {
                 ctx: calib_ctx,
                 file: calibration,
             };
-            pack(&model, &out, down, placement.as_deref(), &thresholds)
+            pack(&model, &out, down, placement.as_deref(), &thresholds, hot_first)
         }
         Cmd::Synthetic {
             shape,
@@ -560,10 +577,17 @@ fn pack(
     down: flash::DownType,
     placement: Option<&Path>,
     thresholds: &ThresholdSource,
+    hot_first: bool,
 ) -> Result<()> {
     let path = resolve_model(model)?;
-    let placement = placement.map(flash::pack::load_placement).transpose()?;
+    let mut placement = placement.map(flash::pack::load_placement).transpose()?;
     let (sparsity, neuron_scores) = thresholds.levels(&path)?;
+    if hot_first {
+        if neuron_scores.is_empty() {
+            bail!("--hot-first orders neurons by calibrated score: pass --calibrate TEXT or a --calibration file with scores");
+        }
+        placement = Some(flash::pack::order_by_score(&neuron_scores));
+    }
     let opts = flash::PackOptions {
         down,
         placement,

@@ -29,10 +29,9 @@ fn ticks(max: f64) -> Vec<f64> {
         .map(|m| m * mag)
         .find(|s| *s >= raw)
         .unwrap_or(10.0 * mag);
-    (0..)
-        .map(|i| i as f64 * step)
-        .take_while(|&t| t <= max * 1.0001 + step)
-        .collect()
+    // Up to the first tick at or above max.
+    let n = (max / step - 1e-9).ceil().max(1.0) as usize;
+    (0..=n).map(|i| i as f64 * step).collect()
 }
 
 fn esc(s: &str) -> String {

@@ -1,0 +1,469 @@
+//! `leanstream-profile`: resumable I/O and compute profiling into Parquet.
+
+use std::io::Write;
+use std::path::{Path, PathBuf};
+use std::process::ExitCode;
+
+use anyhow::{bail, Context, Result};
+use clap::{Args, Parser, Subcommand};
+use leanstream_profiler::compute_sweep::{ComputeExecutor, ComputeSetup};
+use leanstream_profiler::io_sweep::{prepare_file, replay_block_size, IoExecutor, IoSetup};
+use leanstream_profiler::plan::{
+    ComputeCondition, Condition, ConditionKind, Engine, IoCondition, Kernel, Pattern, Plan, Repetition,
+};
+use leanstream_profiler::runner::{self, Executor, Outcome};
+use leanstream_profiler::shard::ShardStore;
+use leanstream_profiler::units::{parse_duration, parse_list, parse_size};
+use leanstream_profiler::{plot, summary};
+
+#[derive(Parser)]
+#[command(
+    name = "leanstream-profile",
+    version,
+    about = "Resumable device profiling (I/O and compute) into Parquet shards"
+)]
+struct Cli {
+    /// Continue the killed, crashed or interrupted run in DIR (its plan.json decides what runs).
+    #[arg(long, value_name = "DIR", global = true)]
+    resume: Option<PathBuf>,
+    /// No progress bar.
+    #[arg(long, global = true)]
+    quiet: bool,
+    #[command(subcommand)]
+    cmd: Option<Cmd>,
+}
+
+#[derive(Subcommand)]
+enum Cmd {
+    /// Read latency and throughput over size × queue depth × workers × pattern × engine (O_DIRECT).
+    Io(IoArgs),
+    /// Latency of the runtime's kernels (sparse FFN stages, K-stage split, decode at context lengths).
+    Compute(ComputeArgs),
+    /// Per-condition counts and quantiles of a run, as a table or JSON, and SVG plots.
+    Summary(SummaryArgs),
+}
+
+#[derive(Args, Clone)]
+struct Common {
+    /// Output (run) directory; must not hold a run yet.
+    #[arg(long)]
+    out: PathBuf,
+    /// Time budget, e.g. 90s, 10m, 8h, 90h.
+    #[arg(long, default_value = "10m")]
+    budget: String,
+    /// Fixed repetition: exactly N samples per condition (default: adaptive).
+    #[arg(long)]
+    reps: Option<u64>,
+    /// Adaptive repetition: stop a condition when the 95% CIs of p50 and p99 are within ±this (relative).
+    #[arg(long, default_value_t = 0.05)]
+    precision: f64,
+    #[arg(long, default_value_t = 200)]
+    min_samples: u64,
+    #[arg(long, default_value_t = 200_000)]
+    max_samples: u64,
+    /// Seed of the round order and of the offsets.
+    #[arg(long, default_value_t = 1)]
+    seed: u64,
+    /// Commit buffered samples as a shard at this interval.
+    #[arg(long, default_value = "30s")]
+    flush_every: String,
+    /// Target length of one visit of a condition.
+    #[arg(long, default_value = "250ms")]
+    visit: String,
+    /// Samples of a condition's first visit (and the least per visit).
+    #[arg(long, default_value_t = 32)]
+    min_batch: u64,
+    /// Most samples per visit.
+    #[arg(long, default_value_t = 8192)]
+    max_batch: u64,
+}
+
+#[derive(Args)]
+struct IoArgs {
+    /// Directory on the device under test (the data file is created there).
+    #[arg(long)]
+    dir: PathBuf,
+    /// Size of the data file.
+    #[arg(long, default_value = "1g")]
+    file_size: String,
+    #[arg(long, default_value = "4k,16k,64k,128k,512k,1m,4m")]
+    block_sizes: String,
+    #[arg(long, default_value = "1,2,4,8,16,32,64")]
+    queue_depths: String,
+    #[arg(long, default_value = "1,2")]
+    workers: String,
+    /// sequential, random, strided, replay (replay needs --lsflash).
+    #[arg(long, default_value = "sequential,random,strided")]
+    patterns: String,
+    /// io_uring, pread.
+    #[arg(long, default_value = "io_uring,pread")]
+    engines: String,
+    /// A packed model whose bundle read sets the `replay` pattern reads (adds `replay` to the patterns).
+    #[arg(long)]
+    lsflash: Option<PathBuf>,
+    /// Share of a layer's neurons in one replayed read set.
+    #[arg(long, default_value_t = 0.1)]
+    replay_fraction: f64,
+    #[command(flatten)]
+    common: Common,
+}
+
+#[derive(Args)]
+struct ComputeArgs {
+    /// A packed model (.lsflash; make one with `leanstream pack --model M.gguf -o M.lsflash`).
+    #[arg(long)]
+    model: PathBuf,
+    /// Neuron counts of a sparse FFN stage (capped at n_ff; default: 32 … n_ff).
+    #[arg(long)]
+    neurons: Option<String>,
+    /// Stage counts K of the layer split.
+    #[arg(long, default_value = "1,2,4,8,16")]
+    stages: String,
+    /// Neurons of the split layer (default: half the layer).
+    #[arg(long)]
+    split_neurons: Option<u32>,
+    /// Context lengths of the decode step.
+    #[arg(long, default_value = "64,256,1024")]
+    ctx: String,
+    /// Thread counts (default: 1 and all cores).
+    #[arg(long)]
+    threads: Option<String>,
+    /// Concurrent background I/O: off, on or both.
+    #[arg(long, default_value = "both")]
+    background_io: String,
+    /// File for the background reads (default: the model file).
+    #[arg(long)]
+    io_file: Option<PathBuf>,
+    /// Layer whose bundles the FFN kernels use.
+    #[arg(long, default_value_t = 0)]
+    layer: usize,
+    /// Kernel backend (`cpu`; `cuda[:N]` is refused by builds without a CUDA backend).
+    #[arg(long, default_value = "cpu")]
+    device: String,
+    #[command(flatten)]
+    common: Common,
+}
+
+#[derive(Args)]
+struct SummaryArgs {
+    /// The run directory.
+    dir: PathBuf,
+    /// An array of per-condition objects instead of a table.
+    #[arg(long)]
+    json: bool,
+    /// Where to write the SVG plots (default: DIR/plots).
+    #[arg(long)]
+    plots: Option<PathBuf>,
+    /// Do not write plots.
+    #[arg(long)]
+    no_plots: bool,
+}
+
+fn u32_list(s: &str) -> Result<Vec<u32>> {
+    Ok(parse_list(s, |p| {
+        p.parse::<u32>()
+            .map_err(|_| leanstream_profiler::ProfileError::Invalid(format!("{p:?} is not a count")))
+    })?)
+}
+
+/// Plans store absolute paths so that `--resume` works from any directory.
+fn absolute(p: &Path) -> Result<PathBuf> {
+    std::fs::canonicalize(p).with_context(|| format!("{}", p.display()))
+}
+
+fn base_plan(c: &Common, sweep: &str, conditions: Vec<Condition>, setup: serde_json::Value) -> Result<Plan> {
+    let repetition = match c.reps {
+        Some(reps) => Repetition::Fixed { reps },
+        None => {
+            if !(c.precision > 0.0 && c.precision < 1.0) {
+                bail!("--precision must be in (0, 1)");
+            }
+            Repetition::Adaptive {
+                precision: c.precision,
+                min_samples: c.min_samples,
+                max_samples: c.max_samples.max(c.min_samples),
+            }
+        }
+    };
+    if conditions.is_empty() {
+        bail!("the grid is empty");
+    }
+    Ok(Plan {
+        sweep: sweep.into(),
+        seed: c.seed,
+        budget_s: parse_duration(&c.budget)?.as_secs_f64(),
+        repetition,
+        max_batch: c.max_batch.max(1),
+        min_batch: c.min_batch.clamp(1, c.max_batch.max(1)),
+        visit_target_s: parse_duration(&c.visit)?.as_secs_f64(),
+        flush_interval_s: parse_duration(&c.flush_every)?.as_secs_f64(),
+        conditions,
+        setup,
+    })
+}
+
+fn number(conds: Vec<ConditionKind>) -> Vec<Condition> {
+    conds
+        .into_iter()
+        .enumerate()
+        .map(|(i, kind)| Condition { id: i as u32, kind })
+        .collect()
+}
+
+fn io_plan(a: &IoArgs) -> Result<(Plan, IoSetup)> {
+    let file_size = parse_size(&a.file_size)?;
+    let sizes = parse_list(&a.block_sizes, parse_size)?;
+    for &bs in &sizes {
+        if bs == 0 || !bs.is_multiple_of(4096) || bs > file_size {
+            bail!("block size {bs}: must be a multiple of 4096 and at most the file size");
+        }
+    }
+    let qds = u32_list(&a.queue_depths)?;
+    let workers = u32_list(&a.workers)?;
+    let mut patterns = parse_list(&a.patterns, |p| match p {
+        "sequential" | "seq" => Ok(Pattern::Sequential),
+        "random" | "rand" => Ok(Pattern::Random),
+        "strided" => Ok(Pattern::Strided),
+        "replay" => Ok(Pattern::Replay),
+        _ => Err(leanstream_profiler::ProfileError::Invalid(format!(
+            "unknown pattern {p:?}"
+        ))),
+    })?;
+    if a.lsflash.is_some() && !patterns.contains(&Pattern::Replay) {
+        patterns.push(Pattern::Replay);
+    }
+    let engines = parse_list(&a.engines, |p| match p {
+        "io_uring" | "uring" => Ok(Engine::IoUring),
+        "pread" => Ok(Engine::Pread),
+        _ => Err(leanstream_profiler::ProfileError::Invalid(format!(
+            "unknown engine {p:?}"
+        ))),
+    })?;
+    let replay_bs = match &a.lsflash {
+        Some(p) => Some(replay_block_size(&leanstream_runtime::flash::format::LsFlash::open(p)?)),
+        None if patterns.contains(&Pattern::Replay) => bail!("the replay pattern needs --lsflash FILE"),
+        None => None,
+    };
+    let mut conds = Vec::new();
+    for &engine in &engines {
+        for &pattern in &patterns {
+            let bss = match (pattern, replay_bs) {
+                (Pattern::Replay, Some(bs)) => vec![bs],
+                _ => sizes.clone(),
+            };
+            for &block_size in &bss {
+                for &queue_depth in &qds {
+                    for &w in &workers {
+                        if queue_depth == 0 || w == 0 {
+                            bail!("queue depths and worker counts start at 1");
+                        }
+                        conds.push(ConditionKind::Io(IoCondition {
+                            engine,
+                            pattern,
+                            block_size,
+                            queue_depth,
+                            workers: w,
+                        }));
+                    }
+                }
+            }
+        }
+    }
+    eprintln!("preparing {} of data in {} ...", a.file_size, a.dir.display());
+    let file = absolute(&prepare_file(&a.dir, file_size)?)?;
+    let setup = IoSetup {
+        file_size: std::fs::metadata(&file)?.len(),
+        file,
+        lsflash: a.lsflash.as_deref().map(absolute).transpose()?,
+        replay_fraction: a.replay_fraction,
+    };
+    let plan = base_plan(&a.common, "io", number(conds), serde_json::to_value(&setup)?)?;
+    Ok((plan, setup))
+}
+
+fn compute_plan(a: &ComputeArgs) -> Result<(Plan, ComputeSetup)> {
+    match leanstream_kernels::Device::parse(&a.device)? {
+        leanstream_kernels::Device::Cpu => {}
+        d => bail!("{d:?}: the compute sweep runs the CPU kernels only"),
+    }
+    let flash = leanstream_runtime::flash::format::LsFlash::open(&a.model)
+        .with_context(|| format!("{}: compute needs a packed .lsflash model", a.model.display()))?;
+    let n_ff = flash.n_ff() as u32;
+    let mut neurons = match &a.neurons {
+        Some(s) => u32_list(s)?,
+        None => vec![32, 64, 128, 256, 512, 1024, 2048, 4096, n_ff],
+    };
+    neurons.retain(|&n| n > 0 && n <= n_ff);
+    neurons.sort_unstable();
+    neurons.dedup();
+    let stages = u32_list(&a.stages)?;
+    let split_n = a.split_neurons.unwrap_or(n_ff / 2).clamp(1, n_ff);
+    let ctxs = u32_list(&a.ctx)?;
+    let cores = std::thread::available_parallelism()
+        .map(|n| n.get() as u32)
+        .unwrap_or(1);
+    let mut threads = match &a.threads {
+        Some(s) => u32_list(s)?,
+        None => vec![1, cores],
+    };
+    threads.dedup();
+    let bgs: Vec<bool> = match a.background_io.as_str() {
+        "off" => vec![false],
+        "on" => vec![true],
+        "both" => vec![false, true],
+        o => bail!("--background-io {o:?}: expected off, on or both"),
+    };
+    let mut conds = Vec::new();
+    for &t in &threads {
+        for &bg in &bgs {
+            let c = |kernel, neurons, stages, ctx_len| {
+                ConditionKind::Compute(ComputeCondition {
+                    kernel,
+                    neurons,
+                    stages,
+                    ctx_len,
+                    threads: t,
+                    background_io: bg,
+                })
+            };
+            conds.extend(neurons.iter().map(|&n| c(Kernel::FfnStage, n, 1, 0)));
+            conds.extend(stages.iter().map(|&k| c(Kernel::FfnSplit, split_n, k.max(1), 0)));
+            conds.extend(ctxs.iter().map(|&l| c(Kernel::Decode, 0, 0, l)));
+        }
+    }
+    let setup = ComputeSetup {
+        model: absolute(&a.model)?,
+        layer: a.layer,
+        io_file: absolute(a.io_file.as_ref().unwrap_or(&a.model))?,
+    };
+    let plan = base_plan(&a.common, "compute", number(conds), serde_json::to_value(&setup)?)?;
+    Ok((plan, setup))
+}
+
+fn executor(plan: &Plan) -> Result<(Box<dyn Executor>, PathBuf)> {
+    match plan.sweep.as_str() {
+        "io" => {
+            let setup: IoSetup = serde_json::from_value(plan.setup.clone())?;
+            let target = setup.file.clone();
+            Ok((Box::new(IoExecutor::new(setup, plan.seed)?), target))
+        }
+        "compute" => {
+            let setup: ComputeSetup = serde_json::from_value(plan.setup.clone())?;
+            let target = setup.io_file.clone();
+            Ok((Box::new(ComputeExecutor::new(&setup, plan.seed)?), target))
+        }
+        s => bail!("unknown sweep {s:?} in plan.json"),
+    }
+}
+
+fn run_id() -> String {
+    let t = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.as_secs())
+        .unwrap_or(0);
+    format!("{t}-{}", std::process::id())
+}
+
+fn start(plan: Plan, out: &Path, quiet: bool) -> Result<ExitCode> {
+    let mut store = ShardStore::create(out, &run_id())?;
+    let (mut exec, target) = executor(&plan)?;
+    runner::write_run_files(out, &plan, &target, 1)?;
+    eprintln!(
+        "{} conditions, budget {:.0}s, {:?}; run directory {}",
+        plan.conditions.len(),
+        plan.budget_s,
+        plan.repetition,
+        out.display()
+    );
+    finish(runner::run(&plan, &mut store, exec.as_mut(), !quiet)?, out)
+}
+
+fn resume(dir: &Path, quiet: bool) -> Result<ExitCode> {
+    let plan = runner::read_plan(dir)?;
+    let mut store = ShardStore::open(dir)?;
+    let (committed, problems) = store.recover()?;
+    for p in &problems {
+        eprintln!("warning: {p} (moved to quarantine/)");
+    }
+    eprintln!(
+        "resuming {} (session {}): {} committed samples in {} shards, {:.0}s of {:.0}s budget spent",
+        dir.display(),
+        store.manifest.sessions,
+        committed.height(),
+        store.manifest.shards.len(),
+        store.manifest.spent_s,
+        plan.budget_s
+    );
+    let (mut exec, target) = executor(&plan)?;
+    runner::write_run_files(dir, &plan, &target, store.manifest.sessions)?;
+    finish(runner::run(&plan, &mut store, exec.as_mut(), !quiet)?, dir)
+}
+
+fn finish(outcome: Outcome, dir: &Path) -> Result<ExitCode> {
+    let store = ShardStore::open(dir)?;
+    let rows: u64 = store.manifest.shards.iter().map(|s| s.rows).sum();
+    match outcome {
+        Outcome::Interrupted => {
+            eprintln!(
+                "interrupted: {rows} samples committed in {}; continue with `leanstream-profile --resume {}`",
+                dir.display(),
+                dir.display()
+            );
+            Ok(ExitCode::from(130))
+        }
+        Outcome::Finished(f) => {
+            eprintln!("done ({f:?}): {rows} samples in {}", dir.display());
+            eprintln!("summary: leanstream-profile summary {}", dir.display());
+            Ok(ExitCode::SUCCESS)
+        }
+    }
+}
+
+fn summarize(a: &SummaryArgs) -> Result<ExitCode> {
+    let loaded = summary::load(&a.dir)?;
+    for p in &loaded.problems {
+        eprintln!("warning: skipped shard {p}");
+    }
+    let rows = summary::summarize(&loaded.frame, &loaded.plan.conditions)?;
+    let text = if a.json {
+        serde_json::to_string_pretty(&rows)? + "\n"
+    } else {
+        summary::table(&rows)
+    };
+    let mut stdout = std::io::stdout().lock();
+    match stdout.write_all(text.as_bytes()).and_then(|_| stdout.flush()) {
+        // `| head` closing the pipe is not an error.
+        Err(e) if e.kind() == std::io::ErrorKind::BrokenPipe => return Ok(ExitCode::SUCCESS),
+        r => r.context("writing the summary")?,
+    }
+    if !a.no_plots {
+        let dir = a.plots.clone().unwrap_or_else(|| a.dir.join("plots"));
+        for p in plot::write_plots(&loaded.frame, &rows, &dir)? {
+            eprintln!("wrote {}", p.display());
+        }
+    }
+    Ok(ExitCode::SUCCESS)
+}
+
+fn main() -> Result<ExitCode> {
+    let cli = Cli::parse();
+    runner::install_signal_handlers();
+    if let Some(dir) = &cli.resume {
+        if cli.cmd.is_some() {
+            bail!("--resume DIR continues the plan stored in DIR; give no subcommand");
+        }
+        return resume(dir, cli.quiet);
+    }
+    match &cli.cmd {
+        Some(Cmd::Io(a)) => {
+            let (plan, _) = io_plan(a)?;
+            start(plan, &a.common.out, cli.quiet)
+        }
+        Some(Cmd::Compute(a)) => {
+            let (plan, _) = compute_plan(a)?;
+            start(plan, &a.common.out, cli.quiet)
+        }
+        Some(Cmd::Summary(a)) => summarize(a),
+        None => bail!("give a subcommand (io, compute, summary) or --resume DIR"),
+    }
+}

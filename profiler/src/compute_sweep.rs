@@ -1,0 +1,285 @@
+//! The compute sweep: latency of the runtime's own kernels at the sizes the
+//! streaming engine uses, per thread count, quiet and under concurrent I/O.
+//!
+//! - `ffn_stage`: one sparse FFN stage over `neurons` random neurons of a
+//!   layer whose bundles are resident: stage 1 ([`neuron_activation`] in
+//!   parallel chunks, as the engine does) and stage 2 ([`accumulate_down`]).
+//! - `ffn_split`: `neurons` neurons split into `stages` equal stages, each a
+//!   full stage; against `stages = 1` this is the cost of splitting a layer.
+//! - `decode`: one decode step of the runtime's forward pass
+//!   ([`FlashModel::forward`], FFN resident) with `ctx_len` tokens in the KV
+//!   cache. Attention is the part that grows with `ctx_len`; the runtime keeps
+//!   its attention kernel private, so the profiler measures it in place.
+//!
+//! Each visit runs one untimed call first (caches, thread wake-up); with
+//! `background_io` an O_DIRECT reader (128 KiB random reads, QD 8) runs on
+//! another thread for the whole visit.
+
+use std::collections::HashMap;
+use std::fs::File;
+use std::path::PathBuf;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::Instant;
+
+use leanstream_kernels::sparse_ffn::{
+    accumulate_down, neuron_activation, BundleFormat, FfnActivation, FfnInput, LayerActivations,
+};
+use leanstream_kernels::ActBuffer;
+use leanstream_runtime::cache::FfnBudget;
+use leanstream_runtime::engine::{FlashEngine, FlashModel, Policy};
+use leanstream_runtime::model::RunState;
+use rand::rngs::StdRng;
+use rand::seq::SliceRandom;
+use rand::{RngExt, SeedableRng};
+use rayon::prelude::*;
+use serde::{Deserialize, Serialize};
+
+use crate::io_sweep::{background_reads, open_direct};
+use crate::plan::{ComputeCondition, Condition, ConditionKind, Kernel};
+use crate::runner::{Executor, Measured, Sample};
+use crate::{ProfileError, Result};
+
+/// Settings of a compute run (stored in the plan).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct ComputeSetup {
+    /// The packed model (`.lsflash`).
+    pub model: PathBuf,
+    /// The layer whose bundles the FFN kernels use.
+    pub layer: usize,
+    /// The file the background reader reads (default: the model file).
+    pub io_file: PathBuf,
+}
+
+/// Neurons per parallel task of stage 1.
+const CHUNK: usize = 32;
+
+/// Runs compute conditions.
+pub struct ComputeExecutor {
+    fm: FlashModel,
+    /// The layer's bundles by neuron id.
+    bundles: Vec<u8>,
+    bundle_bytes: usize,
+    format: BundleFormat,
+    act: FfnActivation,
+    gate_acts: ActBuffer,
+    up_acts: ActBuffer,
+    layer_acts: LayerActivations,
+    a: Vec<f32>,
+    y: Vec<f32>,
+    pools: HashMap<u32, rayon::ThreadPool>,
+    decode: HashMap<u32, (RunState, FlashEngine)>,
+    bg: (File, u64),
+    rng: StdRng,
+}
+
+impl ComputeExecutor {
+    pub fn new(setup: &ComputeSetup, seed: u64) -> Result<Self> {
+        let fm = FlashModel::open(&setup.model)?;
+        let l = setup.layer;
+        if l >= fm.flash.n_layer() {
+            return Err(ProfileError::Invalid(format!(
+                "layer {l} of a model with {} layers",
+                fm.flash.n_layer()
+            )));
+        }
+        let (off, len) = fm.flash.layer_extent(l);
+        let file = File::open(&setup.model).map_err(|e| ProfileError::io(&setup.model, e))?;
+        let mut stored = vec![0u8; len as usize];
+        std::os::unix::fs::FileExt::read_exact_at(&file, &mut stored, off)
+            .map_err(|e| ProfileError::io(&setup.model, e))?;
+        let bb = fm.flash.layout(l).bundle_bytes();
+        let mut bundles = vec![0u8; stored.len()];
+        for (pos, b) in stored.chunks_exact(bb).enumerate() {
+            let i = fm.flash.neuron_at(l, pos);
+            bundles[i * bb..(i + 1) * bb].copy_from_slice(b);
+        }
+        let c = &fm.model.config;
+        let format = fm.formats[l];
+        let act: FfnActivation = c.ffn_activation;
+        let mut rng = StdRng::seed_from_u64(seed ^ 0xc0);
+        let x: Vec<f32> = (0..c.n_embd).map(|_| rng.random_range(-1.0f32..1.0)).collect();
+        let mut gate_acts = ActBuffer::with_capacity(c.n_embd, 1);
+        let mut up_acts = ActBuffer::with_capacity(c.n_embd, 1);
+        gate_acts.quantize(format.gate_ty.vec_dot_type(), &x, 1, c.n_embd)?;
+        up_acts.quantize(format.up_ty.vec_dot_type(), &x, 1, c.n_embd)?;
+        let bg_file = open_direct(&setup.io_file)?;
+        let bg_size = bg_file
+            .metadata()
+            .map_err(|e| ProfileError::io(&setup.io_file, e))?
+            .len();
+        Ok(Self {
+            bundle_bytes: bb,
+            format,
+            act,
+            gate_acts,
+            up_acts,
+            layer_acts: LayerActivations::new(c.n_ff),
+            a: vec![0.0; c.n_ff],
+            y: vec![0.0; c.n_embd],
+            pools: HashMap::new(),
+            decode: HashMap::new(),
+            bg: (bg_file, bg_size),
+            bundles,
+            fm,
+            rng,
+        })
+    }
+
+    pub fn n_ff(&self) -> usize {
+        self.fm.model.config.n_ff
+    }
+
+    /// One FFN stage over `ids`, adding its partial output to `self.y`.
+    fn stage(&mut self, ids: &[usize]) -> Result<()> {
+        let (f, act, bb) = (&self.format, self.act, self.bundle_bytes);
+        let bundles = &self.bundles;
+        let input = FfnInput::new(f, &self.gate_acts, &self.up_acts, 0)?;
+        let a = &mut self.a[..ids.len()];
+        a.par_chunks_mut(CHUNK)
+            .zip(ids.par_chunks(CHUNK))
+            .try_for_each(|(a, ids)| {
+                a.iter_mut().zip(ids).try_for_each(|(ai, &i)| {
+                    neuron_activation(f, &input, act, &bundles[i * bb..(i + 1) * bb]).map(|v| *ai = v)
+                })
+            })?;
+        self.layer_acts.clear();
+        for (&i, &ai) in ids.iter().zip(a.iter()) {
+            self.layer_acts.set(i, ai)?;
+        }
+        accumulate_down(f, &self.layer_acts, |i| &bundles[i * bb..(i + 1) * bb], &mut self.y)?;
+        Ok(())
+    }
+
+    /// One timed call of `c`; returns bytes of weights it touched.
+    fn call(&mut self, c: &ComputeCondition, ids: &[usize]) -> Result<u64> {
+        match c.kernel {
+            Kernel::FfnStage | Kernel::FfnSplit => {
+                self.y.fill(0.0);
+                let k = if c.kernel == Kernel::FfnStage {
+                    1
+                } else {
+                    c.stages.max(1) as usize
+                };
+                let per = ids.len().div_ceil(k).max(1);
+                for chunk in ids.chunks(per) {
+                    self.stage(chunk)?;
+                }
+                std::hint::black_box(&self.y);
+                Ok((ids.len() * self.bundle_bytes) as u64)
+            }
+            Kernel::Decode => {
+                let (st, engine) = self.decode.get_mut(&c.ctx_len).expect("decode state prepared");
+                let tok = [1u32 + (c.ctx_len % 64)];
+                self.fm.forward(st, engine, &tok, c.ctx_len as usize, 0..1)?;
+                Ok(0)
+            }
+        }
+    }
+
+    fn prepare_decode(&mut self, ctx: u32) -> Result<()> {
+        if self.decode.contains_key(&ctx) {
+            return Ok(());
+        }
+        let mut st = self.fm.model.new_state(ctx as usize + 1, 64, 1);
+        let mut engine = self.fm.engine(Policy::Dense, FfnBudget::Percent(100.0))?;
+        let vocab = self.fm.model.config.n_vocab.max(2) as u32;
+        let tokens: Vec<u32> = (0..ctx).map(|_| self.rng.random_range(1..vocab)).collect();
+        for (b, chunk) in tokens.chunks(64).enumerate() {
+            self.fm
+                .forward(&mut st, &mut engine, chunk, b * 64, chunk.len() - 1..chunk.len())?;
+        }
+        self.decode.insert(ctx, (st, engine));
+        Ok(())
+    }
+
+    fn run(&mut self, c: &ComputeCondition, n: usize, deadline: Instant, stop: &AtomicBool) -> Result<Measured> {
+        let threads = c.threads.max(1);
+        let pool = match self.pools.remove(&threads) {
+            Some(p) => p,
+            None => rayon::ThreadPoolBuilder::new()
+                .num_threads(threads as usize)
+                .build()
+                .map_err(|e| ProfileError::Invalid(format!("thread pool of {threads}: {e}")))?,
+        };
+        let out = pool.install(|| self.run_in_pool(c, n, deadline, stop));
+        self.pools.insert(threads, pool);
+        out
+    }
+
+    fn run_in_pool(
+        &mut self,
+        c: &ComputeCondition,
+        n: usize,
+        deadline: Instant,
+        stop: &AtomicBool,
+    ) -> Result<Measured> {
+        if c.kernel == Kernel::Decode {
+            self.prepare_decode(c.ctx_len)?;
+        }
+        let n_ff = self.n_ff();
+        let want = (c.neurons as usize).min(n_ff);
+        let mut all: Vec<usize> = (0..n_ff).collect();
+        let bg_stop = AtomicBool::new(false);
+        let bg = if c.background_io {
+            let f = self.bg.0.try_clone().map_err(ProfileError::Sys)?;
+            Some((f, self.bg.1))
+        } else {
+            None
+        };
+        let mut samples = Vec::with_capacity(n);
+        let mut wall = 0u64;
+        let result = std::thread::scope(|s| -> Result<()> {
+            let reader = bg.map(|(f, size)| {
+                let bg_stop = &bg_stop;
+                s.spawn(move || background_reads(&f, size, 128 << 10, 8, bg_stop))
+            });
+            let body = (|| -> Result<()> {
+                all.shuffle(&mut self.rng);
+                self.call(c, &all[..want])?; // untimed warm-up
+                let t_visit = Instant::now();
+                for _ in 0..n {
+                    if stop.load(Ordering::Relaxed) || Instant::now() >= deadline {
+                        break;
+                    }
+                    all.shuffle(&mut self.rng);
+                    let ids = &all[..want];
+                    let t0 = Instant::now();
+                    let bytes = self.call(c, ids)?;
+                    let lat = t0.elapsed().as_nanos() as u64;
+                    samples.push(Sample {
+                        worker: 0,
+                        offset: 0,
+                        bytes,
+                        latency_ns: lat,
+                        unix_ns: std::time::SystemTime::now()
+                            .duration_since(std::time::UNIX_EPOCH)
+                            .map(|d| d.as_nanos() as u64)
+                            .unwrap_or(0),
+                    });
+                }
+                wall = t_visit.elapsed().as_nanos() as u64;
+                Ok(())
+            })();
+            bg_stop.store(true, Ordering::Relaxed);
+            if let Some(h) = reader {
+                h.join().expect("background reader panicked")?;
+            }
+            body
+        });
+        result?;
+        Ok(Measured {
+            samples,
+            wall_ns: wall,
+            device_read_bytes: None,
+        })
+    }
+}
+
+impl Executor for ComputeExecutor {
+    fn visit(&mut self, cond: &Condition, n: usize, deadline: Instant, stop: &AtomicBool) -> Result<Measured> {
+        match &cond.kind {
+            ConditionKind::Compute(c) => self.run(c, n, deadline, stop),
+            ConditionKind::Io(_) => Err(ProfileError::Invalid("I/O condition in a compute run".into())),
+        }
+    }
+}

@@ -1,0 +1,21 @@
+//! `leanstream-profiler`: resumable device profiling for LeanStream.
+//!
+//! - [`plan`]: conditions, randomized rounds, the time budget and adaptive repetition;
+//! - [`runner`]: the run loop shared by every sweep (flushes, Ctrl-C, progress);
+//! - [`shard`]: append-only Parquet shards committed through a checksummed manifest;
+//! - [`device`]: what the run measured on (CPU, memory, storage queue, fs, kernel, temperatures);
+//! - [`io_sweep`] / [`compute_sweep`]: the executors of the two sweeps;
+//! - [`summary`] / [`plot`]: per-condition quantiles (polars lazy) and SVG plots.
+
+pub mod compute_sweep;
+pub mod device;
+pub mod error;
+pub mod io_sweep;
+pub mod plan;
+pub mod plot;
+pub mod runner;
+pub mod shard;
+pub mod summary;
+pub mod units;
+
+pub use error::{ProfileError, Result};
