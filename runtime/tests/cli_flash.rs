@@ -160,7 +160,10 @@ fn stays_within_mem_budget(name: &str, budget_mib: u64) {
             "--reps",
             "1",
         ]));
-        let (total, rss) = (r["memory"]["total"].as_u64().unwrap(), r["peak_rss_bytes"].as_u64().unwrap());
+        let (total, rss) = (
+            r["memory"]["total"].as_u64().unwrap(),
+            r["peak_rss_bytes"].as_u64().unwrap(),
+        );
         let cached = r["page_cache_bytes"].as_u64().unwrap();
         eprintln!(
             "{name} {policy}: accounted {:.1} MiB, peak RSS {:.1} MiB, cache {:.1} MiB, page cache {cached} B",
@@ -169,8 +172,14 @@ fn stays_within_mem_budget(name: &str, budget_mib: u64) {
             r["memory"]["ffn_cache"].as_f64().unwrap() / 1048576.0
         );
         assert!(total <= budget, "{policy}: accounted {total} > budget {budget}");
-        assert!(rss <= budget + RSS_SLACK, "{policy}: peak RSS {rss} > budget {budget} + slack");
-        assert!(cached * 100 <= r["file_bytes"].as_u64().unwrap(), "{policy}: {cached} B in the page cache");
+        assert!(
+            rss <= budget + RSS_SLACK,
+            "{policy}: peak RSS {rss} > budget {budget} + slack"
+        );
+        assert!(
+            cached * 100 <= r["file_bytes"].as_u64().unwrap(),
+            "{policy}: {cached} B in the page cache"
+        );
         assert!(r["memory"]["ffn_cache"].as_u64().unwrap() > 0);
     }
 }
