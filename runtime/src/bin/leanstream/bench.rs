@@ -386,7 +386,7 @@ fn sweep(a: &BenchArgs) -> Result<()> {
     );
     let svg = plot::line_chart(
         &title,
-        "total memory, MiB (resident + KV + cache + I/O + predictor)",
+        "accounted memory, MiB (weights, tokenizer, KV, cache, I/O, predictor)",
         "decode tokens/s",
         &series,
     );

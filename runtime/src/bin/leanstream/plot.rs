@@ -19,19 +19,20 @@ const COLORS: [&str; 8] = [
     "#1f77b4", "#d62728", "#2ca02c", "#ff7f0e", "#9467bd", "#8c564b", "#e377c2", "#7f7f7f",
 ];
 
-/// Round tick positions covering `0..=max`.
-fn ticks(max: f64) -> Vec<f64> {
-    let max = if max > 0.0 { max } else { 1.0 };
-    let raw = max / 5.0;
+/// Round tick positions covering `lo..=hi` (from a multiple of the step at
+/// or below `lo` to the first at or above `hi`).
+fn ticks(lo: f64, hi: f64) -> Vec<f64> {
+    let span = if hi > lo { hi - lo } else { hi.abs().max(1.0) };
+    let raw = span / 5.0;
     let mag = 10f64.powf(raw.log10().floor());
     let step = [1.0, 2.0, 2.5, 5.0, 10.0]
         .iter()
         .map(|m| m * mag)
         .find(|s| *s >= raw)
         .unwrap_or(10.0 * mag);
-    // Up to the first tick at or above max.
-    let n = (max / step - 1e-9).ceil().max(1.0) as usize;
-    (0..=n).map(|i| i as f64 * step).collect()
+    let first = (lo / step + 1e-9).floor();
+    let last = (hi / step - 1e-9).ceil().max(first + 1.0);
+    (first as i64..=last as i64).map(|i| i as f64 * step).collect()
 }
 
 fn esc(s: &str) -> String {
@@ -47,14 +48,19 @@ fn label(v: f64) -> String {
 }
 
 pub fn line_chart(title: &str, x_label: &str, y_label: &str, series: &[Series]) -> String {
-    let all = series.iter().flat_map(|s| s.points.iter());
-    let (x_max, y_max) = all.fold((0f64, 0f64), |(x, y), p| (x.max(p.0), y.max(p.1)));
-    let (xt, yt) = (ticks(x_max), ticks(y_max));
-    let (x_top, y_top) = (*xt.last().unwrap_or(&1.0), *yt.last().unwrap_or(&1.0));
+    let all = || series.iter().flat_map(|s| s.points.iter());
+    let x_min = all().map(|p| p.0).fold(f64::INFINITY, f64::min);
+    let x_max = all().map(|p| p.0).fold(0f64, f64::max);
+    let y_max = all().map(|p| p.1).fold(0f64, f64::max);
+    // Memory starts where the resident parts end; speed starts at zero.
+    let xt = ticks(if x_min.is_finite() { x_min } else { 0.0 }, x_max);
+    let yt = ticks(0.0, y_max);
+    let (x_lo, x_hi) = (xt[0], *xt.last().expect("two ticks at least"));
+    let y_hi = *yt.last().expect("two ticks at least");
     let pw = W - LEFT - RIGHT;
     let ph = H - TOP - BOTTOM;
-    let px = |x: f64| LEFT + x / x_top * pw;
-    let py = |y: f64| TOP + ph - y / y_top * ph;
+    let px = |x: f64| LEFT + (x - x_lo) / (x_hi - x_lo) * pw;
+    let py = |y: f64| TOP + ph - y / y_hi * ph;
     let mut s = String::new();
     let _ = writeln!(
         s,
@@ -150,9 +156,12 @@ mod tests {
 
     #[test]
     fn ticks_are_round_and_cover_the_range() {
-        assert_eq!(ticks(10.0), vec![0.0, 2.0, 4.0, 6.0, 8.0, 10.0]);
-        let t = ticks(73.0);
+        assert_eq!(ticks(0.0, 10.0), vec![0.0, 2.0, 4.0, 6.0, 8.0, 10.0]);
+        let t = ticks(0.0, 73.0);
         assert!(*t.last().unwrap() >= 73.0 && t[1] == 20.0, "{t:?}");
+        let t = ticks(96.8, 171.0);
+        assert_eq!((t[0], *t.last().unwrap()), (80.0, 180.0), "{t:?}");
+        assert!(ticks(5.0, 5.0).len() >= 2);
     }
 
     #[test]
