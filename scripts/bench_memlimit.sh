@@ -1,0 +1,70 @@
+#!/usr/bin/env bash
+# The users' yardstick: llama.cpp and LeanStream on the same model under the
+# same memory limit, a memory cgroup that also charges the page cache. For
+# each limit, in one run: llama-bench decode speed on the GGUF (mmap, as users
+# run it) and `leanstream bench` on the packed file with --mem-budget set to
+# the limit minus a slack for what the budget does not see; both ratios.
+# The file's pages are evicted before each run, so neither starts with a cache
+# it was not charged for. Needs root (cgroup v1 or v2 memory controller).
+#
+# Usage: scripts/bench_memlimit.sh MODEL LIMIT_MIB... (MODEL: smollm2, gemma3 or a .gguf)
+# Env: GEN (32), POLICY (oracle), SPARSITY (0.5), SLACK_MIB (16).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+export CARGO_TARGET_DIR=${CARGO_TARGET_DIR:-$HOME/.cache/leanstream/target}
+home=${LEANSTREAM_HOME:-$HOME/.cache/leanstream}
+gen=${GEN:-32} policy=${POLICY:-oracle} sparsity=${SPARSITY:-0.5} slack=${SLACK_MIB:-16}
+model=$1; shift
+cargo build --release --bin leanstream >&2
+ls=$CARGO_TARGET_DIR/release/leanstream
+llama=$(scripts/llama_cpp.sh)/llama-bench
+gguf=$("$ls" fetch "$model" 2>/dev/null || echo "$model")
+name=$(basename "$gguf" .gguf)
+flash=$home/flash/$name.lsflash
+[ -f "$flash" ] || "$ls" pack --model "$gguf" -o "$flash" --calibrate data/text/apache-2.0.txt --hot-first >&2
+
+evict() { python3 -c 'import os,sys
+for p in sys.argv[1:]:
+    fd=os.open(p,os.O_RDONLY); os.posix_fadvise(fd,0,0,os.POSIX_FADV_DONTNEED); os.close(fd)' "$@"; }
+
+# Runs "$@" in a fresh memory cgroup limited to $limit MiB; prints its output,
+# then a line "PEAK <bytes>" (the cgroup's peak usage, page cache included).
+in_cgroup() {
+  local limit=$1; shift
+  local cg
+  if [ -f /sys/fs/cgroup/unified/cgroup.controllers ] && grep -qw memory /sys/fs/cgroup/unified/cgroup.controllers; then
+    cg=/sys/fs/cgroup/unified/leanstream-$$; mkdir "$cg"
+    echo $((limit << 20)) > "$cg/memory.max"; echo 0 > "$cg/memory.swap.max" 2>/dev/null || true
+    sh -c 'echo $$ > "$1/cgroup.procs"; shift; exec "$@"' sh "$cg" "$@"
+    echo "PEAK $(cat "$cg/memory.peak" 2>/dev/null || echo 0)"
+  else
+    cg=/sys/fs/cgroup/memory/leanstream-$$; mkdir "$cg"
+    echo $((limit << 20)) > "$cg/memory.limit_in_bytes"
+    sh -c 'echo $$ > "$1/cgroup.procs"; shift; exec "$@"' sh "$cg" "$@"
+    echo "PEAK $(cat "$cg/memory.max_usage_in_bytes")"
+  fi
+  rmdir "$cg"
+}
+
+printf '| limit MiB | llama.cpp tok/s | its cgroup peak MiB | LeanStream %s %s tok/s | its cgroup peak MiB | ratio |\n|---|---|---|---|---|---|\n' "$policy" "$sparsity"
+for limit in "$@"; do
+  evict "$gguf" "$flash"
+  theirs=$(in_cgroup "$limit" timeout 1800 "$llama" -m "$gguf" -p 0 -n "$gen" -r 1 -t "$(nproc)" -o json 2>/dev/null || true)
+  t_speed=$(printf '%s\n' "$theirs" | python3 -c 'import json,sys
+t=sys.stdin.read(); j=t[:t.rfind("PEAK")].strip()
+try: print(json.loads(j)[0]["avg_ts"])
+except Exception: print(0)')
+  t_peak=$(printf '%s\n' "$theirs" | sed -n 's/^PEAK //p')
+  evict "$gguf" "$flash"
+  ours=$(in_cgroup "$limit" "$ls" bench --model "$flash" --policy "$policy" --sparsity "$sparsity" \
+    --mem-budget "$((limit - slack))MiB" --prompt-tokens 0 --gen-tokens "$gen" --reps 1 2>/dev/null || true)
+  o_speed=$(printf '%s\n' "$ours" | python3 -c 'import json,sys
+t=sys.stdin.read(); j=t[:t.rfind("PEAK")].strip()
+try: print(json.loads(j)["decode_tok_s"])
+except Exception: print(0)')
+  o_peak=$(printf '%s\n' "$ours" | sed -n 's/^PEAK //p')
+  python3 -c "
+l,ts,tp,os_,op='$limit',float('$t_speed'),int('${t_peak:-0}'),float('$o_speed'),int('${o_peak:-0}')
+r=f'{os_/ts:.2f}' if ts>0 else 'llama.cpp failed'
+print(f'| {l} | {ts:.2f} | {tp/2**20:.0f} | {os_:.2f} | {op/2**20:.0f} | {r} |')"
+done
