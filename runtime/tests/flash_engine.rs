@@ -181,3 +181,23 @@ fn detects_lsflash_and_parses_policies() {
     let err = fm.model.forward(&mut st, &[1], 0).unwrap_err().to_string();
     assert!(err.contains("no FFN matrices"), "{err}");
 }
+
+#[test]
+fn a_file_truncated_while_streaming_is_an_error_naming_it() {
+    let mut spec = SyntheticSpec::tiny("llama");
+    spec.weight_type = GgmlType::Q8_0;
+    let src = dir().join("truncated_src.gguf");
+    std::fs::write(&src, spec.build().unwrap().to_bytes()).unwrap();
+    let path = pack_to(&src, "truncated", None);
+    let fm = FlashModel::open(&path).unwrap();
+    let mut e = fm.engine(Policy::DenseStream, FfnBudget::Percent(0.0)).unwrap();
+    // The disk loses the second half of the bundles under a running engine.
+    let len = std::fs::metadata(&path).unwrap().len();
+    let f = std::fs::OpenOptions::new().write(true).open(&path).unwrap();
+    f.set_len(len - fm.ffn_bytes() / 2).unwrap();
+    let err = common::greedy_flash(&fm, &mut e, &[1, 2, 3], 2)
+        .unwrap_err()
+        .to_string();
+    eprintln!("{err}");
+    assert!(err.contains(&path.display().to_string()), "{err}");
+}
