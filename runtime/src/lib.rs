@@ -2,6 +2,7 @@
 //! pass, sampling and generation. The `leanstream` binary sits on top.
 
 pub mod cache;
+pub mod control;
 pub mod engine;
 pub mod error;
 pub mod fetch;
