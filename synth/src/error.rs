@@ -1,0 +1,38 @@
+//! The crate's error type.
+
+use std::path::PathBuf;
+
+pub type Result<T, E = SynthError> = std::result::Result<T, E>;
+
+#[derive(Debug, thiserror::Error)]
+pub enum SynthError {
+    #[error("{path}: {source}")]
+    Io {
+        path: PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("{path}: {reason}")]
+    Trace { path: PathBuf, reason: String },
+    #[error("{path}: missing profiled conditions: {missing}")]
+    MissingConditions { path: PathBuf, missing: String },
+    #[error(transparent)]
+    Profile(#[from] leanstream_profiler::ProfileError),
+    #[error(transparent)]
+    Control(#[from] leanstream_runtime::control::ControlError),
+    #[error("polars: {0}")]
+    Polars(#[from] polars::error::PolarsError),
+    #[error("solver failed: {0}")]
+    Solver(String),
+    #[error("invalid setting: {0}")]
+    Settings(String),
+}
+
+impl SynthError {
+    pub fn io(path: impl Into<PathBuf>, source: std::io::Error) -> Self {
+        Self::Io {
+            path: path.into(),
+            source,
+        }
+    }
+}

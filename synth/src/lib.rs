@@ -1,0 +1,75 @@
+//! Offline synthesis for LeanStream: profiled traces in, the controller table
+//! (`.lstab`) out.
+//!
+//! # The control model
+//!
+//! The engine streams each layer's FFN neuron bundles from flash while it
+//! computes. Per layer it must decide how hard to speculate and how finely to
+//! refine. Solving that optimization online would cost more than it saves, so
+//! it is solved here, offline, for every cell of a discretized state grid;
+//! the runtime (`leanstream_runtime::control`) only looks the answer up.
+//!
+//! **State** (measured by the engine at the start of a layer's FFN; one axis each,
+//! by default 4, 12, 4, 3 and 3 bins in this order, so 1,728 grid states):
+//! - `queued_bytes` Q: bytes of this layer already queued or loaded by the
+//!   previous layer's speculative prefetch;
+//! - `missing_bytes` D: bytes the predictor says are active but not cached for
+//!   this layer (assumed persistent over the horizon: the next layers' need is
+//!   predicted to be like this one's);
+//! - `read_bw_bytes_s` B: recent read bandwidth; the ratio `B / B₅₀` (B₅₀ the
+//!   profiled median at the reference queue depth) scales every read time of
+//!   the horizon (a slow regime — heat, contention, GC — persists);
+//! - `compute_ns_per_neuron` c: recent compute time per neuron; the horizon's
+//!   compute times are `c ×` the profiled relative noise;
+//! - `layer_position` p = layer / n_layers: the horizon is cut at the last
+//!   layer, so prefetching for a next layer is worthless at the end.
+//!
+//! **Actions** (a codebook of 3×3×3×3 = 81 by default: K ∈ {1,2,4}, q ∈ {1,4,16},
+//! b ∈ {1, 1.5, 2.5}, d ∈ {2, 8, 32}):
+//! - `stages` K: refinement stages of the layer's FFN; the FFN is a two-stage
+//!   pipeline of K chunks (read chunk i+1 while computing chunk i), so the
+//!   layer takes `max(Tr, Tc) + min(Tr, Tc)/K`, and Tc is multiplied by the
+//!   profiled split overhead of K stages (`ffn_split` / `ffn_split K=1`);
+//! - `prefetch_breadth` b: load `L = b·D` bytes from the top of the predicted
+//!   priority list. The activation mass covered is `recall(b) = 1 − (1−r₀)^b`
+//!   (r₀ = recall of the predictor at breadth 1, a model parameter); the rest
+//!   of `L` is wasted reads. Idle I/O time of a layer prefetches up to `b·D`
+//!   bytes of the next layer (that is the next state's Q);
+//! - `deadline_factor` d: neurons not loaded by `d × E[Tc]` are skipped; the
+//!   reads not yet issued are cancelled;
+//! - `queue_depth` q: reads in flight. `R = max(L − Q, 0)` bytes are read as
+//!   `⌈R/block⌉` requests in `⌈n/q⌉` waves, each wave taking a read latency
+//!   drawn from the profiled distribution at (block, q).
+//!
+//! **Randomness**: read latencies by (request size, queue depth), compute
+//! time per neuron and split overheads by K, all empirical distributions
+//! fitted from the profiler's Parquet traces (even rounds; odd rounds are held
+//! out for the simulator). Every condition the model needs must have been
+//! profiled, or fitting fails naming what is missing.
+//!
+//! **Cost** of a layer: `T_layer [µs] + w_skip · skipped_mass + w_waste ·
+//! wasted_MiB`, where skipped_mass is the fraction of the predicted-active
+//! mass not computed (missed by breadth or by deadline).
+//!
+//! **Solver**: sample-average stochastic MPC over a horizon of H layers
+//! (default 3) with S scenarios (default 24). The first-stage action is shared
+//! by all scenarios; the later stages are per-scenario recourse actions. The
+//! next state's Q is discretized to the Q axis, which makes the problem a
+//! MILP: a binary one-hot first action and, per scenario, a flow over
+//! (stage, Q bin, action) arcs. It is formulated with `good_lp` and solved
+//! with the pure-Rust `microlp`; [`solve::solve_enumerate`] solves the same
+//! instance by exhaustive enumeration of action sequences (tests check they
+//! agree). Each grid state is solved independently in parallel (rayon) with
+//! scenarios from an RNG seeded by (seed, state index), so the table is
+//! deterministic for a seed.
+
+pub mod error;
+pub mod fit;
+pub mod inspect;
+pub mod model;
+pub mod rng;
+pub mod sim;
+pub mod solve;
+pub mod synth;
+
+pub use error::{Result, SynthError};

@@ -1,0 +1,319 @@
+//! The per-layer dynamics and cost of the control model (see the crate docs).
+
+use leanstream_runtime::control::{Action, Axis, AxisKind, ControlState};
+use serde::{Deserialize, Serialize};
+
+use crate::fit::{Dists, Empirical, Needs};
+use crate::rng::Rng;
+
+/// Parameters of the model that are not measured by the profiler.
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
+pub struct ModelParams {
+    /// Layers in the stack.
+    pub n_layers: usize,
+    /// FFN neurons per layer.
+    pub n_ff: usize,
+    /// Bytes of one neuron bundle on flash.
+    pub bundle_bytes: f64,
+    /// Request size of the engine's (coalesced) reads; must be profiled.
+    pub block: u64,
+    /// Reference queue depth of the bandwidth state axis; must be profiled.
+    pub ref_qd: u32,
+    /// Predictor recall (activation mass covered) at prefetch breadth 1.
+    pub recall_at_1: f64,
+    /// Cost weight of one unit of skipped activation mass (the whole
+    /// predicted-active mass of a layer), in µs.
+    pub w_skip_us: f64,
+    /// Cost weight of one MiB of wasted reads, in µs.
+    pub w_waste_us_per_mib: f64,
+}
+
+impl Default for ModelParams {
+    /// SmolLM2-135M: 30 layers, n_ff 1536, Q8_0 gate/up/down bundles of a
+    /// 576-wide model (3 × 576 × 34/32 ≈ 1836 bytes, rounded to 1856 with padding).
+    fn default() -> Self {
+        Self {
+            n_layers: 30,
+            n_ff: 1536,
+            bundle_bytes: 1856.0,
+            block: 64 * 1024,
+            ref_qd: 4,
+            recall_at_1: 0.85,
+            w_skip_us: 2000.0,
+            w_waste_us_per_mib: 100.0,
+        }
+    }
+}
+
+/// The action codebook's axes.
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
+pub struct ActionSpace {
+    pub stages: Vec<u8>,
+    pub queue_depths: Vec<u16>,
+    pub prefetch_breadths: Vec<f32>,
+    pub deadline_factors: Vec<f32>,
+}
+
+impl Default for ActionSpace {
+    fn default() -> Self {
+        Self {
+            stages: vec![1, 2, 4],
+            queue_depths: vec![1, 4, 16],
+            prefetch_breadths: vec![1.0, 1.5, 2.5],
+            deadline_factors: vec![2.0, 8.0, 32.0],
+        }
+    }
+}
+
+impl ActionSpace {
+    pub fn codebook(&self) -> Vec<Action> {
+        let mut out = Vec::new();
+        for &stages in &self.stages {
+            for &queue_depth in &self.queue_depths {
+                for &prefetch_breadth in &self.prefetch_breadths {
+                    for &deadline_factor in &self.deadline_factors {
+                        out.push(Action {
+                            stages,
+                            queue_depth,
+                            prefetch_breadth,
+                            deadline_factor,
+                        });
+                    }
+                }
+            }
+        }
+        out
+    }
+    pub fn needs(&self, p: &ModelParams) -> Needs {
+        let mut queue_depths: Vec<u32> = self.queue_depths.iter().map(|&q| q as u32).collect();
+        queue_depths.push(p.ref_qd);
+        queue_depths.sort_unstable();
+        queue_depths.dedup();
+        let mut stages: Vec<u32> = self.stages.iter().map(|&k| k as u32).collect();
+        stages.push(1);
+        stages.sort_unstable();
+        stages.dedup();
+        Needs {
+            block: p.block,
+            queue_depths,
+            stages,
+        }
+    }
+}
+
+/// Bins with thresholds at the midpoints of the centers.
+pub fn axis(kind: AxisKind, centers: Vec<f64>) -> Axis {
+    let thresholds = centers.windows(2).map(|w| 0.5 * (w[0] + w[1])).collect();
+    Axis {
+        kind,
+        thresholds,
+        centers,
+    }
+}
+
+/// Bins per axis of the grid.
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
+pub struct GridSpec {
+    pub queued: usize,
+    pub missing: usize,
+    pub bandwidth: usize,
+    pub compute: usize,
+    pub position: usize,
+}
+
+impl Default for GridSpec {
+    fn default() -> Self {
+        Self {
+            queued: 4,
+            missing: 12,
+            bandwidth: 4,
+            compute: 3,
+            position: 3,
+        }
+    }
+}
+
+fn linspace(lo: f64, hi: f64, n: usize) -> Vec<f64> {
+    if n <= 1 {
+        return vec![0.5 * (lo + hi)];
+    }
+    (0..n).map(|i| lo + (hi - lo) * i as f64 / (n - 1) as f64).collect()
+}
+
+/// Centers at the (i + 0.5)/n quantiles of `e`, or a ×0.5..×2 spread around
+/// its median where the quantiles are not distinct.
+fn quantile_centers(e: &Empirical, n: usize) -> Vec<f64> {
+    let c: Vec<f64> = (0..n).map(|i| e.quantile((i as f64 + 0.5) / n as f64)).collect();
+    if c.windows(2).all(|w| w[1] > w[0] * (1.0 + 1e-6)) {
+        c
+    } else {
+        let m = e.median();
+        linspace(0.5 * m, 2.0 * m, n)
+    }
+}
+
+/// The grid: bytes axes spread over the layer's FFN bytes, bandwidth and
+/// compute at quantiles of the fitted distributions, the layer stack in
+/// equal parts.
+pub fn grid(p: &ModelParams, g: &GridSpec, d: &Dists) -> Vec<Axis> {
+    let layer = p.n_ff as f64 * p.bundle_bytes;
+    let bw = &d.read_bw[&(p.block, p.ref_qd)];
+    let scale = |v: Vec<f64>| v.into_iter().map(|x| x * layer).collect::<Vec<_>>();
+    vec![
+        axis(AxisKind::QueuedBytes, scale(linspace(0.0, 0.6, g.queued))),
+        axis(AxisKind::MissingBytes, scale(linspace(0.05, 0.5, g.missing))),
+        axis(AxisKind::ReadBandwidth, quantile_centers(bw, g.bandwidth)),
+        axis(
+            AxisKind::ComputeNsPerNeuron,
+            quantile_centers(&d.ns_per_neuron, g.compute),
+        ),
+        axis(
+            AxisKind::LayerPosition,
+            (0..g.position).map(|i| (i as f64 + 0.5) / g.position as f64).collect(),
+        ),
+    ]
+}
+
+/// Everything the dynamics need, resolved for one action space: the
+/// distributions indexed by action component.
+#[derive(Clone, Debug)]
+pub struct Env {
+    pub params: ModelParams,
+    pub codebook: Vec<Action>,
+    /// Latency distribution per codebook queue depth (index parallel to `qds`).
+    pub qds: Vec<u16>,
+    pub lat: Vec<Empirical>,
+    pub ks: Vec<u8>,
+    pub split: Vec<Empirical>,
+    pub ns_per_neuron: Empirical,
+    /// Median bandwidth at the reference queue depth (B₅₀).
+    pub bw_median: f64,
+    /// Bins of the queued-bytes axis (the MILP's discretized next state).
+    pub q_axis: Axis,
+}
+
+impl Env {
+    pub fn new(params: ModelParams, space: &ActionSpace, d: &Dists, q_axis: Axis) -> Self {
+        let qds = space.queue_depths.clone();
+        let lat = qds
+            .iter()
+            .map(|&q| d.read_lat_us[&(params.block, q as u32)].clone())
+            .collect();
+        let ks = space.stages.clone();
+        let split = ks.iter().map(|&k| d.split_ratio[&(k as u32)].clone()).collect();
+        let bw_median = d.read_bw[&(params.block, params.ref_qd)].median();
+        Self {
+            codebook: space.codebook(),
+            qds,
+            lat,
+            ks,
+            split,
+            ns_per_neuron: d.ns_per_neuron.clone(),
+            bw_median,
+            q_axis,
+            params,
+        }
+    }
+
+    /// One layer's random draws: per queue depth the mean of 4 latency draws,
+    /// per K a split ratio, and the compute noise (relative to the median).
+    pub fn draw(&self, rng: &mut Rng) -> Draw {
+        let lat_us = self
+            .lat
+            .iter()
+            .map(|e| (0..4).map(|_| e.quantile(rng.uniform())).sum::<f64>() / 4.0)
+            .collect();
+        let split = self.split.iter().map(|e| e.quantile(rng.uniform())).collect();
+        let m = self.ns_per_neuron.median();
+        let compute_noise = self.ns_per_neuron.quantile(rng.uniform()) / m;
+        Draw {
+            lat_us,
+            split,
+            compute_noise,
+        }
+    }
+}
+
+/// The randomness of one layer.
+#[derive(Clone, Debug)]
+pub struct Draw {
+    pub lat_us: Vec<f64>,
+    pub split: Vec<f64>,
+    pub compute_noise: f64,
+}
+
+/// What a layer cost and where it leaves the engine.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct Outcome {
+    pub cost: f64,
+    pub layer_us: f64,
+    pub skipped_mass: f64,
+    pub wasted_bytes: f64,
+    /// Bytes of the next layer prefetched during this layer's idle I/O time.
+    pub next_queued: f64,
+}
+
+fn recall(r1: f64, b: f64) -> f64 {
+    1.0 - (1.0 - r1).powf(b)
+}
+
+/// One layer of the dynamics.
+pub fn step(env: &Env, s: &ControlState, a: &Action, d: &Draw) -> Outcome {
+    let p = &env.params;
+    let qi = env.qds.iter().position(|&q| q == a.queue_depth).unwrap_or(0);
+    let ki = env.ks.iter().position(|&k| k == a.stages).unwrap_or(0);
+    let big_d = s.missing_bytes.max(0.0);
+    let b = a.prefetch_breadth as f64;
+    let load = b * big_d;
+    let rec = recall(p.recall_at_1, b);
+    let useful_frac = if load > 0.0 { (rec * big_d / load).min(1.0) } else { 0.0 };
+    // Reads: regime-scaled waves of requests.
+    let regime = (s.read_bw_bytes_s / env.bw_median).max(1e-3);
+    let remaining = (load - s.queued_bytes.max(0.0)).max(0.0);
+    let n_req = (remaining / p.block as f64).ceil();
+    let waves = (n_req / a.queue_depth as f64).ceil();
+    let lat = d.lat_us[qi] / regime;
+    let t_read = waves * lat;
+    // Compute of the useful loaded neurons, split into K stages.
+    let neurons = rec * big_d / p.bundle_bytes;
+    let tc_expected = neurons * s.compute_ns_per_neuron * 1e-3;
+    let tc = tc_expected * d.compute_noise * d.split[ki].max(1.0);
+    // Deadline: reads still missing at the deadline are cancelled and skipped.
+    let deadline = a.deadline_factor as f64 * tc_expected.max(1.0);
+    let (t_read_eff, frac_loaded) = if t_read > deadline {
+        (deadline, deadline / t_read)
+    } else {
+        (t_read, 1.0)
+    };
+    let loaded_from_queue = s.queued_bytes.min(load);
+    let read_bytes = remaining * frac_loaded;
+    let loaded_total = loaded_from_queue + read_bytes;
+    let loaded_frac_of_load = if load > 0.0 { loaded_total / load } else { 1.0 };
+    let tc_eff = tc * loaded_frac_of_load;
+    let k = a.stages as f64;
+    let layer_us = t_read_eff.max(tc_eff) + t_read_eff.min(tc_eff) / k;
+    let skipped_mass = 1.0 - rec * loaded_frac_of_load;
+    let wasted_bytes = loaded_total * (1.0 - useful_frac);
+    // Idle I/O time prefetches the next layer (nothing after the last layer).
+    let last = s.layer_position * p.n_layers as f64 >= (p.n_layers - 1) as f64 - 1e-9;
+    let bw_eff = p.block as f64 * a.queue_depth as f64 / lat.max(1e-3); // bytes per µs
+    let next_queued = if last {
+        0.0
+    } else {
+        ((layer_us - t_read_eff).max(0.0) * bw_eff).min(load)
+    };
+    let cost = layer_us + p.w_skip_us * skipped_mass + p.w_waste_us_per_mib * wasted_bytes / (1u64 << 20) as f64;
+    Outcome {
+        cost,
+        layer_us,
+        skipped_mass,
+        wasted_bytes,
+        next_queued,
+    }
+}
+
+/// Layers left after the one at `position` (inclusive of it).
+pub fn layers_left(p: &ModelParams, position: f64) -> usize {
+    let l = (position * p.n_layers as f64).round() as usize;
+    p.n_layers.saturating_sub(l).max(1)
+}

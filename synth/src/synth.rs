@@ -1,0 +1,165 @@
+//! Controller synthesis: every grid state solved in parallel, compiled into a
+//! [`ControlTable`].
+
+use indicatif::{ProgressBar, ProgressStyle};
+use leanstream_runtime::control::{Axis, AxisKind, ControlState, ControlTable, Provenance};
+use rayon::prelude::*;
+use serde::Serialize;
+
+use crate::error::{Result, SynthError};
+use crate::fit::Fitted;
+use crate::model::{grid, ActionSpace, Env, GridSpec, ModelParams};
+use crate::rng::Rng;
+use crate::solve::{solve_enumerate, solve_milp, Instance, SolverSettings};
+
+/// Everything that determines a table besides the traces.
+#[derive(Clone, Debug, Default, Serialize)]
+pub struct SynthConfig {
+    pub params: ModelParams,
+    pub space: ActionSpace,
+    pub grid: GridSpec,
+    pub solver: SolverSettings,
+    pub seed: u64,
+}
+
+/// The grid state of row-major index `idx`, at the bins' representative values.
+pub fn state_at(axes: &[Axis], mut idx: usize) -> ControlState {
+    let mut s = ControlState::default();
+    for a in axes.iter().rev() {
+        let b = idx % a.bins();
+        idx /= a.bins();
+        let v = a.centers[b];
+        match a.kind {
+            AxisKind::QueuedBytes => s.queued_bytes = v,
+            AxisKind::MissingBytes => s.missing_bytes = v,
+            AxisKind::ReadBandwidth => s.read_bw_bytes_s = v,
+            AxisKind::ComputeNsPerNeuron => s.compute_ns_per_neuron = v,
+            AxisKind::LayerPosition => s.layer_position = v,
+        }
+    }
+    s
+}
+
+/// A state drawn uniformly from grid cell `idx` (edge cells extend as far
+/// past their center as toward their inner neighbour; layer position stays
+/// at the center, since the horizon depends on it).
+pub fn sample_in_cell(axes: &[Axis], idx: usize, rng: &mut Rng) -> ControlState {
+    let mut s = state_at(axes, idx);
+    let mut rem = idx;
+    for a in axes.iter().rev() {
+        let b = rem % a.bins();
+        rem /= a.bins();
+        if a.bins() < 2 || a.kind == AxisKind::LayerPosition {
+            continue;
+        }
+        let c = a.centers[b];
+        let lo = if b > 0 {
+            a.thresholds[b - 1]
+        } else {
+            c - (a.thresholds[0] - c)
+        };
+        let hi = if b + 1 < a.bins() {
+            a.thresholds[b]
+        } else {
+            c + (c - a.thresholds[b - 1])
+        };
+        let v = (lo + (hi - lo) * rng.uniform()).max(0.0);
+        match a.kind {
+            AxisKind::QueuedBytes => s.queued_bytes = v,
+            AxisKind::MissingBytes => s.missing_bytes = v,
+            AxisKind::ReadBandwidth => s.read_bw_bytes_s = v,
+            AxisKind::ComputeNsPerNeuron => s.compute_ns_per_neuron = v,
+            AxisKind::LayerPosition => {}
+        }
+    }
+    s
+}
+
+/// The environment of a configuration on fitted traces (checks the needed
+/// conditions first).
+pub fn env_for(cfg: &SynthConfig, fitted: &Fitted) -> Result<(Env, Vec<Axis>)> {
+    if cfg.space.codebook().len() > 255 {
+        return Err(SynthError::Settings("more than 255 actions in the codebook".into()));
+    }
+    if cfg.solver.horizon == 0 || cfg.solver.scenarios == 0 {
+        return Err(SynthError::Settings("horizon and scenarios must be at least 1".into()));
+    }
+    fitted.check(&cfg.space.needs(&cfg.params))?;
+    if [
+        cfg.grid.queued,
+        cfg.grid.missing,
+        cfg.grid.bandwidth,
+        cfg.grid.compute,
+        cfg.grid.position,
+    ]
+    .iter()
+    .any(|&n| n == 0 || n > 64)
+    {
+        return Err(SynthError::Settings("every grid axis needs 1..=64 bins".into()));
+    }
+    let axes = grid(&cfg.params, &cfg.grid, &fitted.fit);
+    let q_axis = axes[0].clone();
+    Ok((Env::new(cfg.params.clone(), &cfg.space, &fitted.fit, q_axis), axes))
+}
+
+/// Solves one state with the configured solver.
+pub fn solve_state(env: &Env, cfg: &SynthConfig, x: &ControlState, stream: u64) -> Result<usize> {
+    let mut rng = Rng::new(cfg.seed, stream);
+    let inst = Instance::build(env, x, &cfg.solver, &mut rng);
+    solve_instance(cfg, &inst)
+}
+
+fn solve_instance(cfg: &SynthConfig, inst: &Instance) -> Result<usize> {
+    if cfg.solver.solver.starts_with("enumerate") {
+        Ok(solve_enumerate(inst).action)
+    } else {
+        Ok(solve_milp(inst)?.action)
+    }
+}
+
+/// Solves every grid state (in parallel, deterministic for `cfg.seed`) and
+/// returns the table.
+pub fn synthesize(cfg: &SynthConfig, fitted: &Fitted, progress: bool) -> Result<ControlTable> {
+    let (env, axes) = env_for(cfg, fitted)?;
+    let n: usize = axes.iter().map(Axis::bins).product();
+    let pb = if progress {
+        let pb = ProgressBar::new(n as u64);
+        if let Ok(st) = ProgressStyle::with_template("{bar:40} {pos}/{len} states  {elapsed} eta {eta}") {
+            pb.set_style(st);
+        }
+        pb
+    } else {
+        ProgressBar::hidden()
+    };
+    let codes = (0..n)
+        .into_par_iter()
+        .map(|i| {
+            let mut rng = Rng::new(cfg.seed, i as u64);
+            let xs: Vec<ControlState> = (0..cfg.solver.scenarios)
+                .map(|_| sample_in_cell(&axes, i, &mut rng))
+                .collect();
+            let inst = Instance::build_over(&env, &xs, &cfg.solver, &mut rng);
+            let r = solve_instance(cfg, &inst).map(|a| a as u8);
+            pb.inc(1);
+            r
+        })
+        .collect::<Result<Vec<u8>>>()?;
+    pb.finish_and_clear();
+    let settings = serde_json::json!({
+        "solver": cfg.solver,
+        "model": cfg.params,
+        "actions": cfg.space,
+        "grid": cfg.grid,
+    });
+    Ok(ControlTable {
+        provenance: Provenance {
+            device_fingerprint: fitted.device_fingerprint.clone(),
+            seed: cfg.seed,
+            solver_settings: settings.to_string(),
+            traces: fitted.traces.clone(),
+        },
+        axes,
+        codebook: env.codebook.clone(),
+        codes,
+    })
+}

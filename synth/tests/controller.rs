@@ -1,0 +1,195 @@
+//! Solver against enumeration, determinism, condition checks, table round trip.
+
+use std::collections::BTreeMap;
+use std::path::PathBuf;
+
+use leanstream_runtime::control::ControlTable;
+use leanstream_synth::fit::{Dists, Empirical, Fitted};
+use leanstream_synth::model::{ActionSpace, GridSpec, ModelParams};
+use leanstream_synth::rng::Rng;
+use leanstream_synth::sim::{compare, SimConfig};
+use leanstream_synth::solve::{solve_enumerate, solve_milp, Instance, SolverSettings};
+use leanstream_synth::synth::{env_for, state_at, synthesize, SynthConfig};
+use leanstream_synth::SynthError;
+
+fn spread(rng: &mut Rng, center: f64, rel: f64, n: usize) -> Empirical {
+    Empirical::new((0..n).map(|_| center * (1.0 + rel * (rng.uniform() - 0.3))).collect())
+}
+
+fn dists(seed: u64) -> Dists {
+    let mut r = Rng::new(seed, 0);
+    let mut d = Dists::default();
+    for q in [1u32, 4, 16] {
+        let lat = 150.0 + 40.0 * q as f64;
+        d.read_lat_us.insert((65536, q), spread(&mut r, lat, 0.8, 400));
+        let bw = 65536.0 * q as f64 / (lat * 1e-6);
+        d.read_bw.insert((65536, q), spread(&mut r, bw, 0.3, 30));
+    }
+    d.ns_per_neuron = spread(&mut r, 120.0, 0.5, 400);
+    let mut split = BTreeMap::new();
+    for k in [1u32, 2, 4] {
+        split.insert(k, spread(&mut r, 1.0 + 0.08 * (k - 1) as f64, 0.2, 400));
+    }
+    d.split_ratio = split;
+    d
+}
+
+fn fitted() -> Fitted {
+    Fitted {
+        fit: dists(1),
+        held_out: dists(2),
+        traces: vec![],
+        device_fingerprint: "x86_64/synthetic/2cpu/24GiB".into(),
+        dir: PathBuf::from("/synthetic"),
+    }
+}
+
+fn small_cfg() -> SynthConfig {
+    SynthConfig {
+        params: ModelParams {
+            n_layers: 6,
+            ..ModelParams::default()
+        },
+        space: ActionSpace {
+            stages: vec![1, 4],
+            queue_depths: vec![1, 16],
+            prefetch_breadths: vec![1.0, 2.5],
+            deadline_factors: vec![2.0, 16.0],
+        },
+        grid: GridSpec {
+            queued: 3,
+            missing: 3,
+            bandwidth: 2,
+            compute: 2,
+            position: 3,
+        },
+        solver: SolverSettings {
+            horizon: 3,
+            scenarios: 4,
+            ..SolverSettings::default()
+        },
+        seed: 3,
+    }
+}
+
+fn random_instance(r: &mut Rng, na: usize, nb: usize, ns: usize, nt: usize) -> Instance {
+    let c = |r: &mut Rng| 100.0 * r.uniform();
+    Instance {
+        n_actions: na,
+        n_bins: nb,
+        first_cost: (0..ns).map(|_| (0..na).map(|_| c(r)).collect()).collect(),
+        first_next: (0..ns).map(|_| (0..na).map(|_| r.below(nb)).collect()).collect(),
+        cost: (0..ns)
+            .map(|_| {
+                (0..nt)
+                    .map(|_| (0..nb).map(|_| (0..na).map(|_| c(r)).collect()).collect())
+                    .collect()
+            })
+            .collect(),
+        next: (0..ns)
+            .map(|_| {
+                (0..nt)
+                    .map(|_| (0..nb).map(|_| (0..na).map(|_| r.below(nb)).collect()).collect())
+                    .collect()
+            })
+            .collect(),
+    }
+}
+
+#[test]
+fn milp_matches_enumeration_on_random_instances() {
+    let mut r = Rng::new(42, 0);
+    for case in 0..40 {
+        let (na, nb, ns, nt) = (2 + case % 5, 1 + case % 3, 1 + case % 4, case % 3);
+        let inst = random_instance(&mut r, na, nb, ns, nt);
+        let e = solve_enumerate(&inst);
+        let m = solve_milp(&inst).unwrap();
+        assert!(
+            (m.solver_objective - e.objective).abs() < 1e-6,
+            "case {case}: {m:?} vs {e:?}"
+        );
+        assert!((m.objective - e.objective).abs() < 1e-6, "case {case}: {m:?} vs {e:?}");
+    }
+}
+
+#[test]
+fn milp_matches_enumeration_on_model_instances() {
+    let cfg = small_cfg();
+    let f = fitted();
+    let (env, axes) = env_for(&cfg, &f).unwrap();
+    let n: usize = axes.iter().map(|a| a.bins()).product();
+    for i in (0..n).step_by(7) {
+        let mut rng = Rng::new(9, i as u64);
+        let inst = Instance::build(&env, &state_at(&axes, i), &cfg.solver, &mut rng);
+        let e = solve_enumerate(&inst);
+        let m = solve_milp(&inst).unwrap();
+        assert!(
+            (m.objective - e.objective).abs() <= 1e-6 * e.objective.abs().max(1.0),
+            "state {i}: {m:?} vs {e:?}"
+        );
+        assert!((m.solver_objective - e.objective).abs() <= 1e-6 * e.objective.abs().max(1.0));
+    }
+}
+
+#[test]
+fn synthesis_is_deterministic_for_a_seed_whatever_the_threads() {
+    let cfg = small_cfg();
+    let f = fitted();
+    let one = rayon::ThreadPoolBuilder::new().num_threads(1).build().unwrap();
+    let a = one.install(|| synthesize(&cfg, &f, false).unwrap());
+    let two = rayon::ThreadPoolBuilder::new().num_threads(2).build().unwrap();
+    let b = two.install(|| synthesize(&cfg, &f, false).unwrap());
+    assert_eq!(a, b);
+    assert_eq!(a.to_bytes(), b.to_bytes());
+    let mut cfg2 = cfg.clone();
+    cfg2.seed = 4;
+    let c = synthesize(&cfg2, &f, false).unwrap();
+    assert_eq!(c.provenance.seed, 4);
+    assert_ne!(a.to_bytes(), c.to_bytes());
+}
+
+#[test]
+fn synthesized_table_round_trips_and_uses_several_actions() {
+    let cfg = small_cfg();
+    let t = synthesize(&cfg, &fitted(), false).unwrap();
+    let p = PathBuf::from("t.lstab");
+    assert_eq!(ControlTable::from_bytes(&t.to_bytes(), &p).unwrap(), t);
+    let mut used: Vec<u8> = t.codes.clone();
+    used.sort_unstable();
+    used.dedup();
+    assert!(
+        used.len() > 1,
+        "one action everywhere: the state does not matter? {used:?}"
+    );
+}
+
+#[test]
+fn missing_conditions_are_named() {
+    let mut f = fitted();
+    f.fit.read_lat_us.remove(&(65536, 16));
+    f.held_out.split_ratio.remove(&4);
+    let e = env_for(&small_cfg(), &f).unwrap_err();
+    let s = e.to_string();
+    assert!(matches!(e, SynthError::MissingConditions { .. }));
+    assert!(
+        s.contains("/synthetic") && s.contains("qd16") && s.contains("ffn_split k4"),
+        "{s}"
+    );
+}
+
+#[test]
+fn simulator_reports_every_policy() {
+    let cfg = small_cfg();
+    let f = fitted();
+    let t = synthesize(&cfg, &f, false).unwrap();
+    let sim = SimConfig { tokens: 6, seed: 1 };
+    let rows = compare(&t, &cfg, &f, &sim, true).unwrap();
+    let names: Vec<&str> = rows.iter().map(|r| r.policy.as_str()).collect();
+    assert_eq!(names[0], "table");
+    assert!(names[1].starts_with("best_fixed"));
+    assert_eq!(&names[2..], ["greedy", "online_mpc"]);
+    for r in &rows {
+        assert!(r.mean_cost.is_finite() && r.mean_cost > 0.0 && r.p99_layer_us > 0.0);
+        assert!((0.0..=1.0).contains(&r.skipped_mass), "{r:?}");
+    }
+}
