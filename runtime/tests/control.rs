@@ -3,7 +3,7 @@
 use std::path::{Path, PathBuf};
 
 use leanstream_runtime::control::{
-    Action, Axis, AxisKind, ControlError, ControlState, ControlTable, Provenance, TraceHash, VERSION,
+    state_at, Action, Axis, AxisKind, ControlError, ControlState, ControlTable, Provenance, TraceHash, VERSION,
 };
 use sha2::{Digest, Sha256};
 
@@ -174,21 +174,8 @@ fn missing_file_names_it() {
 fn lookup_picks_the_bin_of_each_axis() {
     let t = sample();
     for idx in 0..t.n_states() {
-        // Decode idx into bins, build a state at those centers.
-        let mut rem = idx;
-        let mut s = ControlState::default();
-        for a in t.axes.iter().rev() {
-            let b = rem % a.bins();
-            rem /= a.bins();
-            let v = a.centers[b];
-            match a.kind {
-                AxisKind::QueuedBytes => s.queued_bytes = v,
-                AxisKind::MissingBytes => s.missing_bytes = v,
-                AxisKind::ReadBandwidth => s.read_bw_bytes_s = v,
-                AxisKind::ComputeNsPerNeuron => s.compute_ns_per_neuron = v,
-                AxisKind::LayerPosition => s.layer_position = v,
-            }
-        }
+        // The cell's center maps back to the cell.
+        let s = state_at(&t.axes, idx);
         assert_eq!(t.state_index(&s), idx);
         assert_eq!(*t.lookup(&s), t.codebook[t.codes[idx] as usize]);
     }

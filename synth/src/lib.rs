@@ -67,7 +67,6 @@ pub mod error;
 pub mod fit;
 pub mod inspect;
 pub mod model;
-pub mod rng;
 pub mod sim;
 pub mod solve;
 pub mod synth;

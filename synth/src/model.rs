@@ -4,7 +4,7 @@ use leanstream_runtime::control::{Action, Axis, AxisKind, ControlState};
 use serde::{Deserialize, Serialize};
 
 use crate::fit::{Dists, Empirical, Needs};
-use crate::rng::Rng;
+use leanstream_runtime::generate::sampler::Rng;
 
 /// Parameters of the model that are not measured by the profiler.
 #[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]

@@ -8,9 +8,9 @@ use serde::Serialize;
 use crate::error::{Result, SynthError};
 use crate::fit::Fitted;
 use crate::model::{step, Env};
-use crate::rng::Rng;
 use crate::solve::{solve_enumerate, solve_milp, Instance, SolverSettings};
 use crate::synth::{env_for, SynthConfig};
+use leanstream_runtime::generate::sampler::Rng;
 
 /// Per-policy result.
 #[derive(Clone, Debug, Serialize)]
@@ -55,7 +55,7 @@ fn episodes(cfg: &SynthConfig, fitted: &Fitted, sim: &SimConfig) -> Vec<Episode>
     let c = &fitted.held_out.ns_per_neuron;
     (0..sim.tokens)
         .map(|t| {
-            let mut r = Rng::new(sim.seed ^ 0x5157, t as u64);
+            let mut r = Rng::with_stream(sim.seed ^ 0x5157, t as u64);
             let base = layer * (0.05 + 0.45 * r.uniform());
             let b = bw.quantile(r.uniform());
             let cc = c.quantile(r.uniform());
@@ -86,7 +86,7 @@ fn run_episode(
     sim: &SimConfig,
 ) -> Result<Vec<Layer>> {
     let n = ep.states.len();
-    let mut draws_rng = Rng::new(sim.seed ^ 0xD4A3, token as u64);
+    let mut draws_rng = Rng::with_stream(sim.seed ^ 0xD4A3, token as u64);
     let mut q = 0.0;
     let mut out = Vec::with_capacity(n);
     for (l, &(d, bw, c)) in ep.states.iter().enumerate() {
@@ -106,12 +106,12 @@ fn run_episode(
                     horizon: 1,
                     ..cfg.solver.clone()
                 };
-                let mut r = Rng::new(cfg.seed ^ 0x6EED, (token * n + l) as u64);
+                let mut r = Rng::with_stream(cfg.seed ^ 0x6EED, (token * n + l) as u64);
                 let inst = Instance::build(model, &x, &s, &mut r);
                 model.codebook[solve_enumerate(&inst).action]
             }
             Policy::OnlineMpc => {
-                let mut r = Rng::new(cfg.seed ^ 0x0417, (token * n + l) as u64);
+                let mut r = Rng::with_stream(cfg.seed ^ 0x0417, (token * n + l) as u64);
                 let inst = Instance::build(model, &x, &cfg.solver, &mut r);
                 model.codebook[solve_milp(&inst)?.action]
             }

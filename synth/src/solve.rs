@@ -8,7 +8,7 @@ use serde::{Deserialize, Serialize};
 
 use crate::error::{Result, SynthError};
 use crate::model::{layers_left, step, Env};
-use crate::rng::Rng;
+use leanstream_runtime::generate::sampler::Rng;
 
 /// Solver settings (recorded in the table's provenance).
 #[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]

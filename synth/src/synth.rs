@@ -9,8 +9,8 @@ use serde::Serialize;
 use crate::error::{Result, SynthError};
 use crate::fit::Fitted;
 use crate::model::{grid, ActionSpace, Env, GridSpec, ModelParams};
-use crate::rng::Rng;
 use crate::solve::{solve_enumerate, solve_milp, Instance, SolverSettings};
+use leanstream_runtime::generate::sampler::Rng;
 
 /// Everything that determines a table besides the traces.
 #[derive(Clone, Debug, Default, Serialize)]
@@ -22,23 +22,7 @@ pub struct SynthConfig {
     pub seed: u64,
 }
 
-/// The grid state of row-major index `idx`, at the bins' representative values.
-pub fn state_at(axes: &[Axis], mut idx: usize) -> ControlState {
-    let mut s = ControlState::default();
-    for a in axes.iter().rev() {
-        let b = idx % a.bins();
-        idx /= a.bins();
-        let v = a.centers[b];
-        match a.kind {
-            AxisKind::QueuedBytes => s.queued_bytes = v,
-            AxisKind::MissingBytes => s.missing_bytes = v,
-            AxisKind::ReadBandwidth => s.read_bw_bytes_s = v,
-            AxisKind::ComputeNsPerNeuron => s.compute_ns_per_neuron = v,
-            AxisKind::LayerPosition => s.layer_position = v,
-        }
-    }
-    s
-}
+pub use leanstream_runtime::control::state_at;
 
 /// A state drawn uniformly from grid cell `idx` (edge cells extend as far
 /// past their center as toward their inner neighbour; layer position stays
@@ -104,7 +88,7 @@ pub fn env_for(cfg: &SynthConfig, fitted: &Fitted) -> Result<(Env, Vec<Axis>)> {
 
 /// Solves one state with the configured solver.
 pub fn solve_state(env: &Env, cfg: &SynthConfig, x: &ControlState, stream: u64) -> Result<usize> {
-    let mut rng = Rng::new(cfg.seed, stream);
+    let mut rng = Rng::with_stream(cfg.seed, stream);
     let inst = Instance::build(env, x, &cfg.solver, &mut rng);
     solve_instance(cfg, &inst)
 }
@@ -134,7 +118,7 @@ pub fn synthesize(cfg: &SynthConfig, fitted: &Fitted, progress: bool) -> Result<
     let codes = (0..n)
         .into_par_iter()
         .map(|i| {
-            let mut rng = Rng::new(cfg.seed, i as u64);
+            let mut rng = Rng::with_stream(cfg.seed, i as u64);
             let xs: Vec<ControlState> = (0..cfg.solver.scenarios)
                 .map(|_| sample_in_cell(&axes, i, &mut rng))
                 .collect();

@@ -4,9 +4,9 @@ use std::collections::BTreeMap;
 use std::path::PathBuf;
 
 use leanstream_runtime::control::ControlTable;
+use leanstream_runtime::generate::sampler::Rng;
 use leanstream_synth::fit::{Dists, Empirical, Fitted};
 use leanstream_synth::model::{ActionSpace, GridSpec, ModelParams};
-use leanstream_synth::rng::Rng;
 use leanstream_synth::sim::{compare, SimConfig};
 use leanstream_synth::solve::{solve_enumerate, solve_milp, Instance, SolverSettings};
 use leanstream_synth::synth::{env_for, state_at, synthesize, SynthConfig};
@@ -17,7 +17,7 @@ fn spread(rng: &mut Rng, center: f64, rel: f64, n: usize) -> Empirical {
 }
 
 fn dists(seed: u64) -> Dists {
-    let mut r = Rng::new(seed, 0);
+    let mut r = Rng::with_stream(seed, 0);
     let mut d = Dists::default();
     for q in [1u32, 4, 16] {
         let lat = 150.0 + 40.0 * q as f64;
@@ -98,7 +98,7 @@ fn random_instance(r: &mut Rng, na: usize, nb: usize, ns: usize, nt: usize) -> I
 
 #[test]
 fn milp_matches_enumeration_on_random_instances() {
-    let mut r = Rng::new(42, 0);
+    let mut r = Rng::with_stream(42, 0);
     for case in 0..40 {
         let (na, nb, ns, nt) = (2 + case % 5, 1 + case % 3, 1 + case % 4, case % 3);
         let inst = random_instance(&mut r, na, nb, ns, nt);
@@ -119,7 +119,7 @@ fn milp_matches_enumeration_on_model_instances() {
     let (env, axes) = env_for(&cfg, &f).unwrap();
     let n: usize = axes.iter().map(|a| a.bins()).product();
     for i in (0..n).step_by(7) {
-        let mut rng = Rng::new(9, i as u64);
+        let mut rng = Rng::with_stream(9, i as u64);
         let inst = Instance::build(&env, &state_at(&axes, i), &cfg.solver, &mut rng);
         let e = solve_enumerate(&inst);
         let m = solve_milp(&inst).unwrap();

@@ -227,6 +227,25 @@ pub struct Loaded {
     pub fingerprint_warning: Option<String>,
 }
 
+/// The grid state of row-major index `idx` (the inverse of
+/// [`ControlTable::state_index`]), each axis at its bin's center.
+pub fn state_at(axes: &[Axis], mut idx: usize) -> ControlState {
+    let mut s = ControlState::default();
+    for a in axes.iter().rev() {
+        let b = idx % a.bins();
+        idx /= a.bins();
+        let v = a.centers[b];
+        match a.kind {
+            AxisKind::QueuedBytes => s.queued_bytes = v,
+            AxisKind::MissingBytes => s.missing_bytes = v,
+            AxisKind::ReadBandwidth => s.read_bw_bytes_s = v,
+            AxisKind::ComputeNsPerNeuron => s.compute_ns_per_neuron = v,
+            AxisKind::LayerPosition => s.layer_position = v,
+        }
+    }
+    s
+}
+
 impl ControlTable {
     /// Number of grid states (product of the axes' bins).
     pub fn n_states(&self) -> usize {

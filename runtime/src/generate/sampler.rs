@@ -23,6 +23,25 @@ impl Rng {
     pub fn next_f32(&mut self) -> f32 {
         (self.next_u64() >> 40) as f32 / (1u64 << 24) as f32
     }
+
+    /// Stream `stream` of `seed`: independent draws per unit of parallel work
+    /// (e.g. one stream per grid state), so results do not depend on which
+    /// thread ran what.
+    pub fn with_stream(seed: u64, stream: u64) -> Self {
+        let mut r = Self(seed ^ stream.wrapping_mul(0x9E37_79B9_7F4A_7C15));
+        r.next_u64();
+        r
+    }
+
+    /// Uniform in [0, 1), with 53 random bits.
+    pub fn uniform(&mut self) -> f64 {
+        (self.next_u64() >> 11) as f64 / (1u64 << 53) as f64
+    }
+
+    /// Uniform in `0..n` (0 when `n` is 0).
+    pub fn below(&mut self, n: usize) -> usize {
+        (self.uniform() * n as f64) as usize % n.max(1)
+    }
 }
 
 #[derive(Debug, Clone, Copy)]
