@@ -171,6 +171,8 @@ fn stays_within_mem_budget(name: &str, budget_mib: u64) {
             rss as f64 / 1048576.0,
             r["memory"]["ffn_cache"].as_f64().unwrap() / 1048576.0
         );
+        // The test files live on a disk filesystem, where O_DIRECT works.
+        assert_eq!(r["io_direct"], true, "{policy}: reads fell back to buffered I/O");
         assert!(total <= budget, "{policy}: accounted {total} > budget {budget}");
         assert!(
             rss <= budget + RSS_SLACK,

@@ -117,7 +117,7 @@ pub fn is_lsflash(path: &Path) -> bool {
         return true;
     }
     let mut magic = [0u8; 8];
-    std::fs::File::open(path)
+    crate::flash::pagecache::open_uncached(path)
         .and_then(|f| f.read_exact_at(&mut magic, 0))
         .is_ok_and(|_| &magic == b"LSFLASH\0")
 }
@@ -262,7 +262,8 @@ impl FlashModel {
 
     /// Each layer's gate rows in neuron order (for `gate-first`).
     fn read_gate_rows(&self) -> Result<Vec<Vec<u8>>> {
-        let file = std::fs::File::open(self.flash.path()).map_err(|e| RuntimeError::io(self.flash.path(), e))?;
+        let file = crate::flash::pagecache::open_uncached(self.flash.path())
+            .map_err(|e| RuntimeError::io(self.flash.path(), e))?;
         (0..self.flash.n_layer())
             .map(|l| {
                 let (off, _) = self.flash.layer_extent(l);
@@ -292,7 +293,8 @@ impl FlashModel {
 
     /// Every layer's bundles in neuron order (one read per layer).
     fn read_all(&self) -> Result<Vec<Vec<u8>>> {
-        let file = std::fs::File::open(self.flash.path()).map_err(|e| RuntimeError::io(self.flash.path(), e))?;
+        let file = crate::flash::pagecache::open_uncached(self.flash.path())
+            .map_err(|e| RuntimeError::io(self.flash.path(), e))?;
         (0..self.flash.n_layer())
             .map(|l| {
                 let (off, len) = self.flash.layer_extent(l);
@@ -444,6 +446,14 @@ impl FlashEngine {
 
     pub fn sparsity(&self) -> f32 {
         self.level.sparsity
+    }
+
+    /// Whether streamed reads bypass the page cache (`None` for `Dense`).
+    pub fn io_direct(&self) -> Option<bool> {
+        match &self.source {
+            Source::Resident(_) => None,
+            Source::Stream(s) => Some(s.is_direct()),
+        }
     }
 
     /// The neuron cache's eviction policy (`None` for `Dense`).

@@ -210,6 +210,11 @@ impl Streamer {
         })
     }
 
+    /// Whether reads bypass the page cache (O_DIRECT).
+    pub fn is_direct(&self) -> bool {
+        self.io.is_direct()
+    }
+
     pub fn cache_policy_name(&self) -> &'static str {
         self.cache.policy_name()
     }
@@ -431,7 +436,7 @@ fn prefill(m: &FlashModel, cache: &mut NeuronCache) -> Result<()> {
     for &(l, i) in &list {
         wanted[l as usize][i as usize] = true;
     }
-    let file = std::fs::File::open(f.path()).map_err(|e| RuntimeError::io(f.path(), e))?;
+    let file = crate::flash::pagecache::open_uncached(f.path()).map_err(|e| RuntimeError::io(f.path(), e))?;
     let mut buf = Vec::new();
     for (l, want) in wanted.iter().enumerate() {
         let Some(first) = (0..n_ff).find(|&p| want[f.neuron_at(l, p)]) else {

@@ -683,7 +683,7 @@ impl std::fmt::Debug for LsFlash {
 impl LsFlash {
     pub fn open(path: impl AsRef<Path>) -> Result<Self> {
         let path = path.as_ref().to_path_buf();
-        let file = File::open(&path).map_err(|e| RuntimeError::io(&path, e))?;
+        let file = super::pagecache::open_uncached(&path).map_err(|e| RuntimeError::io(&path, e))?;
         let file_len = file.metadata().map_err(|e| RuntimeError::io(&path, e))?.len();
         let mut pre = [0u8; PREAMBLE_LEN];
         if file_len < PREAMBLE_LEN as u64 {

@@ -66,7 +66,7 @@ impl GgufFile {
     pub fn open_range(path: impl AsRef<Path>, offset: u64, len: usize) -> Result<Self> {
         use std::os::unix::fs::FileExt;
         let path = path.as_ref().to_path_buf();
-        let file = std::fs::File::open(&path).map_err(|e| RuntimeError::io(&path, e))?;
+        let file = crate::flash::pagecache::open_uncached(&path).map_err(|e| RuntimeError::io(&path, e))?;
         if len == 0 {
             return Err(RuntimeError::Corrupt {
                 path,

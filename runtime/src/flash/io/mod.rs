@@ -226,8 +226,22 @@ fn direct_read_works(f: &File, align: usize) -> bool {
     if buf.is_null() {
         return false;
     }
-    // SAFETY: buf is valid for `align` bytes.
-    let n = unsafe { libc::pread(f.as_raw_fd(), buf.cast(), align, 0) };
+    // A signal or a busy device must not demote the whole run to buffered reads.
+    let mut n;
+    let mut tries = 0;
+    loop {
+        // SAFETY: buf is valid for `align` bytes.
+        n = unsafe { libc::pread(f.as_raw_fd(), buf.cast(), align, 0) };
+        let transient = n < 0
+            && matches!(
+                std::io::Error::last_os_error().raw_os_error(),
+                Some(libc::EINTR) | Some(libc::EAGAIN)
+            );
+        tries += 1;
+        if !transient || tries == 8 {
+            break;
+        }
+    }
     // SAFETY: allocated above with this layout.
     unsafe { std::alloc::dealloc(buf, layout) };
     n >= 0
