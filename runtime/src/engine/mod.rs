@@ -262,52 +262,27 @@ impl FlashModel {
 
     /// Each layer's gate rows in neuron order (for `gate-first`).
     fn read_gate_rows(&self) -> Result<Vec<Vec<u8>>> {
-        let file = crate::flash::pagecache::open_uncached(self.flash.path())
-            .map_err(|e| RuntimeError::io(self.flash.path(), e))?;
+        let n_ff = self.flash.n_ff();
         (0..self.flash.n_layer())
             .map(|l| {
-                let (off, _) = self.flash.layer_extent(l);
-                let layout = self.flash.layout(l);
-                let (bb, gb) = (layout.bundle_bytes(), layout.gate_bytes);
-                let mut rows = vec![0u8; self.flash.n_ff() * gb];
-                // A layer at a time, in slices, so the transient buffer stays small.
-                let per_read = ((1 << 20) / bb).max(1);
-                let mut buf = vec![0u8; per_read * bb];
-                let mut pos = 0;
-                while pos < self.flash.n_ff() {
-                    let n = per_read.min(self.flash.n_ff() - pos);
-                    let at = off + (pos * bb) as u64;
-                    file.read_exact_at(&mut buf[..n * bb], at)
-                        .map_err(|e| RuntimeError::io(self.flash.path(), e))?;
-                    for (j, b) in buf[..n * bb].chunks_exact(bb).enumerate() {
-                        let i = self.flash.neuron_at(l, pos + j);
-                        rows[i * gb..(i + 1) * gb].copy_from_slice(&b[..gb]);
-                    }
-                    pos += n;
-                }
-                self.flash.drop_cached();
+                let gb = self.flash.layout(l).gate_bytes;
+                let mut rows = vec![0u8; n_ff * gb];
+                self.flash
+                    .for_each_bundle(l, 0..n_ff, |i, b| rows[i * gb..(i + 1) * gb].copy_from_slice(&b[..gb]))?;
                 Ok(rows)
             })
             .collect()
     }
 
-    /// Every layer's bundles in neuron order (one read per layer).
+    /// Every layer's bundles in neuron order.
     fn read_all(&self) -> Result<Vec<Vec<u8>>> {
-        let file = crate::flash::pagecache::open_uncached(self.flash.path())
-            .map_err(|e| RuntimeError::io(self.flash.path(), e))?;
+        let n_ff = self.flash.n_ff();
         (0..self.flash.n_layer())
             .map(|l| {
-                let (off, len) = self.flash.layer_extent(l);
-                let mut stored = vec![0u8; len as usize];
-                file.read_exact_at(&mut stored, off)
-                    .map_err(|e| RuntimeError::io(self.flash.path(), e))?;
-                self.flash.drop_cached();
                 let bb = self.flash.layout(l).bundle_bytes();
-                let mut by_id = vec![0u8; stored.len()];
-                for (pos, b) in stored.chunks_exact(bb).enumerate() {
-                    let i = self.flash.neuron_at(l, pos);
-                    by_id[i * bb..(i + 1) * bb].copy_from_slice(b);
-                }
+                let mut by_id = vec![0u8; n_ff * bb];
+                self.flash
+                    .for_each_bundle(l, 0..n_ff, |i, b| by_id[i * bb..(i + 1) * bb].copy_from_slice(b))?;
                 Ok(by_id)
             })
             .collect()

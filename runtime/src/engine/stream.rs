@@ -15,8 +15,6 @@
 
 use std::collections::VecDeque;
 
-use std::os::unix::fs::FileExt;
-
 use super::trace::{bit_is_set, set_bit};
 use super::{EngineStats, FlashModel};
 use crate::cache::{CacheShape, EvictionPolicy, Lru, NeuronCache, NeuronFreq, SlidingWindow, StaticHot};
@@ -436,34 +434,20 @@ fn prefill(m: &FlashModel, cache: &mut NeuronCache) -> Result<()> {
     for &(l, i) in &list {
         wanted[l as usize][i as usize] = true;
     }
-    let file = crate::flash::pagecache::open_uncached(f.path()).map_err(|e| RuntimeError::io(f.path(), e))?;
-    let mut buf = Vec::new();
     for (l, want) in wanted.iter().enumerate() {
+        // Read only the span of positions that holds wanted bundles.
         let Some(first) = (0..n_ff).find(|&p| want[f.neuron_at(l, p)]) else {
             continue;
         };
         let last = (0..n_ff).rev().find(|&p| want[f.neuron_at(l, p)]).unwrap_or(first);
-        let (off, _) = f.layer_extent(l);
-        let bb = f.layout(l).bundle_bytes();
-        let per_read = ((1 << 20) / bb).max(1);
-        buf.resize(per_read * bb, 0);
-        let mut p = first;
-        while p <= last {
-            let n = per_read.min(last + 1 - p);
-            file.read_exact_at(&mut buf[..n * bb], off + (p * bb) as u64)
-                .map_err(|e| RuntimeError::io(f.path(), e))?;
-            for (j, b) in buf[..n * bb].chunks_exact(bb).enumerate() {
-                let i = f.neuron_at(l, p + j);
-                if want[i] {
-                    if let Some(slot) = cache.insert(l, i) {
-                        slot.copy_from_slice(b);
-                    }
+        f.for_each_bundle(l, first..last + 1, |i, b| {
+            if want[i] {
+                if let Some(slot) = cache.insert(l, i) {
+                    slot.copy_from_slice(b);
                 }
             }
-            p += n;
-        }
+        })?;
     }
-    f.drop_cached();
     // Loading is not use: the run's hit and miss counts start at zero.
     cache.reset_stats();
     Ok(())

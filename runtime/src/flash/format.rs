@@ -859,6 +859,34 @@ impl LsFlash {
         Ok(buf)
     }
 
+    /// Calls `f(neuron, bundle)` for each bundle stored at `positions` of
+    /// layer `layer`, in position order, reading 1 MiB slices with buffered
+    /// I/O (the transient buffer stays small) and leaving nothing cached.
+    pub fn for_each_bundle(
+        &self,
+        layer: usize,
+        positions: std::ops::Range<usize>,
+        mut f: impl FnMut(usize, &[u8]),
+    ) -> Result<()> {
+        let (off, _) = self.layer_extent(layer);
+        let bb = self.layout(layer).bundle_bytes();
+        let per_read = ((1 << 20) / bb).max(1);
+        let mut buf = vec![0u8; per_read.min(positions.len()) * bb];
+        let mut p = positions.start;
+        while p < positions.end {
+            let n = per_read.min(positions.end - p);
+            self.file
+                .read_exact_at(&mut buf[..n * bb], off + (p * bb) as u64)
+                .map_err(|e| RuntimeError::io(&self.path, e))?;
+            for (j, b) in buf[..n * bb].chunks_exact(bb).enumerate() {
+                f(self.neuron_at(layer, p + j), b);
+            }
+            p += n;
+        }
+        self.drop_cached();
+        Ok(())
+    }
+
     /// Reads the resident image and every layer's bundles and checks their
     /// SHA-256 sums; the error names the first damaged layer.
     pub fn verify(&self) -> Result<()> {
