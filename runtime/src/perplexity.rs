@@ -6,7 +6,7 @@
 use indicatif::{ProgressBar, ProgressStyle};
 use serde::Serialize;
 
-use crate::model::{FfnStep, Model};
+use crate::model::{Ffn, Model};
 use crate::sparsity::FfnHook;
 use crate::{Result, RuntimeError};
 
@@ -65,11 +65,11 @@ pub fn perplexity_with_hook(
     progress: bool,
     hook: FfnHook,
 ) -> Result<(Perplexity, FfnHook)> {
-    perplexity_with(model, text, ctx, max_chunks, progress, hook, None)
+    perplexity_with(model, text, ctx, max_chunks, progress, hook, Ffn::Dense)
 }
 
-/// `perplexity_with_hook` with the FFN supplied by `ffn` (a `.lsflash`
-/// model's engine; see `Model::forward_with`).
+/// `perplexity_with_hook` with the FFN from `ffn` (a `.lsflash` model's
+/// engine, or the dense FFN under a probe; see `Model::forward_with`).
 pub fn perplexity_with(
     model: &Model,
     text: &str,
@@ -77,7 +77,7 @@ pub fn perplexity_with(
     max_chunks: Option<usize>,
     progress: bool,
     hook: FfnHook,
-    mut ffn: Option<&mut dyn FfnStep>,
+    mut ffn: Ffn<'_>,
 ) -> Result<(Perplexity, FfnHook)> {
     if ctx < 4 {
         return Err(RuntimeError::Invalid(format!("context {ctx} too small for perplexity")));
@@ -128,13 +128,7 @@ pub fn perplexity_with(
             } else {
                 out_start - pos..batch.len()
             };
-            model.forward_with(
-                &mut st,
-                batch,
-                pos,
-                outputs,
-                ffn.as_mut().map(|f| &mut **f as &mut dyn FfnStep),
-            )?;
+            model.forward_with(&mut st, batch, pos, outputs, ffn.reborrow())?;
             // Position ctx-1 predicts nothing inside the chunk.
             let score_end = batch_end.min(ctx - 1);
             let mut row = out_start;

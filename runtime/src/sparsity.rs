@@ -266,17 +266,27 @@ impl Calibration {
 /// Runs `text` through the dense model in windows of `ctx` tokens and returns
 /// thresholds for each of `sparsities` and each neuron's mean |activation|.
 pub fn calibrate(model: &Model, text: &str, ctx: usize, sparsities: &[f32]) -> Result<Calibrated> {
-    if let Some(bad) = sparsities.iter().find(|s| !(0.0..1.0).contains(*s)) {
-        return Err(RuntimeError::Invalid(format!("sparsity {bad} outside [0, 1)")));
-    }
     let tokens = model.tokenizer.encode(text, true, false);
     if tokens.len() < 2 {
         return Err(RuntimeError::Invalid("calibration text is too short".into()));
     }
+    let windows: Vec<&[u32]> = tokens.chunks(ctx).collect();
+    calibrate_windows(model, &windows, sparsities)
+}
+
+/// `calibrate` over token windows already cut (each runs from position 0).
+pub fn calibrate_windows(model: &Model, windows: &[&[u32]], sparsities: &[f32]) -> Result<Calibrated> {
+    if let Some(bad) = sparsities.iter().find(|s| !(0.0..1.0).contains(*s)) {
+        return Err(RuntimeError::Invalid(format!("sparsity {bad} outside [0, 1)")));
+    }
+    let ctx = windows.iter().map(|w| w.len()).max().unwrap_or(0);
+    if ctx == 0 {
+        return Err(RuntimeError::Invalid("no calibration tokens".into()));
+    }
     let n_layer = model.config.n_layer;
     let mut st = model.new_state(ctx, ctx.min(512), 1);
     st.ffn_hook = FfnHook::record(n_layer, model.config.n_ff);
-    for window in tokens.chunks(ctx) {
+    for window in windows {
         ingest(model, &mut st, window, 0)?;
     }
     let FfnHook::Record {
@@ -309,7 +319,7 @@ pub fn calibrate(model: &Model, text: &str, ctx: usize, sparsities: &[f32]) -> R
     Ok(Calibrated {
         levels,
         neuron_scores,
-        tokens: tokens.len(),
+        tokens: windows.iter().map(|w| w.len()).sum(),
     })
 }
 

@@ -35,7 +35,7 @@ use leanstream_kernels::sparse_ffn::BundleFormat;
 
 use crate::cache::{CacheShape, FfnBudget, MemoryReport};
 use crate::flash::format::{LsFlash, SparsityLevel};
-use crate::model::{FfnStep, Model, RunState};
+use crate::model::{Ffn, FfnStep, Model, RunState};
 use crate::{Result, RuntimeError};
 
 use compute::{Compute, Select};
@@ -297,7 +297,7 @@ impl FlashModel {
         pos0: usize,
         outputs: std::ops::Range<usize>,
     ) -> Result<()> {
-        self.model.forward_with(st, tokens, pos0, outputs, Some(engine))
+        self.model.forward_with(st, tokens, pos0, outputs, Ffn::Step(engine))
     }
 
     /// Memory by category for `st` and `engine`. The predictor category

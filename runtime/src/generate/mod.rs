@@ -53,7 +53,7 @@ pub fn ingest_with(
             chunk,
             pos,
             chunk.len() - 1..chunk.len(),
-            ffn.as_mut().map(|f| &mut **f as &mut dyn FfnStep),
+            ffn.as_mut().map(|f| &mut **f as &mut dyn FfnStep).into(),
         )?;
         pos += chunk.len();
     }
@@ -121,7 +121,7 @@ pub fn generate_with(
             &[tok],
             pos,
             0..1,
-            ffn.as_mut().map(|f| &mut **f as &mut dyn FfnStep),
+            ffn.as_mut().map(|f| &mut **f as &mut dyn FfnStep).into(),
         )?;
     }
     stats.decode_time = t1.elapsed();

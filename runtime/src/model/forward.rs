@@ -13,6 +13,7 @@ use leanstream_kernels::f16dot::{dot_f16_gemm, dot_f16_gemm_x4, dot_f16_vec};
 use leanstream_kernels::ops::{self, RopeTable};
 use leanstream_kernels::{matmul, ActBuffer};
 use rayon::prelude::*;
+use std::ops::Range;
 
 use super::config::{Config, FfnActivation};
 use super::weights::{mat, MatRef};
@@ -191,18 +192,19 @@ impl Model {
         pos0: usize,
         outputs: std::ops::Range<usize>,
     ) -> Result<()> {
-        self.forward_with(st, tokens, pos0, outputs, None)
+        self.forward_with(st, tokens, pos0, outputs, Ffn::Dense)
     }
 
-    /// `forward_outputs` with the feed-forward matrices replaced by `ffn`
-    /// (norms, post-norm and residual stay here); `None` runs the dense FFN.
+    /// `forward_outputs` with the feed-forward from `ffn`: the model's own
+    /// matrices (optionally watched by a probe) or a step supplied from
+    /// outside (norms, post-norm and residual stay here).
     pub fn forward_with(
         &self,
         st: &mut RunState,
         tokens: &[u32],
         pos0: usize,
         outputs: std::ops::Range<usize>,
-        mut ffn: Option<&mut dyn FfnStep>,
+        mut ffn: Ffn<'_>,
     ) -> Result<()> {
         let c = &self.config;
         let file = self.gguf.data();
@@ -243,7 +245,12 @@ impl Model {
             }
         }
 
+        // Batch rows the buffers hold; the last layer narrows them to `outputs`.
+        let mut rows = 0..n;
         for (il, l) in self.weights.layers.iter().enumerate() {
+            if let Ffn::Probed(p) = &mut ffn {
+                p.layer_input(il, rows.clone(), &st.x[..n * d]);
+            }
             // Attention: norm, q/k/v projections.
             ops::rms_norm_rows(&st.x[..n * d], &l.attn_norm, c.rms_eps, &mut st.xb[..n * d]);
             let mut fresh = false;
@@ -302,11 +309,12 @@ impl Model {
             if il + 1 == c.n_layer {
                 st.x.copy_within(outputs.start * d..outputs.end * d, 0);
                 n = outputs.len();
+                rows = outputs.clone();
             }
 
             // Feed-forward: norm, gate and up, gated activation, down, optional post-norm, residual.
             ops::rms_norm_rows(&st.x[..n * d], &l.ffn_norm, c.rms_eps, &mut st.xb[..n * d]);
-            if let Some(f) = ffn.as_deref_mut() {
+            if let Ffn::Step(f) = &mut ffn {
                 f.ffn(il, &st.xb[..n * d], n, &mut st.proj[..n * d])?;
             } else {
                 let (Some(gate), Some(up), Some(down)) = (&l.ffn_gate, &l.ffn_up, &l.ffn_down) else {
@@ -326,6 +334,29 @@ impl Model {
                     FfnActivation::GeluTanh => ops::geglu(&mut st.gate[..n * ff], &st.up[..n * ff]),
                 }
                 st.ffn_hook.apply(il, &mut st.gate[..n * ff]);
+                if let Ffn::Probed(p) = &mut ffn {
+                    p.ffn_input(il, rows.clone(), &st.x[..n * d], &st.xb[..n * d]);
+                    p.activations(il, rows.clone(), &mut st.gate[..n * ff]);
+                    if let Some(mask) = p.partial_mask(il) {
+                        // The output of the masked neurons alone, as the residual would receive it.
+                        for (u, g) in st.up[..n * ff].chunks_exact_mut(ff).zip(st.gate.chunks_exact(ff)) {
+                            for ((u, &g), &m) in u.iter_mut().zip(g).zip(mask) {
+                                *u = g * m;
+                            }
+                        }
+                        let mut fresh = false;
+                        prepare(&mut st.acts, down, &st.up, n, &mut fresh)?;
+                        matmul(&mat(file, down), &st.acts, &mut st.proj[..n * d])?;
+                        let partial = match l.ffn_post_norm.as_deref() {
+                            Some(w) => {
+                                ops::rms_norm_rows(&st.proj[..n * d], w, c.rms_eps, &mut st.xb[..n * d]);
+                                &st.xb[..n * d]
+                            }
+                            None => &st.proj[..n * d],
+                        };
+                        p.partial_output(il, rows.clone(), partial);
+                    }
+                }
                 let mut fresh = false;
                 prepare(&mut st.acts, down, &st.gate, n, &mut fresh)?;
                 matmul(&mat(file, down), &st.acts, &mut st.proj[..n * d])?;
@@ -373,6 +404,52 @@ impl Model {
         }
         Ok(&st.logits[..count * c.n_vocab])
     }
+}
+
+/// Where a forward pass's feed-forward comes from.
+pub enum Ffn<'a> {
+    /// The model's own matrices.
+    Dense,
+    /// The model's own matrices, with a probe seeing (and possibly masking) each layer.
+    Probed(&'a mut dyn LayerProbe),
+    /// Supplied from outside the model (e.g. streamed from flash).
+    Step(&'a mut dyn FfnStep),
+}
+
+impl Ffn<'_> {
+    /// The same source for one more call (the probe or step stays borrowed).
+    pub fn reborrow(&mut self) -> Ffn<'_> {
+        match self {
+            Self::Dense => Ffn::Dense,
+            Self::Probed(p) => Ffn::Probed(&mut **p),
+            Self::Step(f) => Ffn::Step(&mut **f),
+        }
+    }
+}
+
+impl<'a> From<Option<&'a mut dyn FfnStep>> for Ffn<'a> {
+    fn from(step: Option<&'a mut dyn FfnStep>) -> Self {
+        step.map_or(Ffn::Dense, Ffn::Step)
+    }
+}
+
+/// Watches the dense forward pass layer by layer (activation traces,
+/// predictor evaluation). Every slice holds the batch rows `rows` of the call
+/// (the last layer runs only the output rows), one row per token.
+pub trait LayerProbe {
+    /// The residual stream entering layer `layer`, before attention.
+    fn layer_input(&mut self, _layer: usize, _rows: Range<usize>, _x: &[f32]) {}
+    /// Before the FFN: the residual after attention and the FFN's normed input.
+    fn ffn_input(&mut self, _layer: usize, _rows: Range<usize>, _resid: &[f32], _xb: &[f32]) {}
+    /// The gated activations `act(g)·u`, `[rows][n_ff]`; zeroing one skips its neuron.
+    fn activations(&mut self, _layer: usize, _rows: Range<usize>, _acts: &mut [f32]) {}
+    /// Per neuron 1 or 0: the neurons whose output `partial_output` should
+    /// receive (those a runtime has computed first, e.g. its hot set).
+    fn partial_mask(&self, _layer: usize) -> Option<&[f32]> {
+        None
+    }
+    /// The masked neurons' FFN output after any post-norm, `[rows][n_embd]`.
+    fn partial_output(&mut self, _layer: usize, _rows: Range<usize>, _y: &[f32]) {}
 }
 
 /// The feed-forward of one layer supplied from outside the model (e.g.

@@ -8,7 +8,7 @@ pub mod weights;
 use std::path::Path;
 
 pub use config::{Arch, Config, FfnActivation};
-pub use forward::{FfnStep, KvCache, RunState};
+pub use forward::{Ffn, FfnStep, KvCache, LayerProbe, RunState};
 pub use weights::{LayerWeights, MatRef, Weights};
 
 use crate::gguf::GgufFile;

@@ -11,7 +11,7 @@ use clap::Args;
 use leanstream_runtime::engine::{CachePolicy, EngineOptions, FlashModel, Policy};
 use leanstream_runtime::flash::{pagecache, SparsityLevel};
 use leanstream_runtime::generate::sampler::Rng;
-use leanstream_runtime::model::{FfnStep, RunState};
+use leanstream_runtime::model::{Ffn, FfnStep, RunState};
 use leanstream_runtime::perplexity::perplexity_with;
 use leanstream_runtime::sparsity::FfnHook;
 
@@ -96,7 +96,7 @@ fn decode_speed(loaded: &mut Loaded, st: &mut RunState, tokens: &[u32]) -> Resul
             &[tok],
             pos,
             0..1,
-            ffn.as_mut().map(|f| &mut **f as &mut dyn FfnStep),
+            ffn.as_mut().map(|f| &mut **f as &mut dyn FfnStep).into(),
         )?;
         model.logits(st, 0, 1)?;
     }
@@ -286,7 +286,15 @@ fn quality(
             record: false,
             trace: None,
         })?;
-        let (p, _) = perplexity_with(&fm.model, &text, ctx, Some(chunks), false, FfnHook::None, Some(&mut e))?;
+        let (p, _) = perplexity_with(
+            &fm.model,
+            &text,
+            ctx,
+            Some(chunks),
+            false,
+            FfnHook::None,
+            Ffn::Step(&mut e),
+        )?;
         Ok((p, e.stats().skipped_fraction()))
     };
     let (dense, _) = eval(Policy::DenseStream, SparsityLevel::dense(fm.flash.n_layer()))?;
