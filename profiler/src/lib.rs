@@ -1,5 +1,6 @@
 //! `leanstream-profiler`: resumable device profiling for LeanStream.
 //!
+//! - [`activations`]: activation traces of a real model on real text (`.npy` shards);
 //! - [`plan`]: conditions, randomized rounds, the time budget and adaptive repetition;
 //! - [`runner`]: the run loop shared by every sweep (flushes, Ctrl-C, progress);
 //! - [`shard`]: append-only Parquet shards committed through a checksummed manifest;
@@ -7,6 +8,7 @@
 //! - [`io_sweep`] / [`compute_sweep`]: the executors of the two sweeps;
 //! - [`summary`] / [`plot`]: per-condition quantiles (polars lazy) and SVG plots.
 
+pub mod activations;
 pub mod compute_sweep;
 pub mod device;
 pub mod error;

@@ -6,6 +6,7 @@ use std::process::ExitCode;
 
 use anyhow::{bail, Context, Result};
 use clap::{Args, Parser, Subcommand};
+use leanstream_profiler::activations::record::{record, RecordOptions};
 use leanstream_profiler::compute_sweep::{ComputeExecutor, ComputeSetup};
 use leanstream_profiler::io_sweep::{prepare_file, replay_block_size, IoExecutor, IoSetup};
 use leanstream_profiler::plan::{
@@ -41,6 +42,37 @@ enum Cmd {
     Compute(ComputeArgs),
     /// Per-condition counts and quantiles of a run, as a table or JSON, and SVG plots.
     Summary(SummaryArgs),
+    /// Activation traces of a model on real text (training and held-out), as .npy shards.
+    Activations(ActivationsArgs),
+}
+
+/// Run the same command again to continue an interrupted recording.
+#[derive(Args)]
+struct ActivationsArgs {
+    /// GGUF model file (or a known model name such as smollm2).
+    #[arg(long)]
+    model: String,
+    /// Training texts (real prose).
+    #[arg(long, num_args = 1.., required = true)]
+    text: Vec<PathBuf>,
+    /// Held-out texts, never trained on.
+    #[arg(long, num_args = 1.., required = true)]
+    heldout: Vec<PathBuf>,
+    /// Output trace directory.
+    #[arg(short, long)]
+    out: PathBuf,
+    /// Context window: texts are cut into windows of this many tokens.
+    #[arg(long, default_value_t = 256)]
+    ctx: usize,
+    /// Tokens per shard (whole windows).
+    #[arg(long, default_value_t = 1024)]
+    shard_tokens: usize,
+    /// Cap on the tokens of each split.
+    #[arg(long)]
+    max_tokens: Option<usize>,
+    /// Fraction of each layer's neurons (by mean |activation| on the training text) whose output `partial` records.
+    #[arg(long, default_value_t = 0.25)]
+    hot_fraction: f32,
 }
 
 #[derive(Args, Clone)]
@@ -464,6 +496,29 @@ fn main() -> Result<ExitCode> {
             start(plan, &a.common.out, cli.quiet)
         }
         Some(Cmd::Summary(a)) => summarize(a),
-        None => bail!("give a subcommand (io, compute, summary) or --resume DIR"),
+        Some(Cmd::Activations(a)) => {
+            let m = record(&RecordOptions {
+                model: leanstream_runtime::fetch::resolve_model(&a.model)?,
+                train: a.text.clone(),
+                heldout: a.heldout.clone(),
+                out: a.out.clone(),
+                ctx: a.ctx,
+                shard_tokens: a.shard_tokens,
+                max_tokens: a.max_tokens,
+                hot_fraction: a.hot_fraction,
+                progress: !cli.quiet,
+            })?;
+            for s in &m.splits {
+                eprintln!(
+                    "{}: {} tokens in {} shards",
+                    s.name,
+                    s.recorded_tokens(),
+                    s.shards.len()
+                );
+            }
+            eprintln!("wrote {}", a.out.display());
+            Ok(ExitCode::SUCCESS)
+        }
+        None => bail!("give a subcommand (io, compute, summary, activations) or --resume DIR"),
     }
 }
