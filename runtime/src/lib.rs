@@ -11,6 +11,7 @@ pub mod generate;
 pub mod gguf;
 pub mod model;
 pub mod perplexity;
+pub mod predict;
 pub mod sparsity;
 pub mod synthetic;
 pub mod tokenizer;

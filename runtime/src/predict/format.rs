@@ -1,0 +1,319 @@
+//! Reading and writing `.lspred` files (layout in the module doc of `predict`).
+
+use std::io::Write;
+use std::path::Path;
+
+use sha2::{Digest, Sha256};
+
+use super::{
+    HashStage, HashingLayer, LowRankLayer, PredictError, Predictor, PredictorConfig, PredictorKind, PredictorLayer,
+    QuantMatrix, MAX_STRING, MAX_USES, MAX_USE_NAME,
+};
+
+/// File magic of a predictor file.
+pub const MAGIC: [u8; 8] = *b"LSPRED\0\n";
+/// The format version this build reads and writes.
+pub const VERSION: u32 = 1;
+
+impl Predictor {
+    /// Encodes the predictor (with its checksum) as the bytes of a `.lspred`
+    /// file. Writes the vectors as they are, without validating; use
+    /// [`Predictor::validate`] first for untrusted predictors ([`Predictor::save`] does).
+    pub fn to_bytes(&self) -> Vec<u8> {
+        let c = &self.config;
+        let mut b = Vec::with_capacity(256 + self.provenance.len() + self.weight_bytes());
+        b.extend_from_slice(&MAGIC);
+        put_u32(&mut b, VERSION as usize);
+        put_str(&mut b, &self.provenance);
+        b.push(c.kind as u8);
+        for v in [c.d_model, c.n_ff, c.group, c.n_layer] {
+            put_u32(&mut b, v);
+        }
+        match c.kind {
+            PredictorKind::Hashing => {
+                for v in [c.d, c.tau, c.keys, c.stages] {
+                    put_u32(&mut b, v);
+                }
+            }
+            PredictorKind::LowRank => put_u32(&mut b, c.rank),
+        }
+        put_u32(&mut b, self.uses.len());
+        for u in &self.uses {
+            put_str(&mut b, u);
+        }
+        for layer in self.layers.iter().flatten() {
+            match layer {
+                PredictorLayer::Hashing(l) => {
+                    put_quant(&mut b, &l.proj);
+                    for s in &l.stages {
+                        put_f32s(&mut b, &s.planes);
+                        put_f32s(&mut b, &s.offsets);
+                        for k in &s.keys {
+                            b.extend_from_slice(&k.to_le_bytes());
+                        }
+                        put_f32s(&mut b, &s.shift);
+                        put_i8s(&mut b, &s.lut);
+                    }
+                    put_f32s(&mut b, &l.bias);
+                    b.extend_from_slice(&l.lut_scale.to_le_bytes());
+                }
+                PredictorLayer::LowRank(l) => {
+                    put_quant(&mut b, &l.w1);
+                    put_f32s(&mut b, &l.b1);
+                    put_i8s(&mut b, &l.w2);
+                    put_f32s(&mut b, &l.w2_scale);
+                    put_f32s(&mut b, &l.b2);
+                }
+            }
+        }
+        let sum = Sha256::digest(&b);
+        b.extend_from_slice(&sum);
+        b
+    }
+
+    /// Decodes and validates the bytes of a `.lspred` file; `path` names it in errors.
+    pub fn from_bytes(bytes: &[u8], path: &Path) -> Result<Self, PredictError> {
+        let mut r = Reader { b: bytes, pos: 0, path };
+        if r.take(8, "magic")? != MAGIC {
+            return Err(PredictError::Magic {
+                path: path.to_path_buf(),
+            });
+        }
+        let version = r.u32("version")? as u32;
+        if version != VERSION {
+            return Err(PredictError::Version {
+                path: path.to_path_buf(),
+                found: version,
+                expected: VERSION,
+            });
+        }
+        if bytes.len() < 12 + 32 {
+            return Err(r.truncated("checksum", 32));
+        }
+        // Checksum first: nothing below looks at bytes a flipped bit could have changed.
+        let (body, sum) = bytes.split_at(bytes.len() - 32);
+        if Sha256::digest(body).as_slice() != sum {
+            return Err(PredictError::Checksum {
+                path: path.to_path_buf(),
+            });
+        }
+        let mut r = Reader { b: body, pos: 12, path };
+        let provenance = r.string("provenance", MAX_STRING)?;
+        let k = r.take(1, "kind")?[0];
+        let kind = PredictorKind::from_u8(k).ok_or_else(|| r.invalid("kind", format!("unknown predictor kind {k}")))?;
+        let d_model = r.u32("d_model")?;
+        let n_ff = r.u32("n_ff")?;
+        let group = r.u32("group")?;
+        let n_layer = r.u32("n_layer")?;
+        let config = match kind {
+            PredictorKind::Hashing => {
+                let d = r.u32("d")?;
+                let tau = r.u32("tau")?;
+                let keys = r.u32("keys")?;
+                let stages = r.u32("stages")?;
+                PredictorConfig::hashing(d_model, n_ff, group, n_layer, d, tau, keys, stages)
+            }
+            PredictorKind::LowRank => {
+                let rank = r.u32("rank")?;
+                PredictorConfig::low_rank(d_model, n_ff, group, n_layer, rank)
+            }
+        };
+        config.validate(path)?;
+        let n_uses = r.u32("uses")?;
+        if n_uses == 0 || n_uses > MAX_USES {
+            return Err(r.invalid("uses", format!("{n_uses} uses (1..={MAX_USES} allowed)")));
+        }
+        r.need(4 * n_uses as u64, "uses")?;
+        let mut uses = Vec::with_capacity(n_uses);
+        for _ in 0..n_uses {
+            uses.push(r.string("use.name", MAX_USE_NAME)?);
+        }
+        // The dimensions fix the payload size: check it all before allocating any of it.
+        let payload = config.layer_bytes() * config.n_layer as u64 * n_uses as u64;
+        let left = (r.b.len() - r.pos) as u64;
+        if payload != left {
+            return Err(r.invalid(
+                "layers",
+                format!("dimensions imply {payload} bytes of parameters, {left} present"),
+            ));
+        }
+        let c = config;
+        let g = c.n_groups();
+        let mut layers = Vec::with_capacity(n_uses);
+        for _ in 0..n_uses {
+            let mut set = Vec::with_capacity(c.n_layer);
+            for _ in 0..c.n_layer {
+                let layer = match c.kind {
+                    PredictorKind::Hashing => {
+                        let proj = r.quant("proj", c.d, c.d_model)?;
+                        let mut stages = Vec::with_capacity(c.stages);
+                        for _ in 0..c.stages {
+                            stages.push(HashStage {
+                                planes: r.f32s(c.tau * c.d, "planes")?,
+                                offsets: r.f32s(c.tau, "offsets")?,
+                                keys: r.u64s(c.keys, "keys")?,
+                                shift: r.f32s(c.keys * c.d, "shift")?,
+                                lut: r.i8s(c.keys * g, "lut")?,
+                            });
+                        }
+                        PredictorLayer::Hashing(HashingLayer {
+                            proj,
+                            stages,
+                            bias: r.f32s(g, "bias")?,
+                            lut_scale: r.f32("lut_scale")?,
+                        })
+                    }
+                    PredictorKind::LowRank => PredictorLayer::LowRank(LowRankLayer {
+                        w1: r.quant("w1", c.rank, c.d_model)?,
+                        b1: r.f32s(c.rank, "b1")?,
+                        w2: r.i8s(g * c.rank, "w2")?,
+                        w2_scale: r.f32s(g, "w2_scale")?,
+                        b2: r.f32s(g, "b2")?,
+                    }),
+                };
+                set.push(layer);
+            }
+            layers.push(set);
+        }
+        let p = Predictor {
+            config,
+            provenance,
+            uses,
+            layers,
+        };
+        p.validate(path)?;
+        Ok(p)
+    }
+
+    /// Reads and decodes `path`.
+    pub fn load(path: &Path) -> Result<Self, PredictError> {
+        let bytes = std::fs::read(path).map_err(|source| PredictError::Io {
+            path: path.to_path_buf(),
+            source,
+        })?;
+        Self::from_bytes(&bytes, path)
+    }
+
+    /// Validates, then writes the file atomically: temp file, fsync, rename.
+    pub fn save(&self, path: &Path) -> Result<(), PredictError> {
+        self.validate(path)?;
+        let io = |source| PredictError::Io {
+            path: path.to_path_buf(),
+            source,
+        };
+        let tmp = path.with_extension("lspred.tmp");
+        let mut f = std::fs::File::create(&tmp).map_err(io)?;
+        f.write_all(&self.to_bytes()).map_err(io)?;
+        f.sync_all().map_err(io)?;
+        drop(f);
+        std::fs::rename(&tmp, path).map_err(io)?;
+        // Make the rename itself durable; not every filesystem lets a directory be synced.
+        if let Some(dir) = path.parent().filter(|d| !d.as_os_str().is_empty()) {
+            if let Ok(d) = std::fs::File::open(dir) {
+                let _ = d.sync_all();
+            }
+        }
+        Ok(())
+    }
+}
+
+fn put_u32(b: &mut Vec<u8>, v: usize) {
+    b.extend_from_slice(&(v as u32).to_le_bytes());
+}
+
+fn put_str(b: &mut Vec<u8>, s: &str) {
+    put_u32(b, s.len());
+    b.extend_from_slice(s.as_bytes());
+}
+
+fn put_f32s(b: &mut Vec<u8>, v: &[f32]) {
+    for x in v {
+        b.extend_from_slice(&x.to_le_bytes());
+    }
+}
+
+fn put_i8s(b: &mut Vec<u8>, v: &[i8]) {
+    b.extend(v.iter().map(|&x| x as u8));
+}
+
+fn put_quant(b: &mut Vec<u8>, m: &QuantMatrix) {
+    put_i8s(b, &m.q);
+    put_f32s(b, &m.scales);
+}
+
+struct Reader<'a> {
+    b: &'a [u8],
+    pos: usize,
+    path: &'a Path,
+}
+
+impl<'a> Reader<'a> {
+    fn truncated(&self, field: &'static str, needed: u64) -> PredictError {
+        PredictError::Truncated {
+            path: self.path.to_path_buf(),
+            field,
+            needed,
+            left: (self.b.len() - self.pos.min(self.b.len())) as u64,
+        }
+    }
+    fn invalid(&self, field: &'static str, reason: String) -> PredictError {
+        PredictError::Invalid {
+            path: self.path.to_path_buf(),
+            field,
+            reason,
+        }
+    }
+    fn need(&self, n: u64, field: &'static str) -> Result<(), PredictError> {
+        if n > (self.b.len() - self.pos) as u64 {
+            Err(self.truncated(field, n))
+        } else {
+            Ok(())
+        }
+    }
+    fn take(&mut self, n: usize, field: &'static str) -> Result<&'a [u8], PredictError> {
+        self.need(n as u64, field)?;
+        let s = &self.b[self.pos..self.pos + n];
+        self.pos += n;
+        Ok(s)
+    }
+    fn u32(&mut self, field: &'static str) -> Result<usize, PredictError> {
+        let s = self.take(4, field)?;
+        Ok(u32::from_le_bytes([s[0], s[1], s[2], s[3]]) as usize)
+    }
+    fn f32(&mut self, field: &'static str) -> Result<f32, PredictError> {
+        let s = self.take(4, field)?;
+        Ok(f32::from_le_bytes([s[0], s[1], s[2], s[3]]))
+    }
+    fn string(&mut self, field: &'static str, max: usize) -> Result<String, PredictError> {
+        let n = self.u32(field)?;
+        if n > max {
+            return Err(self.invalid(field, format!("string of {n} bytes (at most {max})")));
+        }
+        let s = self.take(n, field)?;
+        String::from_utf8(s.to_vec()).map_err(|_| self.invalid(field, "not UTF-8".into()))
+    }
+    // The vector readers take (and so bounds-check) the bytes before allocating.
+    fn i8s(&mut self, n: usize, field: &'static str) -> Result<Vec<i8>, PredictError> {
+        Ok(self.take(n, field)?.iter().map(|&x| x as i8).collect())
+    }
+    fn f32s(&mut self, n: usize, field: &'static str) -> Result<Vec<f32>, PredictError> {
+        let s = self.take(n.saturating_mul(4), field)?;
+        Ok(s.chunks_exact(4)
+            .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+            .collect())
+    }
+    fn u64s(&mut self, n: usize, field: &'static str) -> Result<Vec<u64>, PredictError> {
+        let s = self.take(n.saturating_mul(8), field)?;
+        Ok(s.chunks_exact(8)
+            .map(|c| u64::from_le_bytes([c[0], c[1], c[2], c[3], c[4], c[5], c[6], c[7]]))
+            .collect())
+    }
+    fn quant(&mut self, field: &'static str, rows: usize, cols: usize) -> Result<QuantMatrix, PredictError> {
+        Ok(QuantMatrix {
+            rows,
+            cols,
+            q: self.i8s(rows * cols, field)?,
+            scales: self.f32s(rows, field)?,
+        })
+    }
+}
