@@ -20,6 +20,10 @@ pub enum SynthError {
     Profile(#[from] leanstream_profiler::ProfileError),
     #[error(transparent)]
     Control(#[from] leanstream_runtime::control::ControlError),
+    #[error(transparent)]
+    Runtime(#[from] leanstream_runtime::RuntimeError),
+    #[error(transparent)]
+    Predict(#[from] leanstream_runtime::predict::PredictError),
     #[error("polars: {0}")]
     Polars(#[from] polars::error::PolarsError),
     #[error("solver failed: {0}")]

@@ -64,9 +64,12 @@
 //! deterministic for a seed.
 
 pub mod error;
+pub mod eval;
 pub mod fit;
 pub mod inspect;
 pub mod model;
+pub mod placement;
+pub mod predictor;
 pub mod sim;
 pub mod solve;
 pub mod synth;

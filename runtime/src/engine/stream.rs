@@ -19,6 +19,7 @@ use super::trace::{bit_is_set, set_bit};
 use super::{EngineStats, FlashModel};
 use crate::cache::{CacheShape, EvictionPolicy, Lru, NeuronCache, NeuronFreq, SlidingWindow, StaticHot};
 use crate::flash::io::{IoConfig, IoEngine, Request};
+use crate::flash::runs::{max_run_bytes, RunRule};
 use crate::{Result, RuntimeError};
 
 /// How the neuron cache chooses what to keep.
@@ -187,7 +188,7 @@ impl Streamer {
             pinned: Vec::with_capacity(n_ff),
         };
         let cfg = io.config();
-        let max_run_bytes = cfg.max_read_bytes - 2 * cfg.alignment;
+        let max_run_bytes = max_run_bytes(cfg);
         Ok(Self {
             merge_gap_bytes,
             bytes_needed: 0,
@@ -271,7 +272,7 @@ impl Streamer {
         s.pinned.clear();
         s.runs.clear();
         let bb = self.bundle_bytes[l];
-        let max_run = (self.max_run_bytes / bb).max(1);
+        let rule = RunRule::new(bb, self.max_run_bytes, self.merge_gap_bytes);
         for (p, &i) in self.placement[l].iter().enumerate() {
             let i = i as usize;
             if !want.contains(i) {
@@ -286,12 +287,7 @@ impl Streamer {
             s.need[i] = true;
             s.missing += 1;
             self.bytes_needed += bb as u64;
-            match s.runs.last_mut() {
-                Some((p0, n)) if p + 1 - *p0 <= max_run && (p - (*p0 + *n)) * bb <= self.merge_gap_bytes => {
-                    *n = p + 1 - *p0
-                }
-                _ => s.runs.push((p, 1)),
-            }
+            rule.push(&mut s.runs, p);
         }
         for (r, &(p0, n)) in s.runs.iter().enumerate() {
             self.io.enqueue(Request {

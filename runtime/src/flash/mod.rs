@@ -5,6 +5,7 @@ pub mod format;
 pub mod io;
 pub mod pack;
 pub mod pagecache;
+pub mod runs;
 
 pub use format::{BundleLayout, DownType, Header, LsFlash, SparsityLevel};
 pub use pack::{pack, PackOptions, PackReport};

@@ -5,10 +5,14 @@ use std::time::Instant;
 
 use anyhow::{Context, Result};
 use clap::{Parser, Subcommand};
+use leanstream_profiler::activations::read::Trace;
 use leanstream_runtime::control::{AxisKind, ControlState, ControlTable};
+use leanstream_runtime::predict::Predictor;
+use leanstream_synth::eval::{evaluate, EvalOptions};
 use leanstream_synth::fit::fit_traces;
 use leanstream_synth::inspect::{describe, heatmap_svg};
 use leanstream_synth::model::{GridSpec, ModelParams};
+use leanstream_synth::predictor::{train as train_predictors, LayerLoss, TrainOptions};
 use leanstream_synth::sim::{compare, SimConfig};
 use leanstream_synth::solve::SolverSettings;
 use leanstream_synth::synth::{synthesize, SynthConfig};
@@ -138,6 +142,100 @@ enum Cmd {
         #[arg(long)]
         json: bool,
     },
+    /// Learn a flash placement from an activation trace; print held-out reads
+    /// of identity / frequency / learned orders at merge gaps 0, 4 KiB, 64 KiB.
+    Placement {
+        /// Trace directory (`leanstream-profile activations`).
+        #[arg(long)]
+        acts: PathBuf,
+        /// Placement JSON to write (`pack --placement`).
+        #[arg(short, long)]
+        out: PathBuf,
+        #[arg(long, default_value_t = 0.5)]
+        sparsity: f32,
+        #[arg(long, default_value_t = 16)]
+        dim: usize,
+        #[arg(long, default_value_t = 5)]
+        epochs: usize,
+        #[arg(long, default_value_t = 1)]
+        seed: u64,
+        /// Keep the embedding chain as it is (no 2-opt on co-activation).
+        #[arg(long)]
+        no_refine: bool,
+        /// Print the evaluation as JSON.
+        #[arg(long)]
+        json: bool,
+    },
+    /// Train the stacked hashing activation predictor (and, at the same
+    /// size, the low-rank baseline) for both uses on an activation trace.
+    Predictor {
+        /// Trace directory (`leanstream-profile activations`).
+        #[arg(long)]
+        acts: PathBuf,
+        /// The hashing predictor (.lspred).
+        #[arg(short, long)]
+        out: PathBuf,
+        /// Also write the low-rank baseline here.
+        #[arg(long)]
+        baseline: Option<PathBuf>,
+        #[arg(long, default_value_t = 0.5)]
+        sparsity: f32,
+        /// Neurons per predicted group.
+        #[arg(long, default_value_t = 1)]
+        group: usize,
+        /// Projection width.
+        #[arg(long, default_value_t = 32)]
+        dim: usize,
+        /// Bits per hash.
+        #[arg(long, default_value_t = 16)]
+        tau: usize,
+        /// Keys (LUT rows) per stage.
+        #[arg(long, default_value_t = 8)]
+        keys: usize,
+        #[arg(long, default_value_t = 4)]
+        stages: usize,
+        #[arg(long, default_value_t = 4)]
+        epochs: usize,
+        /// Hashing: leading epochs trained on the soft key mixture.
+        #[arg(long, default_value_t = 0)]
+        soft_epochs: usize,
+        #[arg(long, default_value_t = 1e-2)]
+        lr: f32,
+        #[arg(long, default_value_t = 1)]
+        seed: u64,
+        /// Train on the first N tokens of the training split.
+        #[arg(long)]
+        max_tokens: Option<usize>,
+        #[arg(long)]
+        quiet: bool,
+    },
+    /// Judge predictors (and a placement) on the trace's held-out split:
+    /// recall, perplexity with predicted sets, size, latency; prints JSON.
+    Eval {
+        #[arg(long)]
+        acts: PathBuf,
+        /// .lspred files (hashing and/or low-rank).
+        #[arg(long, num_args = 1..)]
+        predictor: Vec<PathBuf>,
+        /// Operating sparsities.
+        #[arg(long, value_delimiter = ',', default_value = "0.5,0.7")]
+        sparsities: Vec<f32>,
+        /// Held-out tokens for recall and latency (default: all).
+        #[arg(long)]
+        max_tokens: Option<usize>,
+        /// Perplexity chunks of the held-out text (0: skip perplexity).
+        #[arg(long, default_value_t = 8)]
+        ppl_chunks: usize,
+        #[arg(long, default_value_t = 256)]
+        ctx: usize,
+        /// Also size and time a random predictor of each configuration at Mistral-7B shape.
+        #[arg(long)]
+        shape_7b: bool,
+        /// A placement (`leanstream-synth placement`): held-out reads per
+        /// token against identity and frequency order, at each sparsity.
+        #[arg(long)]
+        placement: Option<PathBuf>,
+    },
     /// Time the runtime's table lookup; prints JSON.
     Bench {
         file: PathBuf,
@@ -162,6 +260,118 @@ fn load(path: &Path) -> Result<(ControlTable, usize)> {
 
 fn main() -> Result<()> {
     match Cli::parse().cmd {
+        Cmd::Eval {
+            acts,
+            predictor,
+            sparsities,
+            max_tokens,
+            ppl_chunks,
+            ctx,
+            shape_7b,
+            placement,
+        } => {
+            let trace = Trace::open(&acts)?;
+            let reads = match &placement {
+                Some(path) => {
+                    let learned = leanstream_runtime::flash::pack::load_placement(path)?;
+                    let mut all = Vec::new();
+                    for &s in &sparsities {
+                        all.push(serde_json::json!({
+                            "sparsity": s,
+                            "reads": leanstream_synth::placement::compare(&trace, &learned, s, false)?,
+                        }));
+                    }
+                    Some(all)
+                }
+                None => None,
+            };
+            let predictors = predictor
+                .iter()
+                .map(|p| Ok((p.clone(), Predictor::load(p)?)))
+                .collect::<Result<Vec<_>>>()?;
+            let report = evaluate(
+                &trace,
+                &predictors,
+                &EvalOptions {
+                    sparsities,
+                    max_tokens,
+                    ppl_chunks,
+                    ctx,
+                    shape_7b,
+                },
+            )?;
+            let mut v = serde_json::to_value(&report)?;
+            v["placement"] = serde_json::json!({
+                "file": placement.map(|p| p.display().to_string()),
+                "heldout": reads,
+            });
+            out(&format!("{}\n", serde_json::to_string_pretty(&v)?))?;
+        }
+        Cmd::Predictor {
+            acts,
+            out: path,
+            baseline,
+            sparsity,
+            group,
+            dim,
+            tau,
+            keys,
+            stages,
+            epochs,
+            lr,
+            seed,
+            max_tokens,
+            quiet,
+            soft_epochs,
+        } => {
+            let trace = Trace::open(&acts)?;
+            let opts = TrainOptions {
+                soft_epochs,
+                sparsity,
+                group,
+                d: dim,
+                tau,
+                keys,
+                stages,
+                epochs,
+                lr,
+                seed,
+                max_tokens,
+                progress: !quiet,
+                ..TrainOptions::default()
+            };
+            let t0 = Instant::now();
+            let trained = train_predictors(&trace, &opts)?;
+            let secs = t0.elapsed().as_secs_f64();
+            trained.hashing.save(&path)?;
+            eprintln!(
+                "wrote {} ({} bytes of weights)",
+                path.display(),
+                trained.hashing.weight_bytes()
+            );
+            if let Some(b) = &baseline {
+                trained.low_rank.save(b)?;
+                eprintln!(
+                    "wrote {} (rank {}, {} bytes of weights)",
+                    b.display(),
+                    trained.low_rank.config.rank,
+                    trained.low_rank.weight_bytes()
+                );
+            }
+            let mean = |f: &dyn Fn(&LayerLoss) -> f32| {
+                trained.losses.iter().map(f).sum::<f32>() / trained.losses.len().max(1) as f32
+            };
+            out(&format!(
+                "{}\n",
+                serde_json::json!({
+                    "train_seconds": secs,
+                    "hashing_loss_before": mean(&|l| l.hashing_before),
+                    "hashing_loss_after": mean(&|l| l.hashing_after),
+                    "low_rank_loss_last_epoch": mean(&|l| *l.low_rank_epochs.last().unwrap_or(&f32::NAN)),
+                    "layers": trained.losses,
+                })
+            ))?;
+        }
         Cmd::Controller {
             traces,
             out,
@@ -226,6 +436,66 @@ fn main() -> Result<()> {
                         r.skipped_mass,
                         r.wasted_bytes,
                         r.decide_us
+                    );
+                }
+                out(&s)?;
+            }
+        }
+        Cmd::Placement {
+            acts,
+            out: path,
+            sparsity,
+            dim,
+            epochs,
+            seed,
+            no_refine,
+            json,
+        } => {
+            use leanstream_synth::placement::{self, PlacementOptions};
+
+            let trace = leanstream_profiler::activations::read::Trace::open(&acts)?;
+            let opts = PlacementOptions {
+                sparsity,
+                dim,
+                epochs,
+                seed,
+                refine: !no_refine,
+                progress: true,
+                ..PlacementOptions::default()
+            };
+            let t0 = Instant::now();
+            let p = placement::learn(&trace, &opts)?;
+            p.save(&path)?;
+            let first: f32 = p.stats.iter().map(|s| s.loss[0]).sum::<f32>() / p.stats.len().max(1) as f32;
+            let last: f32 = p.stats.iter().filter_map(|s| s.loss.last()).sum::<f32>() / p.stats.len().max(1) as f32;
+            let cost = |f: fn(&placement::LayerStats) -> u64| p.stats.iter().map(f).sum::<u64>();
+            eprintln!(
+                "wrote {} in {:.1}s ({} threads); mean loss {first:.4} -> {last:.4}; adjacent co-activation distance: frequency {}, chain {}, final {}",
+                path.display(),
+                t0.elapsed().as_secs_f64(),
+                rayon::current_num_threads(),
+                cost(|s| s.frequency_cost),
+                cost(|s| s.chain_cost),
+                cost(|s| s.final_cost),
+            );
+            let rows = placement::compare(&trace, &p.layers, sparsity, true)?;
+            if json {
+                let v = serde_json::json!({"placement": path.display().to_string(), "split": "heldout", "sparsity": sparsity, "reads": rows});
+                out(&format!("{}\n", serde_json::to_string_pretty(&v)?))?;
+            } else {
+                let mut s = format!(
+                    "held-out split, sparsity {sparsity}, per token (all layers)\n{:<10} {:>8} {:>12} {:>14} {:>14} {:>8}\n",
+                    "order", "gap", "reads", "bytes_read", "bytes_needed", "amplif"
+                );
+                for r in &rows {
+                    s += &format!(
+                        "{:<10} {:>8} {:>12.1} {:>14.0} {:>14.0} {:>8.3}\n",
+                        r.order,
+                        r.merge_gap_bytes,
+                        r.reads_per_token,
+                        r.bytes_read_per_token,
+                        r.bytes_needed_per_token,
+                        r.read_amplification
                     );
                 }
                 out(&s)?;

@@ -1,0 +1,61 @@
+//! Helpers shared by the synth integration tests: temp dirs, the SmolLM2
+//! model when present, and a small real activation trace.
+
+#![allow(dead_code)]
+
+use std::path::{Path, PathBuf};
+
+use leanstream_profiler::activations::read::Trace;
+use leanstream_profiler::activations::record::{record, RecordOptions};
+
+pub fn tmp(name: &str) -> PathBuf {
+    let d = std::env::temp_dir().join(format!("synth-test-{name}-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&d);
+    std::fs::create_dir_all(&d).unwrap();
+    d
+}
+
+pub fn repo() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("..")
+}
+
+/// SmolLM2 from `$LEANSTREAM_SMOLLM2` or the fetch cache; `None` (with a
+/// printed SKIPPED line) when absent.
+pub fn smollm2() -> Option<PathBuf> {
+    let path = std::env::var_os("LEANSTREAM_SMOLLM2")
+        .filter(|v| !v.is_empty())
+        .map(PathBuf::from)
+        .or_else(|| {
+            let home = std::env::var_os("LEANSTREAM_HOME")
+                .filter(|h| !h.is_empty())
+                .map(PathBuf::from)
+                .or_else(|| std::env::var_os("HOME").map(|h| PathBuf::from(h).join(".cache/leanstream")))?;
+            Some(home.join("models/smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"))
+        })?;
+    if path.is_file() {
+        Some(path)
+    } else {
+        eprintln!(
+            "SKIPPED: SmolLM2 not found at {} (run `leanstream fetch smollm2`)",
+            path.display()
+        );
+        None
+    }
+}
+
+pub fn record_trace(model: &Path, dir: &Path) -> Trace {
+    let out = dir.join("acts");
+    record(&RecordOptions {
+        model: model.to_path_buf(),
+        train: vec![repo().join("data/text/apache-2.0.txt")],
+        heldout: vec![repo().join("data/text/gpl-3.0-excerpt.txt")],
+        out: out.clone(),
+        ctx: 128,
+        shard_tokens: 256,
+        max_tokens: Some(512),
+        hot_fraction: 0.1,
+        progress: false,
+    })
+    .unwrap();
+    Trace::open(&out).unwrap()
+}
