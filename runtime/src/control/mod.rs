@@ -36,6 +36,8 @@ use std::path::{Path, PathBuf};
 
 use sha2::{Digest, Sha256};
 
+use crate::binread;
+
 /// File magic of a controller table.
 pub const MAGIC: [u8; 8] = *b"LSTAB\0\r\n";
 /// The format version this build reads and writes.
@@ -379,7 +381,7 @@ impl ControlTable {
 
     /// Decodes and validates the bytes of a `.lstab` file; `path` names it in errors.
     pub fn from_bytes(bytes: &[u8], path: &Path) -> Result<Self, ControlError> {
-        let mut r = Reader { b: bytes, pos: 0, path };
+        let mut r = Reader::new(bytes, 0, path);
         let magic = r.take(8, "magic")?;
         if magic != MAGIC {
             return Err(ControlError::Magic {
@@ -403,14 +405,14 @@ impl ControlTable {
                 path: path.to_path_buf(),
             });
         }
-        let mut r = Reader { b: body, pos: 12, path };
-        let device_fingerprint = r.string("device_fingerprint")?;
+        let mut r = Reader::new(body, 12, path);
+        let device_fingerprint = r.string("device_fingerprint", MAX_STRING)?;
         let seed = r.u64("seed")?;
-        let solver_settings = r.string("solver_settings")?;
+        let solver_settings = r.string("solver_settings", MAX_STRING)?;
         let n_traces = r.count("traces", MAX_TRACES, 4 + 32)?;
         let mut traces = Vec::with_capacity(n_traces);
         for _ in 0..n_traces {
-            let name = r.string("trace.name")?;
+            let name = r.string("trace.name", MAX_STRING)?;
             let mut sha256 = [0u8; 32];
             sha256.copy_from_slice(r.take(32, "trace.sha256")?);
             traces.push(TraceHash { name, sha256 });
@@ -418,7 +420,7 @@ impl ControlTable {
         let n_axes = r.count("axes", MAX_AXES, 5)?;
         let mut axes = Vec::with_capacity(n_axes);
         for _ in 0..n_axes {
-            let k = r.take(1, "axis.kind")?[0];
+            let k = r.u8("axis.kind")?;
             let kind = AxisKind::from_u8(k).ok_or_else(|| r.invalid("axis.kind", format!("unknown axis kind {k}")))?;
             let bins = r.u32("axis.bins")? as usize;
             if bins == 0 || bins > MAX_BINS {
@@ -440,7 +442,7 @@ impl ControlTable {
         let n_actions = r.count("codebook", MAX_ACTIONS, 11)?;
         let mut codebook = Vec::with_capacity(n_actions);
         for _ in 0..n_actions {
-            let stages = r.take(1, "action.stages")?[0];
+            let stages = r.u8("action.stages")?;
             let queue_depth = u16::from_le_bytes(r.take(2, "action.queue_depth")?.try_into().unwrap());
             let prefetch_breadth = f32::from_le_bytes(r.take(4, "action.prefetch_breadth")?.try_into().unwrap());
             let deadline_factor = f32::from_le_bytes(r.take(4, "action.deadline_factor")?.try_into().unwrap());
@@ -452,7 +454,7 @@ impl ControlTable {
             });
         }
         let n_states = r.u64("states")?;
-        let left = (r.b.len() - r.pos) as u64;
+        let left = r.left() as u64;
         if n_states != left {
             return Err(r.invalid(
                 "states",
@@ -558,66 +560,22 @@ fn put_str(b: &mut Vec<u8>, s: &str) {
     b.extend_from_slice(s.as_bytes());
 }
 
-struct Reader<'a> {
-    b: &'a [u8],
-    pos: usize,
-    path: &'a Path,
-}
+type Reader<'a> = binread::Reader<'a, ControlError>;
 
-impl<'a> Reader<'a> {
-    fn truncated(&self, field: &'static str, needed: u64) -> ControlError {
-        ControlError::Truncated {
-            path: self.path.to_path_buf(),
+impl binread::FieldError for ControlError {
+    fn truncated(path: &Path, field: &'static str, needed: u64, left: u64) -> Self {
+        Self::Truncated {
+            path: path.to_path_buf(),
             field,
             needed,
-            left: (self.b.len() - self.pos.min(self.b.len())) as u64,
+            left,
         }
     }
-    fn invalid(&self, field: &'static str, reason: String) -> ControlError {
-        ControlError::Invalid {
-            path: self.path.to_path_buf(),
+    fn invalid(path: &Path, field: &'static str, reason: String) -> Self {
+        Self::Invalid {
+            path: path.to_path_buf(),
             field,
             reason,
         }
-    }
-    fn need(&self, n: u64, field: &'static str) -> Result<(), ControlError> {
-        if n > (self.b.len() - self.pos) as u64 {
-            Err(self.truncated(field, n))
-        } else {
-            Ok(())
-        }
-    }
-    fn take(&mut self, n: usize, field: &'static str) -> Result<&'a [u8], ControlError> {
-        self.need(n as u64, field)?;
-        let s = &self.b[self.pos..self.pos + n];
-        self.pos += n;
-        Ok(s)
-    }
-    fn u32(&mut self, field: &'static str) -> Result<u32, ControlError> {
-        Ok(u32::from_le_bytes(self.take(4, field)?.try_into().unwrap()))
-    }
-    fn u64(&mut self, field: &'static str) -> Result<u64, ControlError> {
-        Ok(u64::from_le_bytes(self.take(8, field)?.try_into().unwrap()))
-    }
-    fn f64(&mut self, field: &'static str) -> Result<f64, ControlError> {
-        Ok(f64::from_le_bytes(self.take(8, field)?.try_into().unwrap()))
-    }
-    /// A count of records of at least `min_record` bytes each, checked against
-    /// the bytes left before anything is allocated.
-    fn count(&mut self, field: &'static str, max: usize, min_record: u64) -> Result<usize, ControlError> {
-        let n = self.u32(field)? as usize;
-        if n > max {
-            return Err(self.invalid(field, format!("{n} entries (at most {max})")));
-        }
-        self.need(n as u64 * min_record, field)?;
-        Ok(n)
-    }
-    fn string(&mut self, field: &'static str) -> Result<String, ControlError> {
-        let n = self.u32(field)? as usize;
-        if n > MAX_STRING {
-            return Err(self.invalid(field, format!("string of {n} bytes (at most {MAX_STRING})")));
-        }
-        let s = self.take(n, field)?;
-        String::from_utf8(s.to_vec()).map_err(|_| self.invalid(field, "not UTF-8".into()))
     }
 }

@@ -5,6 +5,8 @@ use std::path::Path;
 
 use sha2::{Digest, Sha256};
 
+use crate::binread;
+
 use super::{
     HashStage, HashingLayer, LowRankLayer, PredictError, Predictor, PredictorConfig, PredictorKind, PredictorLayer,
     QuantMatrix, MAX_STRING, MAX_USES, MAX_USE_NAME,
@@ -73,13 +75,13 @@ impl Predictor {
 
     /// Decodes and validates the bytes of a `.lspred` file; `path` names it in errors.
     pub fn from_bytes(bytes: &[u8], path: &Path) -> Result<Self, PredictError> {
-        let mut r = Reader { b: bytes, pos: 0, path };
+        let mut r = Reader::new(bytes, 0, path);
         if r.take(8, "magic")? != MAGIC {
             return Err(PredictError::Magic {
                 path: path.to_path_buf(),
             });
         }
-        let version = r.u32("version")? as u32;
+        let version = r.u32("version")?;
         if version != VERSION {
             return Err(PredictError::Version {
                 path: path.to_path_buf(),
@@ -97,29 +99,29 @@ impl Predictor {
                 path: path.to_path_buf(),
             });
         }
-        let mut r = Reader { b: body, pos: 12, path };
+        let mut r = Reader::new(body, 12, path);
         let provenance = r.string("provenance", MAX_STRING)?;
-        let k = r.take(1, "kind")?[0];
+        let k = r.u8("kind")?;
         let kind = PredictorKind::from_u8(k).ok_or_else(|| r.invalid("kind", format!("unknown predictor kind {k}")))?;
-        let d_model = r.u32("d_model")?;
-        let n_ff = r.u32("n_ff")?;
-        let group = r.u32("group")?;
-        let n_layer = r.u32("n_layer")?;
+        let d_model = r.u32("d_model")? as usize;
+        let n_ff = r.u32("n_ff")? as usize;
+        let group = r.u32("group")? as usize;
+        let n_layer = r.u32("n_layer")? as usize;
         let config = match kind {
             PredictorKind::Hashing => {
-                let d = r.u32("d")?;
-                let tau = r.u32("tau")?;
-                let keys = r.u32("keys")?;
-                let stages = r.u32("stages")?;
+                let d = r.u32("d")? as usize;
+                let tau = r.u32("tau")? as usize;
+                let keys = r.u32("keys")? as usize;
+                let stages = r.u32("stages")? as usize;
                 PredictorConfig::hashing(d_model, n_ff, group, n_layer, d, tau, keys, stages)
             }
             PredictorKind::LowRank => {
-                let rank = r.u32("rank")?;
+                let rank = r.u32("rank")? as usize;
                 PredictorConfig::low_rank(d_model, n_ff, group, n_layer, rank)
             }
         };
         config.validate(path)?;
-        let n_uses = r.u32("uses")?;
+        let n_uses = r.u32("uses")? as usize;
         if n_uses == 0 || n_uses > MAX_USES {
             return Err(r.invalid("uses", format!("{n_uses} uses (1..={MAX_USES} allowed)")));
         }
@@ -130,7 +132,7 @@ impl Predictor {
         }
         // The dimensions fix the payload size: check it all before allocating any of it.
         let payload = config.layer_bytes() * config.n_layer as u64 * n_uses as u64;
-        let left = (r.b.len() - r.pos) as u64;
+        let left = r.left() as u64;
         if payload != left {
             return Err(r.invalid(
                 "layers",
@@ -145,7 +147,7 @@ impl Predictor {
             for _ in 0..c.n_layer {
                 let layer = match c.kind {
                     PredictorKind::Hashing => {
-                        let proj = r.quant("proj", c.d, c.d_model)?;
+                        let proj = read_quant(&mut r, "proj", c.d, c.d_model)?;
                         let mut stages = Vec::with_capacity(c.stages);
                         for _ in 0..c.stages {
                             stages.push(HashStage {
@@ -164,7 +166,7 @@ impl Predictor {
                         })
                     }
                     PredictorKind::LowRank => PredictorLayer::LowRank(LowRankLayer {
-                        w1: r.quant("w1", c.rank, c.d_model)?,
+                        w1: read_quant(&mut r, "w1", c.rank, c.d_model)?,
                         b1: r.f32s(c.rank, "b1")?,
                         w2: r.i8s(g * c.rank, "w2")?,
                         w2_scale: r.f32s(g, "w2_scale")?,
@@ -241,79 +243,31 @@ fn put_quant(b: &mut Vec<u8>, m: &QuantMatrix) {
     put_f32s(b, &m.scales);
 }
 
-struct Reader<'a> {
-    b: &'a [u8],
-    pos: usize,
-    path: &'a Path,
-}
+type Reader<'a> = binread::Reader<'a, PredictError>;
 
-impl<'a> Reader<'a> {
-    fn truncated(&self, field: &'static str, needed: u64) -> PredictError {
-        PredictError::Truncated {
-            path: self.path.to_path_buf(),
+impl binread::FieldError for PredictError {
+    fn truncated(path: &Path, field: &'static str, needed: u64, left: u64) -> Self {
+        Self::Truncated {
+            path: path.to_path_buf(),
             field,
             needed,
-            left: (self.b.len() - self.pos.min(self.b.len())) as u64,
+            left,
         }
     }
-    fn invalid(&self, field: &'static str, reason: String) -> PredictError {
-        PredictError::Invalid {
-            path: self.path.to_path_buf(),
+    fn invalid(path: &Path, field: &'static str, reason: String) -> Self {
+        Self::Invalid {
+            path: path.to_path_buf(),
             field,
             reason,
         }
     }
-    fn need(&self, n: u64, field: &'static str) -> Result<(), PredictError> {
-        if n > (self.b.len() - self.pos) as u64 {
-            Err(self.truncated(field, n))
-        } else {
-            Ok(())
-        }
-    }
-    fn take(&mut self, n: usize, field: &'static str) -> Result<&'a [u8], PredictError> {
-        self.need(n as u64, field)?;
-        let s = &self.b[self.pos..self.pos + n];
-        self.pos += n;
-        Ok(s)
-    }
-    fn u32(&mut self, field: &'static str) -> Result<usize, PredictError> {
-        let s = self.take(4, field)?;
-        Ok(u32::from_le_bytes([s[0], s[1], s[2], s[3]]) as usize)
-    }
-    fn f32(&mut self, field: &'static str) -> Result<f32, PredictError> {
-        let s = self.take(4, field)?;
-        Ok(f32::from_le_bytes([s[0], s[1], s[2], s[3]]))
-    }
-    fn string(&mut self, field: &'static str, max: usize) -> Result<String, PredictError> {
-        let n = self.u32(field)?;
-        if n > max {
-            return Err(self.invalid(field, format!("string of {n} bytes (at most {max})")));
-        }
-        let s = self.take(n, field)?;
-        String::from_utf8(s.to_vec()).map_err(|_| self.invalid(field, "not UTF-8".into()))
-    }
-    // The vector readers take (and so bounds-check) the bytes before allocating.
-    fn i8s(&mut self, n: usize, field: &'static str) -> Result<Vec<i8>, PredictError> {
-        Ok(self.take(n, field)?.iter().map(|&x| x as i8).collect())
-    }
-    fn f32s(&mut self, n: usize, field: &'static str) -> Result<Vec<f32>, PredictError> {
-        let s = self.take(n.saturating_mul(4), field)?;
-        Ok(s.chunks_exact(4)
-            .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
-            .collect())
-    }
-    fn u64s(&mut self, n: usize, field: &'static str) -> Result<Vec<u64>, PredictError> {
-        let s = self.take(n.saturating_mul(8), field)?;
-        Ok(s.chunks_exact(8)
-            .map(|c| u64::from_le_bytes([c[0], c[1], c[2], c[3], c[4], c[5], c[6], c[7]]))
-            .collect())
-    }
-    fn quant(&mut self, field: &'static str, rows: usize, cols: usize) -> Result<QuantMatrix, PredictError> {
-        Ok(QuantMatrix {
-            rows,
-            cols,
-            q: self.i8s(rows * cols, field)?,
-            scales: self.f32s(rows, field)?,
-        })
-    }
+}
+
+fn read_quant(r: &mut Reader, field: &'static str, rows: usize, cols: usize) -> Result<QuantMatrix, PredictError> {
+    Ok(QuantMatrix {
+        rows,
+        cols,
+        q: r.i8s(rows * cols, field)?,
+        scales: r.f32s(rows, field)?,
+    })
 }
