@@ -5,10 +5,43 @@
 use std::marker::PhantomData;
 use std::path::Path;
 
-/// How a format's error type says "truncated" and "invalid".
+use sha2::{Digest, Sha256};
+
+/// How a format's error type says what went wrong.
 pub trait FieldError {
     fn truncated(path: &Path, field: &'static str, needed: u64, left: u64) -> Self;
     fn invalid(path: &Path, field: &'static str, reason: String) -> Self;
+    fn magic(path: &Path) -> Self;
+    fn version(path: &Path, found: u32, expected: u32) -> Self;
+    fn checksum(path: &Path) -> Self;
+}
+
+/// Checks the 8-byte magic, the u32 version and the trailing SHA-256 of
+/// every byte before it; returns a reader over what lies between. The
+/// checksum comes first: nothing after looks at bytes a flipped bit could
+/// have changed.
+pub fn checked_body<'a, E: FieldError>(
+    bytes: &'a [u8],
+    path: &'a Path,
+    magic: &[u8; 8],
+    version: u32,
+) -> Result<Reader<'a, E>, E> {
+    let mut r = Reader::new(bytes, 0, path);
+    if r.take(8, "magic")? != magic {
+        return Err(E::magic(path));
+    }
+    let found = r.u32("version")?;
+    if found != version {
+        return Err(E::version(path, found, version));
+    }
+    if bytes.len() < 12 + 32 {
+        return Err(r.truncated("checksum", 32));
+    }
+    let (body, sum) = bytes.split_at(bytes.len() - 32);
+    if Sha256::digest(body).as_slice() != sum {
+        return Err(E::checksum(path));
+    }
+    Ok(Reader::new(body, 12, path))
 }
 
 pub struct Reader<'a, E> {

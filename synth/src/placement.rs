@@ -490,25 +490,10 @@ pub fn learn(trace: &Trace, opts: &PlacementOptions) -> Result<Placement> {
 pub fn bundle_bytes(model: &Path, down: DownType) -> Result<Vec<usize>> {
     let g = GgufFile::open(model)?;
     let c = Config::from_gguf(&g)?;
-    let down_ty = down.ggml();
-    let down_bytes = down_ty
-        .row_bytes(c.n_embd)
-        .map_err(|e| SynthError::Settings(format!("down columns as {down_ty} with n_embd = {}: {e}", c.n_embd)))?;
-    (0..c.n_layer)
-        .map(|l| {
-            let gate = g.matrix(&format!("blk.{l}.ffn_gate.weight"), c.n_ff, c.n_embd)?;
-            let up = g.matrix(&format!("blk.{l}.ffn_up.weight"), c.n_ff, c.n_embd)?;
-            let layout = BundleLayout {
-                gate_type: gate.ty,
-                up_type: up.ty,
-                down_type: down_ty,
-                gate_bytes: gate.row_bytes(),
-                up_bytes: up.row_bytes(),
-                down_bytes,
-            };
-            Ok(layout.bundle_bytes())
-        })
-        .collect()
+    Ok(leanstream_runtime::flash::pack::bundle_layouts(&g, &c, down)?
+        .iter()
+        .map(BundleLayout::bundle_bytes)
+        .collect())
 }
 
 /// How reads are counted by [`evaluate`].

@@ -381,31 +381,7 @@ impl ControlTable {
 
     /// Decodes and validates the bytes of a `.lstab` file; `path` names it in errors.
     pub fn from_bytes(bytes: &[u8], path: &Path) -> Result<Self, ControlError> {
-        let mut r = Reader::new(bytes, 0, path);
-        let magic = r.take(8, "magic")?;
-        if magic != MAGIC {
-            return Err(ControlError::Magic {
-                path: path.to_path_buf(),
-            });
-        }
-        let version = r.u32("version")?;
-        if version != VERSION {
-            return Err(ControlError::Version {
-                path: path.to_path_buf(),
-                found: version,
-                expected: VERSION,
-            });
-        }
-        if bytes.len() < 12 + 32 {
-            return Err(r.truncated("checksum", 32));
-        }
-        let (body, sum) = bytes.split_at(bytes.len() - 32);
-        if Sha256::digest(body).as_slice() != sum {
-            return Err(ControlError::Checksum {
-                path: path.to_path_buf(),
-            });
-        }
-        let mut r = Reader::new(body, 12, path);
+        let mut r: Reader = binread::checked_body(bytes, path, &MAGIC, VERSION)?;
         let device_fingerprint = r.string("device_fingerprint", MAX_STRING)?;
         let seed = r.u64("seed")?;
         let solver_settings = r.string("solver_settings", MAX_STRING)?;
@@ -576,6 +552,23 @@ impl binread::FieldError for ControlError {
             path: path.to_path_buf(),
             field,
             reason,
+        }
+    }
+    fn magic(path: &Path) -> Self {
+        Self::Magic {
+            path: path.to_path_buf(),
+        }
+    }
+    fn version(path: &Path, found: u32, expected: u32) -> Self {
+        Self::Version {
+            path: path.to_path_buf(),
+            found,
+            expected,
+        }
+    }
+    fn checksum(path: &Path) -> Self {
+        Self::Checksum {
+            path: path.to_path_buf(),
         }
     }
 }

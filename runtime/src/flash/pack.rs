@@ -47,6 +47,31 @@ pub struct PackReport {
     pub seconds: f64,
 }
 
+/// Each layer's bundle layout for the FFN of `g` with down columns as
+/// `down` (checks the three matrices' shapes).
+pub fn bundle_layouts(g: &GgufFile, c: &Config, down: DownType) -> Result<Vec<BundleLayout>> {
+    let (n_embd, n_ff) = (c.n_embd, c.n_ff);
+    let down_ty = down.ggml();
+    let down_bytes = down_ty
+        .row_bytes(n_embd)
+        .map_err(|e| RuntimeError::Unsupported(format!("down columns as {down_ty} with n_embd = {n_embd}: {e}")))?;
+    (0..c.n_layer)
+        .map(|l| {
+            let gate = g.matrix(&ffn_name(l, "gate"), n_ff, n_embd)?;
+            let up = g.matrix(&ffn_name(l, "up"), n_ff, n_embd)?;
+            g.matrix(&ffn_name(l, "down"), n_embd, n_ff)?;
+            Ok(BundleLayout {
+                gate_type: gate.ty,
+                up_type: up.ty,
+                down_type: down_ty,
+                gate_bytes: gate.row_bytes(),
+                up_bytes: up.row_bytes(),
+                down_bytes,
+            })
+        })
+        .collect()
+}
+
 /// Reads a placement file: JSON `{"layers": [[neuron ids...], ...]}`.
 pub fn load_placement(path: &Path) -> Result<Vec<Vec<u32>>> {
     #[derive(serde::Deserialize)]
@@ -138,24 +163,7 @@ pub fn pack(gguf_path: impl AsRef<Path>, out_path: impl AsRef<Path>, opts: &Pack
     }
 
     // Per-layer bundle layouts, checked before anything is written.
-    let down_ty = opts.down.ggml();
-    let mut layouts = Vec::with_capacity(n_layer);
-    for l in 0..n_layer {
-        let gate = g.matrix(&ffn_name(l, "gate"), n_ff, n_embd)?;
-        let up = g.matrix(&ffn_name(l, "up"), n_ff, n_embd)?;
-        g.matrix(&ffn_name(l, "down"), n_embd, n_ff)?;
-        let down_bytes = down_ty
-            .row_bytes(n_embd)
-            .map_err(|e| RuntimeError::Unsupported(format!("down columns as {down_ty} with n_embd = {n_embd}: {e}")))?;
-        layouts.push(BundleLayout {
-            gate_type: gate.ty,
-            up_type: up.ty,
-            down_type: down_ty,
-            gate_bytes: gate.row_bytes(),
-            up_bytes: up.row_bytes(),
-            down_bytes,
-        });
-    }
+    let layouts = bundle_layouts(&g, &c, opts.down)?;
 
     let arch = g.req_str("general.architecture")?.to_string();
     let resident = resident_image(&g, n_layer);

@@ -75,31 +75,7 @@ impl Predictor {
 
     /// Decodes and validates the bytes of a `.lspred` file; `path` names it in errors.
     pub fn from_bytes(bytes: &[u8], path: &Path) -> Result<Self, PredictError> {
-        let mut r = Reader::new(bytes, 0, path);
-        if r.take(8, "magic")? != MAGIC {
-            return Err(PredictError::Magic {
-                path: path.to_path_buf(),
-            });
-        }
-        let version = r.u32("version")?;
-        if version != VERSION {
-            return Err(PredictError::Version {
-                path: path.to_path_buf(),
-                found: version,
-                expected: VERSION,
-            });
-        }
-        if bytes.len() < 12 + 32 {
-            return Err(r.truncated("checksum", 32));
-        }
-        // Checksum first: nothing below looks at bytes a flipped bit could have changed.
-        let (body, sum) = bytes.split_at(bytes.len() - 32);
-        if Sha256::digest(body).as_slice() != sum {
-            return Err(PredictError::Checksum {
-                path: path.to_path_buf(),
-            });
-        }
-        let mut r = Reader::new(body, 12, path);
+        let mut r: Reader = binread::checked_body(bytes, path, &MAGIC, VERSION)?;
         let provenance = r.string("provenance", MAX_STRING)?;
         let k = r.u8("kind")?;
         let kind = PredictorKind::from_u8(k).ok_or_else(|| r.invalid("kind", format!("unknown predictor kind {k}")))?;
@@ -259,6 +235,23 @@ impl binread::FieldError for PredictError {
             path: path.to_path_buf(),
             field,
             reason,
+        }
+    }
+    fn magic(path: &Path) -> Self {
+        Self::Magic {
+            path: path.to_path_buf(),
+        }
+    }
+    fn version(path: &Path, found: u32, expected: u32) -> Self {
+        Self::Version {
+            path: path.to_path_buf(),
+            found,
+            expected,
+        }
+    }
+    fn checksum(path: &Path) -> Self {
+        Self::Checksum {
+            path: path.to_path_buf(),
         }
     }
 }

@@ -18,7 +18,7 @@
 use leanstream_runtime::generate::sampler::Rng;
 use leanstream_runtime::predict::{HashStage, HashingLayer, QuantMatrix};
 
-use super::adam::{axpy, bce, dot, Adam};
+use super::numeric::{axpy, bce, dot, logit, normal, Adam};
 
 /// Inverse temperature on the bit agreement: τ = 16 bits span ±8 logits.
 const BETA: f32 = 0.5;
@@ -96,25 +96,19 @@ impl HashNet {
         n += g;
         let mut theta = vec![0.0; n];
         let mut rng = Rng::new(seed);
-        let mut normal = |scale: f32| {
-            // Box-Muller from two uniforms.
-            let (a, b) = (rng.uniform().max(1e-12), rng.uniform());
-            scale * ((-2.0 * a.ln()).sqrt() * (std::f64::consts::TAU * b).cos()) as f32
-        };
         for v in &mut theta[..d * d_model] {
-            *v = normal(1.0 / (d_model as f32).sqrt());
+            *v = normal(&mut rng, 1.0 / (d_model as f32).sqrt());
         }
         for s in &at {
             for v in &mut theta[s.h..s.c] {
-                *v = normal(1.0 / (d as f32).sqrt());
+                *v = normal(&mut rng, 1.0 / (d as f32).sqrt());
             }
             for v in &mut theta[s.k..s.t] {
-                *v = normal(0.5);
+                *v = normal(&mut rng, 0.5);
             }
         }
         for (v, &f) in theta[bias..].iter_mut().zip(freq) {
-            let f = f.clamp(1e-3, 1.0 - 1e-3);
-            *v = (f / (1.0 - f)).ln();
+            *v = logit(f);
         }
         Self {
             shape,
@@ -184,11 +178,11 @@ impl HashNet {
                     Some(rng) => -0.3 * temp * (-(rng.uniform().max(1e-12)).ln()).max(1e-12).ln() as f32,
                     None => 0.0,
                 };
-                let logit = BETA * sim + g;
-                *wj = logit;
+                let key_logit = BETA * sim + g;
+                *wj = key_logit;
                 // Ties go to the first key, as in the runtime.
-                if logit > best.0 {
-                    best = (logit, j);
+                if key_logit > best.0 {
+                    best = (key_logit, j);
                 }
             }
             let j = best.1;

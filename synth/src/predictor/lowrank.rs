@@ -4,7 +4,7 @@
 use leanstream_runtime::generate::sampler::Rng;
 use leanstream_runtime::predict::{LowRankLayer, QuantMatrix};
 
-use super::adam::{axpy, bce, dot, Adam};
+use super::numeric::{axpy, bce, dot, logit, normal, Adam};
 
 pub struct LowRankNet {
     pub d_model: usize,
@@ -29,20 +29,15 @@ impl LowRankNet {
         let n = rank * d_model + rank + g * rank + g;
         let mut theta = vec![0.0; n];
         let mut rng = Rng::new(seed);
-        let mut normal = |scale: f32| {
-            let (a, b) = (rng.uniform().max(1e-12), rng.uniform());
-            scale * ((-2.0 * a.ln()).sqrt() * (std::f64::consts::TAU * b).cos()) as f32
-        };
         for v in &mut theta[..rank * d_model] {
-            *v = normal(1.0 / (d_model as f32).sqrt());
+            *v = normal(&mut rng, 1.0 / (d_model as f32).sqrt());
         }
         let w2 = rank * d_model + rank;
         for v in &mut theta[w2..w2 + g * rank] {
-            *v = normal(0.01);
+            *v = normal(&mut rng, 0.01);
         }
         for (v, &f) in theta[w2 + g * rank..].iter_mut().zip(freq) {
-            let f = f.clamp(1e-3, 1.0 - 1e-3);
-            *v = (f / (1.0 - f)).ln();
+            *v = logit(f);
         }
         Self {
             d_model,

@@ -8,10 +8,10 @@
 //! cross-entropy per neuron group, weighted by activation magnitude. Layers train in parallel (rayon), each
 //! deterministic for the seed.
 
-mod adam;
 pub mod data;
 pub mod hashing;
 pub mod lowrank;
+mod numeric;
 
 use indicatif::{ProgressBar, ProgressStyle};
 use leanstream_profiler::activations::read::Trace;

@@ -1,4 +1,7 @@
-//! Adam over one flat parameter vector.
+//! The numerics both trainers share: Adam over a flat parameter vector,
+//! weighted binary cross-entropy, dot and axpy, Gaussian and logit inits.
+
+use leanstream_runtime::generate::sampler::Rng;
 
 pub struct Adam {
     m: Vec<f32>,
@@ -64,4 +67,16 @@ pub fn axpy(y: &mut [f32], a: f32, x: &[f32]) {
     for (yi, &xi) in y.iter_mut().zip(x) {
         *yi += a * xi;
     }
+}
+
+/// A normal sample of standard deviation `scale` (Box-Muller).
+pub fn normal(rng: &mut Rng, scale: f32) -> f32 {
+    let (a, b) = (rng.uniform().max(1e-12), rng.uniform());
+    scale * ((-2.0 * a.ln()).sqrt() * (std::f64::consts::TAU * b).cos()) as f32
+}
+
+/// The logit of a frequency, kept finite.
+pub fn logit(f: f32) -> f32 {
+    let f = f.clamp(1e-3, 1.0 - 1e-3);
+    (f / (1.0 - f)).ln()
 }
