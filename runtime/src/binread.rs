@@ -16,6 +16,49 @@ pub trait FieldError {
     fn checksum(path: &Path) -> Self;
 }
 
+/// Implements [`FieldError`] for an error enum with the variants `Truncated
+/// { path, field, needed, left }`, `Invalid { path, field, reason }`, `Magic
+/// { path }`, `Version { path, found, expected }` and `Checksum { path }`.
+#[macro_export]
+macro_rules! impl_field_error {
+    ($t:ty) => {
+        impl $crate::binread::FieldError for $t {
+            fn truncated(path: &std::path::Path, field: &'static str, needed: u64, left: u64) -> Self {
+                Self::Truncated {
+                    path: path.to_path_buf(),
+                    field,
+                    needed,
+                    left,
+                }
+            }
+            fn invalid(path: &std::path::Path, field: &'static str, reason: String) -> Self {
+                Self::Invalid {
+                    path: path.to_path_buf(),
+                    field,
+                    reason,
+                }
+            }
+            fn magic(path: &std::path::Path) -> Self {
+                Self::Magic {
+                    path: path.to_path_buf(),
+                }
+            }
+            fn version(path: &std::path::Path, found: u32, expected: u32) -> Self {
+                Self::Version {
+                    path: path.to_path_buf(),
+                    found,
+                    expected,
+                }
+            }
+            fn checksum(path: &std::path::Path) -> Self {
+                Self::Checksum {
+                    path: path.to_path_buf(),
+                }
+            }
+        }
+    };
+}
+
 /// Checks the 8-byte magic, the u32 version and the trailing SHA-256 of
 /// every byte before it; returns a reader over what lies between. The
 /// checksum comes first: nothing after looks at bytes a flipped bit could

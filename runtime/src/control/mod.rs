@@ -538,37 +538,4 @@ fn put_str(b: &mut Vec<u8>, s: &str) {
 
 type Reader<'a> = binread::Reader<'a, ControlError>;
 
-impl binread::FieldError for ControlError {
-    fn truncated(path: &Path, field: &'static str, needed: u64, left: u64) -> Self {
-        Self::Truncated {
-            path: path.to_path_buf(),
-            field,
-            needed,
-            left,
-        }
-    }
-    fn invalid(path: &Path, field: &'static str, reason: String) -> Self {
-        Self::Invalid {
-            path: path.to_path_buf(),
-            field,
-            reason,
-        }
-    }
-    fn magic(path: &Path) -> Self {
-        Self::Magic {
-            path: path.to_path_buf(),
-        }
-    }
-    fn version(path: &Path, found: u32, expected: u32) -> Self {
-        Self::Version {
-            path: path.to_path_buf(),
-            found,
-            expected,
-        }
-    }
-    fn checksum(path: &Path) -> Self {
-        Self::Checksum {
-            path: path.to_path_buf(),
-        }
-    }
-}
+crate::impl_field_error!(ControlError);

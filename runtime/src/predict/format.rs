@@ -221,40 +221,7 @@ fn put_quant(b: &mut Vec<u8>, m: &QuantMatrix) {
 
 type Reader<'a> = binread::Reader<'a, PredictError>;
 
-impl binread::FieldError for PredictError {
-    fn truncated(path: &Path, field: &'static str, needed: u64, left: u64) -> Self {
-        Self::Truncated {
-            path: path.to_path_buf(),
-            field,
-            needed,
-            left,
-        }
-    }
-    fn invalid(path: &Path, field: &'static str, reason: String) -> Self {
-        Self::Invalid {
-            path: path.to_path_buf(),
-            field,
-            reason,
-        }
-    }
-    fn magic(path: &Path) -> Self {
-        Self::Magic {
-            path: path.to_path_buf(),
-        }
-    }
-    fn version(path: &Path, found: u32, expected: u32) -> Self {
-        Self::Version {
-            path: path.to_path_buf(),
-            found,
-            expected,
-        }
-    }
-    fn checksum(path: &Path) -> Self {
-        Self::Checksum {
-            path: path.to_path_buf(),
-        }
-    }
-}
+crate::impl_field_error!(PredictError);
 
 fn read_quant(r: &mut Reader, field: &'static str, rows: usize, cols: usize) -> Result<QuantMatrix, PredictError> {
     Ok(QuantMatrix {
