@@ -71,6 +71,17 @@ pub fn cached_path(m: &KnownModel) -> PathBuf {
     home_dir().join("models").join(m.name).join(m.file_name)
 }
 
+/// Where a reference model is expected locally (tests, benchmarks):
+/// `$LEANSTREAM_<NAME>` when set, else where `leanstream fetch` caches it;
+/// `None` for a name LeanStream does not know.
+pub fn local_model_path(name: &str) -> Option<PathBuf> {
+    let var = format!("LEANSTREAM_{}", name.to_uppercase());
+    match std::env::var_os(var).filter(|v| !v.is_empty()) {
+        Some(p) => Some(PathBuf::from(p)),
+        None => known_model(name).map(cached_path),
+    }
+}
+
 /// A `--model` argument: a known model's name (fetched on first use) or a path.
 pub fn resolve_model(arg: &str) -> Result<PathBuf> {
     match known_model(arg) {

@@ -138,6 +138,7 @@ pub fn evaluate(trace: &Trace, predictors: &[(PathBuf, Predictor)], o: &EvalOpti
         vec![vec![vec![0.0; n_layer]; o.sparsities.len()]; predictors.len() * 2 + 1];
     let mut mass = per_layer.clone();
     let mut scratches: Vec<Scratch> = predictors.iter().map(|(_, p)| p.scratch()).collect();
+    let mut outs: Vec<Vec<f32>> = predictors.iter().map(|(_, p)| vec![0.0; p.n_groups()]).collect();
     let mut idx = Vec::with_capacity(n_ff);
     let mut truth = vec![false; n_ff];
     for l in 0..n_layer {
@@ -146,7 +147,7 @@ pub fn evaluate(trace: &Trace, predictors: &[(PathBuf, Predictor)], o: &EvalOpti
             act.rows = act.rows.min(m);
         }
         rows_used = act.rows;
-        let inputs = [input_rows(trace, "heldout", 0, l)?, input_rows(trace, "heldout", 1, l)?];
+        let inputs = input_rows(trace, "heldout", l)?;
         for (si, &s) in o.sparsities.iter().enumerate() {
             let k = active_count(n_ff, s);
             let mut static_top = Vec::new();
@@ -171,19 +172,19 @@ pub fn evaluate(trace: &Trace, predictors: &[(PathBuf, Predictor)], o: &EvalOpti
                 );
                 for (pi, (_, p)) in predictors.iter().enumerate() {
                     let group = p.config.group;
-                    let mut out = vec![0.0f32; p.n_groups()];
+                    let out = &mut outs[pi];
                     for u in 0..2 {
                         let ui = p
                             .use_index(USES[u])
                             .ok_or_else(|| SynthError::Settings(format!("predictor has no use {:?}", USES[u])))?;
                         let x = inputs[u].row(r);
                         let t = Instant::now();
-                        p.scores(ui, l, x, ComputePath::Simd, &mut scratches[pi], &mut out)?;
+                        p.scores(ui, l, x, ComputePath::Simd, &mut scratches[pi], out)?;
                         let simd_ns = t.elapsed().as_nanos();
                         // Scalar timing on the first sparsity and a subset of tokens only.
                         if si == 0 && r < 256 {
                             let t = Instant::now();
-                            p.scores(ui, l, x, ComputePath::Scalar, &mut scratches[pi], &mut out)?;
+                            p.scores(ui, l, x, ComputePath::Scalar, &mut scratches[pi], out)?;
                             let e = &mut timing[pi][u];
                             e.0 += t.elapsed().as_nanos();
                             e.3 += 1;
@@ -193,7 +194,7 @@ pub fn evaluate(trace: &Trace, predictors: &[(PathBuf, Predictor)], o: &EvalOpti
                             e.1 += simd_ns;
                             e.2 += 1;
                         }
-                        let top = top_groups(&out, k / group, &mut idx);
+                        let top = top_groups(out, k / group, &mut idx);
                         add(&mut sums[pi * 2 + u], recall_of(top, group, &truth, k, a, mass_total));
                     }
                 }
@@ -338,8 +339,9 @@ enum Pick<'a> {
     Dense,
     /// The true top-k of the layer's own activations.
     Oracle,
-    /// The same top-k for every token: the training frequency ranking.
-    Static(Vec<Vec<u32>>),
+    /// The same top-k for every token (per layer, neuron flags): the
+    /// training frequency ranking.
+    Static(Vec<Vec<bool>>),
     Predicted {
         p: &'a Predictor,
         use_: usize,
@@ -389,14 +391,19 @@ impl MaskProbe<'_> {
     }
 }
 
-/// Zeroes every entry of `a` not listed in `keep`.
-fn keep_only(a: &mut [f32], keep: &[u32]) {
-    let mut flags = vec![false; a.len()];
-    for &j in keep {
-        flags[j as usize] = true;
+/// Per neuron, whether it is in `ids`.
+fn flags(ids: &[u32], n: usize) -> Vec<bool> {
+    let mut f = vec![false; n];
+    for &j in ids {
+        f[j as usize] = true;
     }
-    for (v, f) in a.iter_mut().zip(flags) {
-        if !f {
+    f
+}
+
+/// Zeroes every activation whose flag is off.
+fn keep_flagged(a: &mut [f32], keep: &[bool]) {
+    for (v, &k) in a.iter_mut().zip(keep) {
+        if !k {
             *v = 0.0;
         }
     }
@@ -428,17 +435,10 @@ impl LayerProbe for MaskProbe<'_> {
                 Pick::Dense => {}
                 Pick::Oracle => {
                     top_k_abs(a, self.k, &mut self.idx);
-                    keep_only(a, &self.idx);
+                    keep_flagged(a, &flags(&self.idx, n_ff));
                 }
-                Pick::Static(top) => keep_only(a, &top[layer]),
-                Pick::Predicted { .. } => {
-                    let m = &self.masks[layer % 2][r * n_ff..(r + 1) * n_ff];
-                    for (v, &keep) in a.iter_mut().zip(m) {
-                        if !keep {
-                            *v = 0.0;
-                        }
-                    }
-                }
+                Pick::Static(keep) => keep_flagged(a, &keep[layer]),
+                Pick::Predicted { .. } => keep_flagged(a, &self.masks[layer % 2][r * n_ff..(r + 1) * n_ff]),
             }
         }
     }
@@ -528,11 +528,11 @@ fn perplexities(trace: &Trace, predictors: &[(PathBuf, Predictor)], o: &EvalOpti
             top1_agreement_with_dense: p.top1_agreement(&dense),
         };
         out.push(row("oracle (true top-k)".into(), &oracle));
-        let top: Vec<Vec<u32>> = (0..trace.n_layer())
+        let top: Vec<Vec<bool>> = (0..trace.n_layer())
             .map(|l| {
                 let mut idx = Vec::new();
                 top_k_abs(static_scores.row(l), k, &mut idx);
-                idx
+                flags(&idx, n_ff)
             })
             .collect();
         out.push(row("static hot set".into(), &run(Pick::Static(top), k)?));

@@ -7,7 +7,7 @@ use leanstream_runtime::model::Model;
 use leanstream_runtime::perplexity::perplexity;
 use leanstream_runtime::predict::{ComputePath, Predictor};
 use leanstream_synth::eval::{evaluate, EvalOptions};
-use leanstream_synth::predictor::data::{input_rows, USES};
+use leanstream_synth::predictor::data::input_rows;
 use leanstream_synth::predictor::{train, TrainOptions};
 
 mod common;
@@ -48,8 +48,7 @@ fn smollm2_predictors_train_save_and_evaluate() {
         let (mut s1, mut s2) = (p.scratch(), back.scratch());
         let (mut o1, mut o2) = (vec![0.0; p.n_groups()], vec![0.0; p.n_groups()]);
         for layer in [0, 7, trace.n_layer() - 1] {
-            for u in 0..USES.len() {
-                let x = input_rows(&trace, "heldout", u, layer).unwrap();
+            for (u, x) in input_rows(&trace, "heldout", layer).unwrap().iter().enumerate() {
                 for r in (0..x.rows).step_by(37) {
                     p.scores(u, layer, x.row(r), ComputePath::Simd, &mut s1, &mut o1)
                         .unwrap();

@@ -88,13 +88,13 @@ fn plan_split(model: &Model, name: &'static str, files: &[PathBuf], ctx: usize, 
 }
 
 /// The probe: copies each layer's signals of the current window into the shard buffers.
-struct Recorder {
+struct Recorder<'h> {
     d: usize,
     f: usize,
     /// Tokens of the shard (the `T` of its arrays) and where the current window starts.
     t_len: usize,
     t0: usize,
-    hot: Vec<f32>,
+    hot: &'h [f32],
     bufs: [Vec<f16>; 5],
 }
 
@@ -105,8 +105,8 @@ fn put(buf: &mut [f16], t_len: usize, width: usize, layer: usize, t0: usize, row
     }
 }
 
-impl Recorder {
-    fn new(n_layer: usize, d: usize, f: usize, t_len: usize, hot: Vec<f32>) -> Self {
+impl<'h> Recorder<'h> {
+    fn new(n_layer: usize, d: usize, f: usize, t_len: usize, hot: &'h [f32]) -> Self {
         let bufs = Array::ALL.map(|a| {
             let width = if a == Array::Act { f } else { d };
             vec![f16::ZERO; n_layer * t_len * width]
@@ -127,7 +127,7 @@ impl Recorder {
     }
 }
 
-impl LayerProbe for Recorder {
+impl LayerProbe for Recorder<'_> {
     fn layer_input(&mut self, layer: usize, rows: Range<usize>, x: &[f32]) {
         self.store(Array::LayerIn, layer, rows, x);
     }
@@ -308,7 +308,7 @@ pub fn record(opts: &RecordOptions) -> Result<Manifest> {
         for (k, windows) in shards.iter().enumerate().skip(committed) {
             bar.set_message(format!("{} shard {}/{}", planned.name, k + 1, shards.len()));
             let t_len: usize = planned.windows[windows.clone()].iter().map(Vec::len).sum();
-            let mut rec = Recorder::new(n_layer, d, f, t_len, hot.clone());
+            let mut rec = Recorder::new(n_layer, d, f, t_len, &hot);
             let mut tokens = Vec::with_capacity(t_len);
             for w in &planned.windows[windows.clone()] {
                 if STOP.load(Ordering::SeqCst) {

@@ -17,19 +17,20 @@ use crate::Result;
 /// Layer 0 has no previous layer: both uses see the token embedding.
 pub const USES: [&str; 2] = ["speculate", "refine"];
 
-/// Raw input rows of use `use_` for target layer `layer`.
-pub fn input_rows(trace: &Trace, split: &str, use_: usize, layer: usize) -> Result<Rows> {
+/// Raw input rows of each use (in [`USES`] order) for target layer `layer`;
+/// the residual is read once for both.
+pub fn input_rows(trace: &Trace, split: &str, layer: usize) -> Result<[Rows; 2]> {
     if layer == 0 {
-        return Ok(trace.layer(split, Array::LayerIn, 0)?);
+        let x = trace.layer(split, Array::LayerIn, 0)?;
+        return Ok([x.clone(), x]);
     }
-    let mut x = trace.layer(split, Array::Resid, layer - 1)?;
-    if use_ == 1 {
-        let p = trace.layer(split, Array::Partial, layer - 1)?;
-        for (a, b) in x.data.iter_mut().zip(&p.data) {
-            *a += b;
-        }
+    let speculate = trace.layer(split, Array::Resid, layer - 1)?;
+    let mut refine = speculate.clone();
+    let partial = trace.layer(split, Array::Partial, layer - 1)?;
+    for (a, b) in refine.data.iter_mut().zip(&partial.data) {
+        *a += b;
     }
-    Ok(x)
+    Ok([speculate, refine])
 }
 
 /// Rows as the runtime's predictor sees them: RMS-normalised, quantised at

@@ -127,8 +127,9 @@ fn train_layer(trace: &Trace, o: &TrainOptions, hcfg: &PredictorConfig, rank: us
     let mut hashing_layers = Vec::new();
     let mut low_rank_layers = Vec::new();
     let mut losses = Vec::new();
-    for (u, name) in USES.iter().enumerate() {
-        let x = quantized(&cap(input_rows(trace, "train", u, layer)?))?;
+    let inputs = input_rows(trace, "train", layer)?;
+    for (u, (name, raw)) in USES.iter().zip(inputs).enumerate() {
+        let x = quantized(&cap(raw))?;
         let seed = o.seed ^ ((layer as u64) << 8) ^ (u as u64) << 32;
         let mut h = hashing::HashNet::new(shape, &freq, seed);
         let before = hashing::loss(&h, &x, &y, &yw);

@@ -22,21 +22,12 @@ pub fn repo() -> PathBuf {
 /// SmolLM2 from `$LEANSTREAM_SMOLLM2` or the fetch cache; `None` (with a
 /// printed SKIPPED line) when absent.
 pub fn smollm2() -> Option<PathBuf> {
-    let path = std::env::var_os("LEANSTREAM_SMOLLM2")
-        .filter(|v| !v.is_empty())
-        .map(PathBuf::from)
-        .or_else(|| {
-            let home = std::env::var_os("LEANSTREAM_HOME")
-                .filter(|h| !h.is_empty())
-                .map(PathBuf::from)
-                .or_else(|| std::env::var_os("HOME").map(|h| PathBuf::from(h).join(".cache/leanstream")))?;
-            Some(home.join("models/smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"))
-        })?;
+    let path = leanstream_runtime::fetch::local_model_path("smollm2")?;
     if path.is_file() {
         Some(path)
     } else {
         eprintln!(
-            "SKIPPED: SmolLM2 not found at {} (run `leanstream fetch smollm2`)",
+            "SKIPPED: SmolLM2 not found at {} (set LEANSTREAM_SMOLLM2 or run `leanstream fetch smollm2`)",
             path.display()
         );
         None
