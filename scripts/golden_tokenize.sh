@@ -14,9 +14,8 @@
 set -euo pipefail
 here=$(cd "$(dirname "$0")" && pwd)
 root=$(cd "$here/.." && pwd)
-LLAMA=${LLAMA:-$(dirname "$("$(dirname "$0")/llama_cpp.sh")")/..}
 home=${LEANSTREAM_HOME:-$HOME/.cache/leanstream}
-BIN=${1:-${LLAMA_BIN:-$LLAMA/build/bin}}
+BIN=${1:-${LLAMA_BIN:-$("$here/llama_cpp.sh")}}
 SMOLLM2=${2:-${LEANSTREAM_SMOLLM2:-$home/models/smollm2/SmolLM2-135M-Instruct.Q4_1.gguf}}
 GEMMA3=${3:-${LEANSTREAM_GEMMA3:-$home/models/gemma3/gemma-3-270m-q4_k_m.gguf}}
 out=$root/data/golden/tokenize.json

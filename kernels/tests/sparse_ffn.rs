@@ -463,3 +463,124 @@ fn repacked_q4k_dense_path_agrees_to_rounding() {
     println!("repacked Q4_K: {differ} of {n_ff} activations differ, worst relative {worst:e}");
     assert!(worst < 1e-3, "worst relative difference {worst}");
 }
+
+/// Converts `n` rows of `x` for `ty`'s dot type.
+fn rows_for(ty: GgmlType, x: &[f32], n: usize) -> ActBuffer {
+    let cols = x.len() / n;
+    let mut buf = ActBuffer::with_capacity(cols, n);
+    buf.quantize(ty.vec_dot_type(), x, n, cols).unwrap();
+    buf
+}
+
+#[test]
+fn blocked_kernels_equal_per_neuron_stages_and_their_scalar_twins() {
+    let mut rng = Rng::new(41);
+    for (gate_ty, up_ty) in GATE_UP {
+        for down_ty in [GgmlType::Q8_0, GgmlType::F16] {
+            let layer = Layer::new(gate_ty, up_ty, down_ty, COLS, N_FF, &mut rng);
+            let f = layer.format;
+            // Several row counts: decode, a partial tile, more than one tile.
+            for n in [1usize, 3, 11] {
+                let x: Vec<f32> = (0..n * COLS).map(|_| rng.unit()).collect();
+                let gate_acts = rows_for(gate_ty, &x, n);
+                let up_acts = rows_for(up_ty, &x, n);
+                let rows = FfnRows::new(&f, &gate_acts, &up_acts).unwrap();
+                for act in [FfnActivation::Silu, FfnActivation::GeluTanh] {
+                    // Stage 1 over the whole layer in uneven runs.
+                    let mut fast = vec![0.0f32; N_FF * n];
+                    let mut slow = vec![0.0f32; N_FF * n];
+                    let mut scratch = vec![0.0f32; N_FF * n];
+                    let bb = f.bundle_bytes();
+                    let all = layer.bundles.as_ref();
+                    for (lo, hi) in [(0, 1), (1, 8), (8, 77), (77, N_FF)] {
+                        let run = &all[lo * bb..hi * bb];
+                        run_activations(&f, &rows, act, run, &mut fast[lo * n..hi * n], &mut scratch).unwrap();
+                        run_activations_scalar(&f, &rows, act, run, &mut slow[lo * n..hi * n], &mut scratch).unwrap();
+                    }
+                    for t in 0..n {
+                        let g1 = acts_for(gate_ty, &x[t * COLS..(t + 1) * COLS]);
+                        let u1 = acts_for(up_ty, &x[t * COLS..(t + 1) * COLS]);
+                        let input = FfnInput::new(&f, &g1, &u1, 0).unwrap();
+                        for i in 0..N_FF {
+                            let want = neuron_activation(&f, &input, act, layer.bundle(i)).unwrap();
+                            assert_eq!(
+                                fast[i * n + t].to_bits(),
+                                want.to_bits(),
+                                "{gate_ty}/{up_ty} n={n} row {t} neuron {i}"
+                            );
+                        }
+                    }
+                    // The scalar twin follows GGML's generic formulas: equal to rounding.
+                    for (a, b) in fast.iter().zip(&slow) {
+                        assert!((a - b).abs() <= 1e-3 * (1.0 + a.abs()), "{gate_ty}/{up_ty}: {a} vs {b}");
+                    }
+                    // Stage 2 over a sparse, per-row subset: each row equals accumulate_down.
+                    let ids: Vec<u32> = (0..N_FF as u32).filter(|i| i % 3 != 1).collect();
+                    let mut a = vec![0.0f32; n * N_FF];
+                    for t in 0..n {
+                        for &i in &ids {
+                            // Row t drops some neurons of the union (a zero is skipped).
+                            if (i as usize + t) % 5 != 0 {
+                                a[t * N_FF + i as usize] = fast[i as usize * n + t];
+                            }
+                        }
+                    }
+                    let mut ys = vec![0.25f32; n * COLS];
+                    let mut ys_scalar = ys.clone();
+                    run_down(&f, &ids, &a, N_FF, |i| layer.bundle(i), &mut ys).unwrap();
+                    run_down_scalar(&f, &ids, &a, N_FF, |i| layer.bundle(i), &mut ys_scalar).unwrap();
+                    assert_eq!(
+                        bits(&ys),
+                        bits(&ys_scalar),
+                        "{gate_ty}/{up_ty}/{down_ty} n={n}: run_down twins"
+                    );
+                    for t in 0..n {
+                        let mut la = LayerActivations::new(N_FF);
+                        for &i in &ids {
+                            la.set(i as usize, a[t * N_FF + i as usize]).unwrap();
+                        }
+                        let mut y = vec![0.25f32; COLS];
+                        accumulate_down(&f, &la, |i| layer.bundle(i), &mut y).unwrap();
+                        assert_eq!(bits(&ys[t * COLS..(t + 1) * COLS]), bits(&y), "{down_ty} n={n} row {t}");
+                    }
+                }
+            }
+        }
+    }
+}
+
+#[test]
+fn blocked_kernels_reject_bad_runs_and_ids() {
+    let mut rng = Rng::new(5);
+    let layer = Layer::new(GgmlType::Q4_0, GgmlType::Q4_0, GgmlType::Q8_0, COLS, 16, &mut rng);
+    let f = layer.format;
+    let x: Vec<f32> = (0..COLS).map(|_| rng.unit()).collect();
+    let acts = rows_for(GgmlType::Q4_0, &x, 1);
+    let rows = FfnRows::new(&f, &acts, &acts).unwrap();
+    let (mut out, mut scratch) = (vec![0.0; 16], vec![0.0; 16]);
+    let bb = f.bundle_bytes();
+    let short = &layer.bundles.as_ref()[..2 * bb - 1];
+    assert!(matches!(
+        run_activations(&f, &rows, FfnActivation::Silu, short, &mut out, &mut scratch),
+        Err(KernelError::ByteLength { .. })
+    ));
+    let two = &layer.bundles.as_ref()[..2 * bb];
+    assert!(run_activations(&f, &rows, FfnActivation::Silu, two, &mut out[..1], &mut scratch).is_err());
+    let wrong = rows_for(GgmlType::F16, &x, 1);
+    assert!(matches!(
+        FfnRows::new(&f, &wrong, &acts),
+        Err(KernelError::TypeMismatch { .. })
+    ));
+    let a = vec![1.0f32; 16];
+    let mut y = vec![0.0f32; COLS];
+    for ids in [vec![3u32, 2], vec![4, 16]] {
+        assert!(
+            run_down(&f, &ids, &a, 16, |i| layer.bundle(i), &mut y).is_err(),
+            "{ids:?}"
+        );
+    }
+    assert!(
+        run_down(&f, &[1], &a, 16, |_| &[][..], &mut y).is_err(),
+        "a missing bundle is an error"
+    );
+}

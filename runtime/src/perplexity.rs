@@ -6,8 +6,7 @@
 use indicatif::{ProgressBar, ProgressStyle};
 use serde::Serialize;
 
-use crate::model::{Ffn, Model};
-use crate::sparsity::FfnHook;
+use crate::model::{DenseFfn, LayerHook, Model};
 use crate::{Result, RuntimeError};
 
 #[derive(Debug, Clone, Serialize)]
@@ -52,33 +51,20 @@ pub fn perplexity(
     max_chunks: Option<usize>,
     progress: bool,
 ) -> Result<Perplexity> {
-    perplexity_with_hook(model, text, ctx, max_chunks, progress, FfnHook::None).map(|(p, _)| p)
+    perplexity_with(model, text, ctx, max_chunks, progress, &mut DenseFfn)
 }
 
-/// `perplexity` with a hook on the FFN activations (e.g. sparsity
-/// thresholds), returned afterwards with whatever it counted.
-pub fn perplexity_with_hook(
-    model: &Model,
-    text: &str,
-    ctx: usize,
-    max_chunks: Option<usize>,
-    progress: bool,
-    hook: FfnHook,
-) -> Result<(Perplexity, FfnHook)> {
-    perplexity_with(model, text, ctx, max_chunks, progress, hook, Ffn::Dense)
-}
-
-/// `perplexity_with_hook` with the FFN from `ffn` (a `.lsflash` model's
-/// engine, or the dense FFN under a probe; see `Model::forward_with`).
+/// `perplexity` told to `hook` layer by layer (sparsity thresholds, a
+/// `.lsflash` model's engine, a probe; see `Model::forward_with`), which
+/// keeps whatever it counted.
 pub fn perplexity_with(
     model: &Model,
     text: &str,
     ctx: usize,
     max_chunks: Option<usize>,
     progress: bool,
-    hook: FfnHook,
-    mut ffn: Ffn<'_>,
-) -> Result<(Perplexity, FfnHook)> {
+    hook: &mut dyn LayerHook,
+) -> Result<Perplexity> {
     if ctx < 4 {
         return Err(RuntimeError::Invalid(format!("context {ctx} too small for perplexity")));
     }
@@ -94,7 +80,6 @@ pub fn perplexity_with(
     let n_chunks = (tokens.len() / ctx).min(max_chunks.unwrap_or(usize::MAX));
     let first = ctx / 2;
     let mut st = model.new_state(ctx, ctx.min(512), LOGIT_ROWS);
-    st.ffn_hook = hook;
     let bar = if progress {
         ProgressBar::new(n_chunks as u64)
     } else {
@@ -128,7 +113,7 @@ pub fn perplexity_with(
             } else {
                 out_start - pos..batch.len()
             };
-            model.forward_with(&mut st, batch, pos, outputs, ffn.reborrow())?;
+            model.forward_with(&mut st, batch, pos, outputs, hook)?;
             // Position ctx-1 predicts nothing inside the chunk.
             let score_end = batch_end.min(ctx - 1);
             let mut row = out_start;
@@ -169,7 +154,7 @@ pub fn perplexity_with(
         text_tokens: tokens.len(),
         predictions,
     };
-    Ok((p, std::mem::take(&mut st.ffn_hook)))
+    Ok(p)
 }
 
 /// log p(target) under softmax(logits), normaliser summed in f64.

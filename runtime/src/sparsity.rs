@@ -4,15 +4,16 @@
 //! a target fraction of neurons falls below them, layer by layer.
 //!
 //! Calibration records a log-scale histogram of |activation| per layer while
-//! the dense model runs (`FfnHook::Record`); a threshold is the histogram's
-//! quantile at the target sparsity. Applying thresholds in the dense forward
-//! pass (`FfnHook::Sparsify`) measures the quality cost of a sparsity level
-//! without any streaming: the oracle upper bound for every predictor.
+//! the dense model runs ([`Calibrator`], a layer hook); a threshold is the
+//! histogram's quantile at the target sparsity. Applying thresholds in the
+//! dense forward pass ([`Sparsifier`]) measures the quality cost of a
+//! sparsity level without any streaming: the oracle upper bound for every
+//! predictor.
 
 use serde::{Deserialize, Serialize};
 
-use crate::generate::ingest;
-use crate::model::Model;
+use crate::generate::ingest_with;
+use crate::model::{LayerAt, LayerHook, Model};
 use crate::{Result, RuntimeError};
 use leanstream_kernels::sparse_ffn::FfnActivation;
 
@@ -108,99 +109,88 @@ impl LayerBins<'_> {
     }
 }
 
-/// What the forward pass does with each layer's gated activations.
-#[derive(Debug, Clone, Default)]
-pub enum FfnHook {
-    #[default]
-    None,
-    /// Record magnitudes (calibration): of the gated activation `act(g)·u`,
-    /// and of the gate alone `act(g)` (what a policy holding only gate rows
-    /// can threshold).
-    Record {
-        full: ActivationHistogram,
-        gate: ActivationHistogram,
-        /// Per (layer, neuron): sum of |act(g)·u| over the rows seen, and
-        /// the rows per layer (the mean ranks neurons for a hot set).
-        sum_abs: Vec<f64>,
-        rows: Vec<u64>,
-    },
-    /// Zero activations below the layer's threshold, counting what was skipped.
-    Sparsify {
-        thresholds: Vec<f32>,
-        skipped: u64,
-        total: u64,
-    },
+/// Calibration's hook: records magnitudes of the gated activation
+/// `act(g)·u` and of the gate alone `act(g)` (what a policy holding only
+/// gate rows can threshold), and each neuron's summed |act(g)·u|.
+#[derive(Debug, Clone)]
+pub struct Calibrator {
+    full: ActivationHistogram,
+    gate: ActivationHistogram,
+    /// Per (layer, neuron): sum of |act(g)·u| over the rows seen, and the
+    /// rows per layer (the mean ranks neurons for a hot set).
+    sum_abs: Vec<f64>,
+    rows: Vec<u64>,
+    n_ff: usize,
 }
 
-impl FfnHook {
-    pub fn sparsify(thresholds: Vec<f32>) -> Self {
-        Self::Sparsify {
+impl Calibrator {
+    pub fn new(n_layer: usize, n_ff: usize) -> Self {
+        Self {
+            full: ActivationHistogram::new(n_layer),
+            gate: ActivationHistogram::new(n_layer),
+            sum_abs: vec![0.0; n_layer * n_ff],
+            rows: vec![0; n_layer],
+            n_ff,
+        }
+    }
+}
+
+impl LayerHook for Calibrator {
+    fn gate(&mut self, at: &LayerAt, g: &[f32], act: FfnActivation) {
+        let mut bins = self.gate.layer_bins(at.layer);
+        for &v in g {
+            bins.add(act.apply(v, 1.0));
+        }
+    }
+
+    fn activations(&mut self, at: &LayerAt, acts: &mut [f32]) {
+        let (layer, n_ff) = (at.layer, self.n_ff);
+        self.full.record(layer, acts);
+        let sums = &mut self.sum_abs[layer * n_ff..(layer + 1) * n_ff];
+        for row in acts.chunks_exact(n_ff) {
+            for (s, &a) in sums.iter_mut().zip(row) {
+                *s += a.abs() as f64;
+            }
+            self.rows[layer] += 1;
+        }
+    }
+}
+
+/// Zeroes activations below the layer's threshold in the dense pass,
+/// counting what was skipped: the quality cost of a sparsity level without
+/// any streaming.
+#[derive(Debug, Clone)]
+pub struct Sparsifier {
+    thresholds: Vec<f32>,
+    skipped: u64,
+    total: u64,
+}
+
+impl Sparsifier {
+    pub fn new(thresholds: Vec<f32>) -> Self {
+        Self {
             thresholds,
             skipped: 0,
             total: 0,
         }
     }
 
-    /// Applies the hook to layer `layer`'s activations (all tokens of the batch).
-    pub fn apply(&mut self, layer: usize, activations: &mut [f32]) {
-        match self {
-            Self::None => {}
-            Self::Record {
-                full, sum_abs, rows, ..
-            } => {
-                full.record(layer, activations);
-                let n_ff = sum_abs.len() / rows.len();
-                let sums = &mut sum_abs[layer * n_ff..(layer + 1) * n_ff];
-                for row in activations.chunks_exact(n_ff) {
-                    for (s, &a) in sums.iter_mut().zip(row) {
-                        *s += a.abs() as f64;
-                    }
-                    rows[layer] += 1;
-                }
-            }
-            Self::Sparsify {
-                thresholds,
-                skipped,
-                total,
-            } => {
-                let t = thresholds[layer];
-                for a in activations.iter_mut() {
-                    if a.abs() < t {
-                        *a = 0.0;
-                        *skipped += 1;
-                    }
-                }
-                *total += activations.len() as u64;
-            }
-        }
-    }
-
-    /// Sees layer `layer`'s gate pre-activations `g` before the gated
-    /// product (records `act(g)` when calibrating; otherwise nothing).
-    pub fn observe_gate(&mut self, layer: usize, g: &[f32], act: FfnActivation) {
-        if let Self::Record { gate, .. } = self {
-            let mut bins = gate.layer_bins(layer);
-            for &v in g {
-                bins.add(act.apply(v, 1.0));
-            }
-        }
-    }
-
-    pub fn record(n_layer: usize, n_ff: usize) -> Self {
-        Self::Record {
-            full: ActivationHistogram::new(n_layer),
-            gate: ActivationHistogram::new(n_layer),
-            sum_abs: vec![0.0; n_layer * n_ff],
-            rows: vec![0; n_layer],
-        }
-    }
-
-    /// Fraction of neurons skipped so far (Sparsify only).
+    /// Fraction of neurons skipped so far.
     pub fn skipped_fraction(&self) -> Option<f64> {
-        match self {
-            Self::Sparsify { skipped, total, .. } if *total > 0 => Some(*skipped as f64 / *total as f64),
-            _ => None,
+        (self.total > 0).then(|| self.skipped as f64 / self.total as f64)
+    }
+}
+
+impl LayerHook for Sparsifier {
+    fn activations(&mut self, at: &LayerAt, acts: &mut [f32]) {
+        let t = self.thresholds[at.layer];
+        for a in acts.iter_mut() {
+            if a.abs() < t {
+                *a = 0.0;
+                self.skipped += 1;
+            }
         }
+        self.total += acts.len() as u64;
     }
 }
 
@@ -285,19 +275,17 @@ pub fn calibrate_windows(model: &Model, windows: &[&[u32]], sparsities: &[f32]) 
     }
     let n_layer = model.config.n_layer;
     let mut st = model.new_state(ctx, ctx.min(512), 1);
-    st.ffn_hook = FfnHook::record(n_layer, model.config.n_ff);
+    let mut cal = Calibrator::new(n_layer, model.config.n_ff);
     for window in windows {
-        ingest(model, &mut st, window, 0)?;
+        ingest_with(model, &mut st, window, 0, &mut cal)?;
     }
-    let FfnHook::Record {
+    let Calibrator {
         full,
         gate,
         sum_abs,
         rows,
-    } = &st.ffn_hook
-    else {
-        unreachable!("set above")
-    };
+        ..
+    } = &cal;
     let levels = sparsities
         .iter()
         .map(|&s| Thresholds {
@@ -347,9 +335,14 @@ mod tests {
 
     #[test]
     fn sparsify_zeroes_below_threshold_and_counts() {
-        let mut hook = FfnHook::sparsify(vec![0.5]);
+        let mut hook = Sparsifier::new(vec![0.5]);
         let mut a = [0.1, -0.6, 0.49, 2.0];
-        hook.apply(0, &mut a);
+        let at = LayerAt {
+            layer: 0,
+            rows: 0..1,
+            pos0: 0,
+        };
+        hook.activations(&at, &mut a);
         assert_eq!(a, [0.0, -0.6, 0.0, 2.0]);
         assert_eq!(hook.skipped_fraction(), Some(0.5));
     }

@@ -5,12 +5,15 @@
 mod common;
 
 use std::path::{Path, PathBuf};
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use leanstream_kernels::GgmlType;
 use leanstream_runtime::cache::FfnBudget;
-use leanstream_runtime::engine::{is_lsflash, FlashEngine, FlashModel, Policy};
-use leanstream_runtime::flash::{pack, DownType, PackOptions};
+use leanstream_runtime::engine::{
+    is_lsflash, BackendFactory, CachePolicy, EngineOptions, FlashEngine, FlashModel, Policy, Streamer, Want,
+};
+use leanstream_runtime::flash::io::{make_backend, Backend, FaultyBackend, IoConfig};
+use leanstream_runtime::flash::{pack, DownType, PackOptions, SparsityLevel};
 use leanstream_runtime::generate::argmax;
 use leanstream_runtime::model::Model;
 use leanstream_runtime::synthetic::SyntheticSpec;
@@ -200,4 +203,81 @@ fn a_file_truncated_while_streaming_is_an_error_naming_it() {
         .to_string();
     eprintln!("{err}");
     assert!(err.contains(&path.display().to_string()), "{err}");
+}
+
+/// A model whose layers span several reads (1.6 MiB of bundles each), so
+/// arrivals within a layer can come in any order.
+fn multi_read_model(name: &str) -> FlashModel {
+    let mut spec = SyntheticSpec::tiny("llama");
+    spec.weight_type = GgmlType::Q8_0;
+    (spec.n_embd, spec.n_ff, spec.n_layer) = (256, 2048, 3);
+    let src = dir().join(format!("{name}.gguf"));
+    std::fs::write(&src, spec.build().unwrap().to_bytes()).unwrap();
+    FlashModel::open(pack_to(&src, name, None)).unwrap()
+}
+
+/// Streaming options that split every layer into many requests: an LRU cache
+/// holding part of the FFN leaves scattered misses, and no gap is merged.
+fn scattered(fm: &FlashModel, share: f64) -> EngineOptions {
+    EngineOptions {
+        policy: Policy::DenseStream,
+        cache_bytes: (fm.ffn_bytes() as f64 * share) as u64,
+        cache_policy: CachePolicy::Lru,
+        merge_gap_bytes: 0,
+        level: SparsityLevel::dense(fm.flash.n_layer()),
+        record: false,
+        trace: None,
+    }
+}
+
+fn shuffled_backend(seed: u64) -> BackendFactory {
+    Box::new(move |cfg: &IoConfig| {
+        let inner = make_backend(cfg)?;
+        Ok(Box::new(FaultyBackend::new(inner, []).shuffled(seed, Duration::from_micros(300))) as Box<dyn Backend>)
+    })
+}
+
+#[test]
+fn arrival_order_compute_equals_barrier_compute_bit_for_bit() {
+    let fm = multi_read_model("arrival");
+    let prompt = [1u32, 20, 33, 47, 5, 9];
+    let mut dense = fm.engine(Policy::Dense, FfnBudget::Percent(100.0)).unwrap();
+    let reference = greedy_flash(&fm, &mut dense, &prompt, 6);
+    for (seed, share) in [(1u64, 0.0), (2, 0.3), (3, 0.6)] {
+        let mut e = fm
+            .engine_on(scattered(&fm, share), Some(shuffled_backend(seed)))
+            .unwrap();
+        let run = greedy_flash(&fm, &mut e, &prompt, 6);
+        let s = e.stats();
+        let reads_per_layer_call = s.reads as f64 / (7 * fm.flash.n_layer()) as f64;
+        eprintln!("seed {seed}, cache {share}: {reads_per_layer_call:.1} reads per layer call, {s:?}");
+        assert!(reads_per_layer_call > 2.0, "each layer arrives in several reads");
+        assert!(common::same_bits(&run, &reference), "seed {seed}, cache share {share}");
+    }
+}
+
+#[test]
+fn reads_progress_while_the_compute_thread_is_busy() {
+    let fm = multi_read_model("progress");
+    let mut s = Streamer::new(&fm, 0, CachePolicy::Lru, 0, None).unwrap();
+    s.ensure(0, Want::All).unwrap();
+    s.prefetch(1, Want::All).unwrap();
+    let layer_bytes = fm.ffn_bytes() / fm.flash.n_layer() as u64;
+    // Compute is "busy": nobody calls into the streamer. The I/O thread must
+    // still submit and reap every read of both layers.
+    let t = Instant::now();
+    while s.stats().bytes_read < 2 * layer_bytes && t.elapsed() < Duration::from_secs(20) {
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    let st = s.stats();
+    eprintln!("after {:?} without a call: {st:?}", t.elapsed());
+    assert!(st.bytes_read >= 2 * layer_bytes, "{st:?}");
+    assert!(st.reads >= 4, "several reads per layer: {st:?}");
+    // Everything is there without waiting.
+    let mut bundles = 0;
+    while let Some(run) = s.next_run(0).unwrap() {
+        bundles += run.neurons.len();
+    }
+    assert_eq!(bundles, fm.flash.n_ff());
+    assert_eq!(s.stats().io_wait_seconds, 0.0, "nothing was waited for");
 }

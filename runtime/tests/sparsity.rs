@@ -5,8 +5,8 @@
 use std::path::PathBuf;
 
 use leanstream_runtime::model::Model;
-use leanstream_runtime::perplexity::perplexity_with_hook;
-use leanstream_runtime::sparsity::{calibrate, FfnHook};
+use leanstream_runtime::perplexity::{perplexity, perplexity_with};
+use leanstream_runtime::sparsity::{calibrate, Sparsifier};
 use leanstream_runtime::synthetic::SyntheticSpec;
 
 /// Each test writes its own file: tests run in parallel.
@@ -41,15 +41,8 @@ fn calibrated_thresholds_hit_their_target_on_the_calibration_text() {
     for level in &levels[1..] {
         // Thresholds rise with the target, layer by layer.
         assert!(level.per_layer.iter().all(|&t| t > 0.0));
-        let (_, hook) = perplexity_with_hook(
-            &model,
-            &text,
-            64,
-            None,
-            false,
-            FfnHook::sparsify(level.per_layer.clone()),
-        )
-        .unwrap();
+        let mut hook = Sparsifier::new(level.per_layer.clone());
+        perplexity_with(&model, &text, 64, None, false, &mut hook).unwrap();
         let skipped = hook.skipped_fraction().unwrap();
         // Histogram bins are ~1% wide and perplexity scores its own windows of the text.
         assert!(
@@ -69,23 +62,18 @@ fn calibrated_thresholds_hit_their_target_on_the_calibration_text() {
 fn zero_thresholds_change_nothing_and_real_ones_do() {
     let model = model("zero.gguf");
     let text = text();
-    let dense = perplexity_with_hook(&model, &text, 64, None, false, FfnHook::None)
-        .unwrap()
-        .0;
-    let zero = perplexity_with_hook(&model, &text, 64, None, false, FfnHook::sparsify(vec![0.0; 2]))
-        .unwrap()
-        .0;
+    let dense = perplexity(&model, &text, 64, None, false).unwrap();
+    let zero = perplexity_with(&model, &text, 64, None, false, &mut Sparsifier::new(vec![0.0; 2])).unwrap();
     assert_eq!(dense.ppl.to_bits(), zero.ppl.to_bits());
     let levels = calibrate(&model, &text, 64, &[0.8]).unwrap().levels;
-    let sparse = perplexity_with_hook(
+    let sparse = perplexity_with(
         &model,
         &text,
         64,
         None,
         false,
-        FfnHook::sparsify(levels[0].per_layer.clone()),
+        &mut Sparsifier::new(levels[0].per_layer.clone()),
     )
-    .unwrap()
-    .0;
+    .unwrap();
     assert_ne!(dense.ppl.to_bits(), sparse.ppl.to_bits());
 }

@@ -8,7 +8,8 @@
 set -euo pipefail
 here=$(cd "$(dirname "$0")" && pwd)
 root=$(cd "$here/../.." && pwd)
-LLAMA=${LLAMA:-$(dirname "$("$root/scripts/llama_cpp.sh")")/..}
+LLAMA_BIN=${LLAMA_BIN:-$("$root/scripts/llama_cpp.sh")}
+LLAMA=${LLAMA:-$LLAMA_BIN/../..}
 home=${LEANSTREAM_HOME:-$HOME/.cache/leanstream}
 SMOLLM2=${LEANSTREAM_SMOLLM2:-$home/models/smollm2/SmolLM2-135M-Instruct.Q4_1.gguf}
 GEMMA3=${LEANSTREAM_GEMMA3:-$home/models/gemma3/gemma-3-270m-q4_k_m.gguf}
@@ -18,7 +19,7 @@ mkdir -p "$tools"
 tool=$tools/golden_llama
 
 g++ -O2 -std=c++17 -I"$LLAMA/include" -I"$LLAMA/ggml/include" "$here/golden_llama.cpp" \
-    -L"$LLAMA/build/bin" -lllama -lggml -lggml-base -Wl,-rpath,"$LLAMA/build/bin" -o "$tool"
+    -L"$LLAMA_BIN" -lllama -lggml -lggml-base -Wl,-rpath,"$LLAMA_BIN" -o "$tool"
 
 prompts=(
   "The capital of France is"
@@ -33,26 +34,26 @@ run_model() { # name path chat_prompt
   local name=$1 path=$2 chat=$3
   "$tool" "$path" 32 "${prompts[@]}" "$chat" > "$out/generate-$name.jsonl"
   local ppl
-  ppl=$("$LLAMA/build/bin/llama-perplexity" -m "$path" -f "$root/data/text/gpl-3.0-excerpt.txt" \
+  ppl=$("$LLAMA_BIN/llama-perplexity" -m "$path" -f "$root/data/text/gpl-3.0-excerpt.txt" \
         -c 256 -b 256 -t 2 -fa off 2>&1 | sed -n 's/.*Final estimate: PPL = \([0-9.]*\) +\/- \([0-9.]*\).*/\1 \2/p')
   local chunks
-  chunks=$("$LLAMA/build/bin/llama-perplexity" -m "$path" -f "$root/data/text/gpl-3.0-excerpt.txt" \
+  chunks=$("$LLAMA_BIN/llama-perplexity" -m "$path" -f "$root/data/text/gpl-3.0-excerpt.txt" \
         -c 256 -b 256 -t 2 -fa off 2>&1 | sed -n 's/.*calculating perplexity over \([0-9]*\) chunks.*/\1/p')
   printf '{"model":"%s","file":"data/text/gpl-3.0-excerpt.txt","ctx":256,"chunks":%s,"ppl":%s,"ppl_stderr":%s}\n' \
     "$name" "$chunks" ${ppl% *} ${ppl#* } > "$out/perplexity-$name.json"
 }
 
 # Kernel-level: activation quantization + dot products on deterministic rows.
-gcc -O2 -I"$LLAMA/ggml/include" "$here/golden_vec_dot.c" -L"$LLAMA/build/bin" -lggml -lggml-base -lggml-cpu \
-    -Wl,-rpath,"$LLAMA/build/bin" -o $tools/golden_vec_dot
+gcc -O2 -I"$LLAMA/ggml/include" "$here/golden_vec_dot.c" -L"$LLAMA_BIN" -lggml -lggml-base -lggml-cpu \
+    -Wl,-rpath,"$LLAMA_BIN" -o $tools/golden_vec_dot
 $tools/golden_vec_dot > "$out/vec_dot.json"
 # Q4_K matrix products through the CPU backend's repack buffer (as llama.cpp runs Q4_K weights).
-gcc -O2 -I"$LLAMA/ggml/include" "$here/golden_q4k_repack.c" -L"$LLAMA/build/bin" -lggml -lggml-base -lggml-cpu \
-    -Wl,-rpath,"$LLAMA/build/bin" -o $tools/golden_q4k_repack
+gcc -O2 -I"$LLAMA/ggml/include" "$here/golden_q4k_repack.c" -L"$LLAMA_BIN" -lggml -lggml-base -lggml-cpu \
+    -Wl,-rpath,"$LLAMA_BIN" -o $tools/golden_q4k_repack
 $tools/golden_q4k_repack > "$out/q4k_repack.json"
 # K-quant products with 8+ activation rows: llama.cpp's tiled K-quant matmul (plain CPU buffer).
-gcc -O2 -I"$LLAMA/ggml/include" "$here/golden_tiled_kquant.c" -L"$LLAMA/build/bin" -lggml -lggml-base -lggml-cpu \
-    -Wl,-rpath,"$LLAMA/build/bin" -o $tools/golden_tiled_kquant
+gcc -O2 -I"$LLAMA/ggml/include" "$here/golden_tiled_kquant.c" -L"$LLAMA_BIN" -lggml -lggml-base -lggml-cpu \
+    -Wl,-rpath,"$LLAMA_BIN" -o $tools/golden_tiled_kquant
 $tools/golden_tiled_kquant > "$out/tiled_kquant.json"
 
 run_model smollm2 "$SMOLLM2" $'<|im_start|>user\nWhat is the tallest mountain on Earth?<|im_end|>\n<|im_start|>assistant\n'

@@ -10,10 +10,10 @@ use std::time::Instant;
 use leanstream_profiler::activations::read::Trace;
 use leanstream_profiler::activations::Array;
 use leanstream_runtime::generate::sampler::Rng;
-use leanstream_runtime::model::{Ffn, LayerProbe, Model};
+use leanstream_runtime::model::{FfnBy, LayerAt, LayerHook, Model};
 use leanstream_runtime::perplexity::{perplexity_with, Perplexity};
 use leanstream_runtime::predict::{top_groups, ComputePath, Predictor, PredictorConfig, PredictorKind, Scratch};
-use leanstream_runtime::sparsity::FfnHook;
+use leanstream_runtime::Result as RtResult;
 use serde::Serialize;
 
 use crate::predictor::data::{active_count, input_rows, top_k_abs, USES};
@@ -409,13 +409,14 @@ fn keep_flagged(a: &mut [f32], keep: &[bool]) {
     }
 }
 
-impl LayerProbe for MaskProbe<'_> {
-    fn layer_input(&mut self, layer: usize, rows: Range<usize>, x: &[f32]) {
-        if layer == 0 {
-            self.predict(0, rows, x);
+impl LayerHook for MaskProbe<'_> {
+    fn layer_input(&mut self, at: &LayerAt, x: &[f32]) {
+        if at.layer == 0 {
+            self.predict(0, at.rows.clone(), x);
         }
     }
-    fn ffn_input(&mut self, layer: usize, rows: Range<usize>, resid: &[f32], _xb: &[f32]) {
+    fn ffn(&mut self, at: &LayerAt, resid: &[f32], _xb: &[f32], _out: &mut [f32]) -> RtResult<FfnBy> {
+        let (layer, rows) = (at.layer, at.rows.clone());
         if let Pick::Predicted { refine, p, .. } = &self.pick {
             if layer + 1 < p.config.n_layer {
                 if *refine {
@@ -426,9 +427,10 @@ impl LayerProbe for MaskProbe<'_> {
                 }
             }
         }
+        Ok(FfnBy::Model)
     }
-    fn activations(&mut self, layer: usize, rows: Range<usize>, acts: &mut [f32]) {
-        let n_ff = self.n_ff;
+    fn activations(&mut self, at: &LayerAt, acts: &mut [f32]) {
+        let (layer, rows, n_ff) = (at.layer, at.rows.clone(), self.n_ff);
         for (i, r) in rows.enumerate() {
             let a = &mut acts[i * n_ff..(i + 1) * n_ff];
             match &self.pick {
@@ -450,7 +452,8 @@ impl LayerProbe for MaskProbe<'_> {
             _ => None,
         }
     }
-    fn partial_output(&mut self, layer: usize, rows: Range<usize>, y: &[f32]) {
+    fn partial_output(&mut self, at: &LayerAt, y: &[f32]) {
+        let (layer, rows) = (at.layer, at.rows.clone());
         let start = rows.start * self.d;
         let mut x = std::mem::take(&mut self.resid);
         for (a, &b) in x[start..start + y.len()].iter_mut().zip(y) {
@@ -493,15 +496,7 @@ fn perplexities(trace: &Trace, predictors: &[(PathBuf, Predictor)], o: &EvalOpti
             idx: Vec::with_capacity(n_ff),
             error: None,
         };
-        let (p, _) = perplexity_with(
-            &model,
-            &text,
-            o.ctx,
-            Some(o.ppl_chunks),
-            false,
-            FfnHook::None,
-            Ffn::Probed(&mut probe),
-        )?;
+        let p = perplexity_with(&model, &text, o.ctx, Some(o.ppl_chunks), false, &mut probe)?;
         match probe.error {
             Some(e) => Err(e),
             None => Ok(p),

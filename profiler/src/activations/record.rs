@@ -9,8 +9,9 @@ use std::sync::atomic::Ordering;
 use half::f16;
 use indicatif::{ProgressBar, ProgressStyle};
 use leanstream_runtime::fetch::sha256_file;
-use leanstream_runtime::model::{Ffn, LayerProbe, Model};
+use leanstream_runtime::model::{FfnBy, LayerAt, LayerHook, Model};
 use leanstream_runtime::sparsity::calibrate_windows;
+use leanstream_runtime::Result as RtResult;
 
 use super::npy;
 use super::{Array, Level, Manifest, ModelInfo, ShardInfo, Split, TextInfo, FORMAT, VERSION};
@@ -127,22 +128,23 @@ impl<'h> Recorder<'h> {
     }
 }
 
-impl LayerProbe for Recorder<'_> {
-    fn layer_input(&mut self, layer: usize, rows: Range<usize>, x: &[f32]) {
-        self.store(Array::LayerIn, layer, rows, x);
+impl LayerHook for Recorder<'_> {
+    fn layer_input(&mut self, at: &LayerAt, x: &[f32]) {
+        self.store(Array::LayerIn, at.layer, at.rows.clone(), x);
     }
-    fn ffn_input(&mut self, layer: usize, rows: Range<usize>, resid: &[f32], xb: &[f32]) {
-        self.store(Array::Resid, layer, rows.clone(), resid);
-        self.store(Array::FfnIn, layer, rows, xb);
+    fn ffn(&mut self, at: &LayerAt, resid: &[f32], xb: &[f32], _out: &mut [f32]) -> RtResult<FfnBy> {
+        self.store(Array::Resid, at.layer, at.rows.clone(), resid);
+        self.store(Array::FfnIn, at.layer, at.rows.clone(), xb);
+        Ok(FfnBy::Model)
     }
-    fn activations(&mut self, layer: usize, rows: Range<usize>, acts: &mut [f32]) {
-        self.store(Array::Act, layer, rows, acts);
+    fn activations(&mut self, at: &LayerAt, acts: &mut [f32]) {
+        self.store(Array::Act, at.layer, at.rows.clone(), acts);
     }
     fn partial_mask(&self, layer: usize) -> Option<&[f32]> {
         Some(&self.hot[layer * self.f..(layer + 1) * self.f])
     }
-    fn partial_output(&mut self, layer: usize, rows: Range<usize>, y: &[f32]) {
-        self.store(Array::Partial, layer, rows, y);
+    fn partial_output(&mut self, at: &LayerAt, y: &[f32]) {
+        self.store(Array::Partial, at.layer, at.rows.clone(), y);
     }
 }
 
@@ -318,7 +320,7 @@ pub fn record(opts: &RecordOptions) -> Result<Manifest> {
                         opts.out.display()
                     )));
                 }
-                model.forward_with(&mut st, w, 0, 0..w.len(), Ffn::Probed(&mut rec))?;
+                model.forward_with(&mut st, w, 0, 0..w.len(), &mut rec)?;
                 rec.t0 += w.len();
                 tokens.extend_from_slice(w);
                 bar.inc(w.len() as u64);

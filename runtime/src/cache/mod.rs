@@ -70,7 +70,7 @@ pub enum Choice {
 /// slot's state; a policy keeps what it needs in per-slot arrays sized in
 /// `init`. Pinned slots are announced with `pinned`/`unpinned` so a policy
 /// can take them out of its candidate structures and never has to skip them.
-pub trait EvictionPolicy: Send {
+pub trait EvictionPolicy: Send + Sync {
     fn name(&self) -> &'static str;
     /// Called once, by [`NeuronCache::new`], before any other hook.
     fn init(&mut self, n_slots: usize, n_layer: usize, n_ff: usize) -> Result<(), String>;

@@ -3,29 +3,23 @@
 //! layer is computed from neuron bundles ([`leanstream_kernels::sparse_ffn`])
 //! that a policy supplies.
 //!
-//! Policies (none needs a predictor):
-//! - [`Policy::Dense`]: every bundle read once at open into memory (the
-//!   reference).
-//! - [`Policy::DenseStream`]: each token streams all bundles of each layer
-//!   through the [`IoEngine`](crate::flash::io::IoEngine) (O_DIRECT),
-//!   prefetching layer l+1 while layer l computes; a neuron cache under a byte
-//!   budget serves hits and keeps what fits ([`stream`]).
-//! - [`Policy::Oracle`]: the true active set of every layer is known in
-//!   advance (replayed from a recorded run, [`trace`]) and only those bundles
-//!   are loaded, one layer ahead: the upper bound for any predictor.
-//! - [`Policy::GateFirst`]: gate rows resident; after attention the exact
-//!   `|act(g)|` of every neuron decides which bundles to load, then compute
-//!   waits for them: no cross-layer overlap, the cost of precise decisions.
+//! Each policy is a type under [`policy`] (dense, dense-stream, oracle,
+//! gate-first): per FFN call it decides what the layer keeps and asks the
+//! source for those bundles (and queues the next layer's); the shared tail
+//! ([`tail`]) then takes bundles as they become available — resident, cache
+//! hits, runs in arrival order from the I/O thread ([`stream`]) — and runs
+//! the blocked stage kernels.
 //!
 //! With a sparsity level, `dense`, `dense-stream` and `oracle` keep the
 //! neurons with `|act(g)·u|` at or above the layer's calibrated threshold;
 //! `gate-first` keeps those with `|act(g)|` at or above the gate threshold.
 //! All policies compute the same arithmetic on the same bytes in the same
-//! order ([`compute`]), so policies that keep the same neurons give
-//! bit-identical logits.
+//! order ([`tail`]), so policies that keep the same neurons give
+//! bit-identical logits, whatever order the bundles arrive in.
 
-mod compute;
+pub mod policy;
 mod stream;
+mod tail;
 pub mod trace;
 
 use std::os::unix::fs::FileExt;
@@ -35,56 +29,15 @@ use leanstream_kernels::sparse_ffn::BundleFormat;
 
 use crate::cache::{CacheShape, FfnBudget, MemoryReport};
 use crate::flash::format::{LsFlash, SparsityLevel};
-use crate::model::{Ffn, FfnStep, Model, RunState};
+use crate::flash::io::{Backend, IoConfig};
+use crate::model::{FfnBy, LayerAt, LayerHook, Model, RunState};
 use crate::{Result, RuntimeError};
 
-use compute::{Compute, Select};
-pub use stream::{CachePolicy, Streamer, Want};
+pub use policy::Policy;
+use policy::{FfnPolicy, LayerCall};
+pub use stream::{CachePolicy, LandedRun, Streamer, Want};
+use tail::{Source, Tail};
 pub use trace::{ActiveTrace, TraceCursor};
-
-/// How the FFN bundles reach compute.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Policy {
-    Dense,
-    DenseStream,
-    Oracle,
-    GateFirst,
-}
-
-impl Policy {
-    pub const ALL: [Policy; 4] = [Self::Dense, Self::DenseStream, Self::Oracle, Self::GateFirst];
-
-    /// Whether bundles come from flash while the model runs.
-    pub fn streams(self) -> bool {
-        self != Self::Dense
-    }
-}
-
-impl std::str::FromStr for Policy {
-    type Err = String;
-    fn from_str(s: &str) -> std::result::Result<Self, String> {
-        match s {
-            "dense" => Ok(Self::Dense),
-            "dense-stream" => Ok(Self::DenseStream),
-            "oracle" => Ok(Self::Oracle),
-            "gate-first" => Ok(Self::GateFirst),
-            other => Err(format!(
-                "unknown policy '{other}' (expected dense, dense-stream, oracle or gate-first)"
-            )),
-        }
-    }
-}
-
-impl std::fmt::Display for Policy {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str(match self {
-            Self::Dense => "dense",
-            Self::DenseStream => "dense-stream",
-            Self::Oracle => "oracle",
-            Self::GateFirst => "gate-first",
-        })
-    }
-}
 
 /// Default of [`EngineOptions::merge_gap_bytes`]. On the development disk
 /// (fio, O_DIRECT, QD16) a random read costs about as much device time as
@@ -110,6 +63,9 @@ pub struct EngineOptions {
     /// The recorded run an `oracle` engine replays.
     pub trace: Option<ActiveTrace>,
 }
+
+/// Makes the I/O backend of a streaming engine from its settings.
+pub type BackendFactory = Box<dyn FnOnce(&IoConfig) -> std::io::Result<Box<dyn Backend>>>;
 
 /// Whether `path` is a `.lsflash` file (by extension, else by magic).
 pub fn is_lsflash(path: &Path) -> bool {
@@ -185,7 +141,8 @@ impl FlashModel {
     /// must cover before the cache gets anything.
     pub fn engine_overhead_bytes(&self, policy: Policy, max_batch: usize) -> u64 {
         let n_ff = self.flash.n_ff() as u64;
-        match policy {
+        let tail = Tail::bytes_for(self.model.config.n_embd, self.flash.n_ff(), max_batch);
+        tail + match policy {
             Policy::Dense => self.ffn_bytes(),
             Policy::DenseStream | Policy::Oracle => Streamer::overhead_bytes(self),
             Policy::GateFirst => {
@@ -202,6 +159,13 @@ impl FlashModel {
     }
 
     pub fn engine_with(&self, o: EngineOptions) -> Result<FlashEngine> {
+        self.engine_on(o, None)
+    }
+
+    /// [`engine_with`](Self::engine_with) reading through the backend that
+    /// `backend` makes for the engine's I/O settings (e.g. a
+    /// [`FaultyBackend`](crate::flash::io::FaultyBackend)), not the default.
+    pub fn engine_on(&self, o: EngineOptions, backend: Option<BackendFactory>) -> Result<FlashEngine> {
         let n_layer = self.flash.n_layer();
         if o.level.full.len() != n_layer || o.level.gate.len() != n_layer {
             return Err(RuntimeError::Invalid(format!(
@@ -210,8 +174,11 @@ impl FlashModel {
                 o.level.full.len()
             )));
         }
-        let trace = match (o.policy, o.trace, o.record) {
-            (Policy::Oracle, Some(t), false) if t.n_ff() == self.flash.n_ff() => TraceMode::Replay(TraceCursor::new(t)),
+        let (c, words) = (&self.model.config, self.flash.n_ff().div_ceil(64));
+        let (policy, recorder): (Box<dyn FfnPolicy>, _) = match (o.policy, o.trace, o.record) {
+            (Policy::Oracle, Some(t), false) if t.n_ff() == self.flash.n_ff() => {
+                (Box::new(policy::Oracle::new(TraceCursor::new(t), words)), None)
+            }
             (Policy::Oracle, _, _) => {
                 return Err(RuntimeError::Invalid(
                     "the oracle policy replays a recorded run: pass the trace of a dense or dense-stream run \
@@ -219,8 +186,22 @@ impl FlashModel {
                         .into(),
                 ))
             }
-            (Policy::Dense | Policy::DenseStream, None, true) => TraceMode::Record(ActiveTrace::new(self.flash.n_ff())),
-            (_, None, false) => TraceMode::Off,
+            (p @ (Policy::Dense | Policy::DenseStream), None, record) => {
+                let recorder = record.then(|| ActiveTrace::new(self.flash.n_ff()));
+                let policy: Box<dyn FfnPolicy> = match p {
+                    Policy::Dense => Box::new(policy::Dense),
+                    _ => Box::new(policy::DenseStream),
+                };
+                (policy, recorder)
+            }
+            (Policy::GateFirst, None, false) => (
+                Box::new(policy::GateFirst::new(
+                    self.read_gate_rows()?,
+                    self.formats.clone(),
+                    c.n_embd,
+                )) as Box<dyn FfnPolicy>,
+                None,
+            ),
             (p, _, _) => {
                 return Err(RuntimeError::Invalid(format!(
                     "policy {p} neither records nor replays an active-set trace"
@@ -234,28 +215,17 @@ impl FlashModel {
                 o.cache_bytes,
                 o.cache_policy,
                 o.merge_gap_bytes,
+                backend,
             )?)),
         };
-        let gate_rows = match o.policy {
-            Policy::GateFirst => self.read_gate_rows()?,
-            _ => Vec::new(),
-        };
-        let c = &self.model.config;
-        let words = c.n_ff.div_ceil(64);
         Ok(FlashEngine {
-            policy: o.policy,
+            plan: policy,
             level: o.level,
             formats: self.formats.clone(),
-            compute: Compute::new(c.ffn_activation, c.n_embd, c.n_ff),
+            tail: Tail::new(c.ffn_activation, c.n_embd, c.n_ff),
             source,
-            gate_rows,
-            trace,
-            gate_values: Vec::new(),
-            row_bits: Vec::new(),
-            union: vec![0; words],
-            next_union: vec![0; words],
+            recorder,
             n_layer,
-            n_ff: c.n_ff,
             tokens: 0,
         })
     }
@@ -297,7 +267,7 @@ impl FlashModel {
         pos0: usize,
         outputs: std::ops::Range<usize>,
     ) -> Result<()> {
-        self.model.forward_with(st, tokens, pos0, outputs, Ffn::Step(engine))
+        self.model.forward_with(st, tokens, pos0, outputs, engine)
     }
 
     /// Memory by category for `st` and `engine`. The predictor category
@@ -308,20 +278,15 @@ impl FlashModel {
             Source::Resident(layers) => (layers.iter().map(|l| l.len() as u64).sum(), 0),
             Source::Stream(s) => (s.cache_bytes(), s.buffer_bytes()),
         };
-        let trace = match &engine.trace {
-            TraceMode::Off => 0,
-            TraceMode::Record(t) => t.bytes(),
-            TraceMode::Replay(c) => c.bytes(),
-        };
-        let scratch = (engine.gate_values.capacity() * 4 + engine.row_bits.capacity() * 8) as u64;
+        let recorded = engine.recorder.as_ref().map_or(0, |t| t.bytes());
         MemoryReport {
             resident_weights: self.flash.resident_range().1,
             kv_cache: st.kv.bytes() as u64,
             ffn_cache,
             io_buffers,
-            predictor: engine.gate_rows.iter().map(|r| r.len() as u64).sum::<u64>() + trace,
+            predictor: engine.plan.held_bytes() + recorded,
             tokenizer: self.model.tokenizer.heap_bytes(),
-            other: (st.bytes() - st.kv.bytes()) as u64 + scratch,
+            other: (st.bytes() - st.kv.bytes()) as u64 + engine.plan.scratch_bytes() + engine.tail.bytes(),
         }
     }
 }
@@ -342,6 +307,12 @@ pub struct EngineStats {
     /// Neurons computed / neurons the layers have, over all rows.
     pub kept: u64,
     pub considered: u64,
+    /// Wall time inside FFN calls, and of that the time compute was blocked
+    /// waiting for bundles to land.
+    pub ffn_seconds: f64,
+    pub io_wait_seconds: f64,
+    /// Time the I/O thread had at least one read in flight.
+    pub io_busy_seconds: f64,
 }
 
 impl EngineStats {
@@ -352,6 +323,12 @@ impl EngineStats {
         } else {
             1.0 - self.kept as f64 / self.considered as f64
         }
+    }
+
+    /// Time the I/O thread was busy while compute was not waiting on it:
+    /// reads hidden behind compute.
+    pub fn overlap_seconds(&self) -> f64 {
+        (self.io_busy_seconds - self.io_wait_seconds).max(0.0)
     }
 
     /// misses / lookups; 0 without lookups (`Dense` holds every bundle).
@@ -365,49 +342,34 @@ impl EngineStats {
     }
 }
 
-enum Source {
-    /// Per layer, all bundles in neuron order.
-    Resident(Vec<Vec<u8>>),
-    Stream(Box<Streamer>),
-}
-
-enum TraceMode {
-    Off,
-    Record(ActiveTrace),
-    Replay(TraceCursor),
-}
-
 /// The FFN of a [`FlashModel`] under one policy; pass it to
-/// [`FlashModel::forward`] (it is the model's [`FfnStep`]).
+/// [`FlashModel::forward`] (it is the model's [`LayerHook`]).
 pub struct FlashEngine {
-    pub policy: Policy,
+    plan: Box<dyn FfnPolicy>,
     level: SparsityLevel,
     formats: Vec<BundleFormat>,
-    compute: Compute,
+    tail: Tail,
     source: Source,
-    /// Gate-first: per layer, the gate rows in neuron order.
-    gate_rows: Vec<Vec<u8>>,
-    trace: TraceMode,
-    /// Gate-first scratch: gate values and candidate bitmaps of a call's rows.
-    gate_values: Vec<f32>,
-    row_bits: Vec<u64>,
-    /// Union of this call's row sets, and of the next call's (oracle).
-    union: Vec<u64>,
-    next_union: Vec<u64>,
+    /// Each call's kept sets, for an oracle replay (`record`).
+    recorder: Option<ActiveTrace>,
     n_layer: usize,
-    n_ff: usize,
     tokens: u64,
 }
 
 impl FlashEngine {
+    pub fn policy(&self) -> Policy {
+        self.plan.kind()
+    }
+
     pub fn stats(&self) -> EngineStats {
         let mut s = match &self.source {
             Source::Resident(_) => EngineStats::default(),
             Source::Stream(st) => st.stats(),
         };
         s.tokens = self.tokens;
-        s.kept = self.compute.kept;
-        s.considered = self.compute.considered;
+        s.kept = self.tail.kept;
+        s.considered = self.tail.considered;
+        s.ffn_seconds = self.tail.seconds;
         s
     }
 
@@ -439,119 +401,49 @@ impl FlashEngine {
         }
     }
 
+    /// Sets the reads and bytes the I/O thread keeps in flight (0 bytes: no
+    /// byte limit); nothing for `Dense`.
+    pub fn set_io_depth(&self, reads: usize, bytes: u64) {
+        if let Source::Stream(s) = &self.source {
+            s.set_depth(reads, bytes);
+        }
+    }
+
     /// The trace recorded so far (an engine made with `record`), leaving it empty.
     pub fn take_trace(&mut self) -> Option<ActiveTrace> {
-        match &mut self.trace {
-            TraceMode::Record(t) => {
-                let n_ff = t.n_ff();
-                Some(std::mem::replace(t, ActiveTrace::new(n_ff)))
-            }
-            _ => None,
-        }
+        let t = self.recorder.as_mut()?;
+        let n_ff = t.n_ff();
+        Some(std::mem::replace(t, ActiveTrace::new(n_ff)))
     }
 
     /// FFN calls replayed so far (oracle).
     pub fn replayed_calls(&self) -> Option<usize> {
-        match &self.trace {
-            TraceMode::Replay(c) => Some(c.position()),
-            _ => None,
-        }
+        self.plan.replayed_calls()
     }
 }
 
-/// The layer after `layer` in run order (the next token's layer 0 after the last).
-fn next_layer(layer: usize, n_layer: usize) -> usize {
-    (layer + 1) % n_layer
-}
-
-impl FfnStep for FlashEngine {
-    fn ffn(&mut self, layer: usize, xb: &[f32], n: usize, out: &mut [f32]) -> Result<()> {
+impl LayerHook for FlashEngine {
+    fn ffn(&mut self, at: &LayerAt, _resid: &[f32], xb: &[f32], out: &mut [f32]) -> Result<FfnBy> {
+        let (layer, n) = (at.layer, at.n());
         if layer == 0 {
             self.tokens += n as u64;
         }
         let f = self.formats[layer];
-        let last = layer + 1 == self.n_layer;
-        let words = self.compute.words();
-        let threshold = self.level.full[layer];
-        let Self {
-            policy,
-            level,
-            compute,
-            source,
-            gate_rows,
-            trace,
-            gate_values,
-            row_bits,
-            union,
-            next_union,
-            n_layer,
-            n_ff,
-            ..
-        } = self;
-        let record = match trace {
-            TraceMode::Record(t) => Some(t.begin_call(layer, n)),
-            _ => None,
+        let call = LayerCall {
+            layer,
+            n_layer: self.n_layer,
+            xb,
+            n,
+            threshold: self.level.full[layer],
+            gate_threshold: self.level.gate[layer],
         };
-        match (policy, source) {
-            (Policy::Dense, Source::Resident(layers)) => {
-                let bb = f.bundle_bytes();
-                let bundles: Vec<&[u8]> = layers[layer].chunks_exact(bb).collect();
-                compute.run(&f, xb, n, out, &bundles, Select::Threshold(threshold), record)
-            }
-            (Policy::DenseStream, Source::Stream(s)) => {
-                s.ensure(layer, Want::All)?;
-                s.prefetch(next_layer(layer, *n_layer), Want::All)?;
-                let view = s.wait(layer)?;
-                let bundles: Vec<&[u8]> = (0..*n_ff).map(|i| view.bundle(i)).collect();
-                compute.run(&f, xb, n, out, &bundles, Select::Threshold(threshold), record)?;
-                s.finish(layer, last);
-                Ok(())
-            }
-            (Policy::Oracle, Source::Stream(s)) => {
-                let TraceMode::Replay(cursor) = trace else {
-                    unreachable!("checked at construction")
-                };
-                let k = cursor.advance(layer, n)?;
-                s.ensure(layer, Want::Set(cursor.union()))?;
-                if let Some(next) = cursor.peek_next(next_union) {
-                    s.prefetch(next, Want::Set(next_union))?;
-                }
-                let view = s.wait(layer)?;
-                let bundles: Vec<&[u8]> = (0..*n_ff).map(|i| view.bundle(i)).collect();
-                compute.run(&f, xb, n, out, &bundles, Select::Rows(cursor.rows(k)), None)?;
-                s.finish(layer, last);
-                Ok(())
-            }
-            (Policy::GateFirst, Source::Stream(s)) => {
-                let n_ff = *n_ff;
-                gate_values.resize(n * n_ff, 0.0);
-                row_bits.resize(n * words, 0);
-                compute.gate_decide(
-                    &f,
-                    xb,
-                    n,
-                    &gate_rows[layer],
-                    level.gate[layer],
-                    gate_values,
-                    row_bits,
-                    union,
-                )?;
-                s.ensure(layer, Want::Set(union))?;
-                let view = s.wait(layer)?;
-                let bundles: Vec<&[u8]> = (0..n_ff).map(|i| view.bundle(i)).collect();
-                compute.run(
-                    &f,
-                    xb,
-                    n,
-                    out,
-                    &bundles,
-                    Select::RowsWithGate(row_bits, gate_values),
-                    None,
-                )?;
-                s.finish(layer, last);
-                Ok(())
-            }
-            (p, _) => Err(RuntimeError::Invalid(format!("policy {p} has no FFN source"))),
+        let plan = self.plan.plan(&call, &mut self.source, &self.tail)?;
+        let record = self.recorder.as_mut().map(|t| t.begin_call(layer, n));
+        self.tail
+            .run(&f, layer, xb, n, out, &mut self.source, plan.select, plan.want, record)?;
+        if let Source::Stream(s) = &mut self.source {
+            s.finish(layer, layer + 1 == self.n_layer);
         }
+        Ok(FfnBy::Hook)
     }
 }

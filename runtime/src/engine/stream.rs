@@ -1,24 +1,28 @@
-//! Streaming FFN bundles through the I/O engine (O_DIRECT), one layer ahead
-//! of compute.
+//! Streaming FFN bundles from flash (O_DIRECT) one layer ahead of compute,
+//! with the reads driven by the I/O thread ([`IoWorker`]).
 //!
-//! Two staging buffers alternate: while layer l computes from one, the next
-//! layer's reads land in the other. A policy asks for a layer with a set of
-//! neurons ([`Want`]): all of them (`dense-stream`), a set known in advance
-//! (`oracle`), or a set decided after attention (`gate-first`). When a layer
-//! is requested, each wanted bundle is looked up in the neuron cache (a hit or
-//! a miss in its counters); hits are pinned until the layer is done, so that
-//! the inserts of arriving bundles cannot evict them; misses are enqueued as
-//! one request per run of neighbouring positions on flash (the I/O engine then
-//! coalesces nearby runs within its gap and read-amplification limits), and
-//! each arriving bundle is copied into the staging buffer and offered to the
-//! cache.
+//! Two stages alternate: while layer l computes from one, the next layer's
+//! reads land in the other. A policy asks for a layer with a set of neurons
+//! ([`Want`]): all of them (`dense-stream`), a set known in advance
+//! (`oracle`), or a set decided after attention (`gate-first`). Each wanted
+//! bundle is looked up in the neuron cache (a hit or a miss in its counters);
+//! hits are pinned until the layer is done, so that inserts cannot evict them;
+//! misses become one request per run of neighbouring positions on flash (the
+//! I/O engine then coalesces nearby runs within its gap and amplification
+//! limits). The I/O thread lands each finished run in the stage's buffer at
+//! its flash position and appends the run to the stage's [`ArrivalLog`];
+//! compute takes runs from the log as they come ([`Streamer::next_runs`]), so
+//! a layer's FFN starts on the first bundles that land. When the layer is
+//! done its arrivals are offered to the cache.
 
 use std::collections::VecDeque;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, Condvar, Mutex};
 
 use super::trace::{bit_is_set, set_bit};
 use super::{EngineStats, FlashModel};
 use crate::cache::{CacheShape, EvictionPolicy, Lru, NeuronCache, NeuronFreq, SlidingWindow, StaticHot};
-use crate::flash::io::{IoConfig, IoEngine, Request};
+use crate::flash::io::{ArrivalLog, Delivery, IoConfig, IoEngine, IoWorker, Request, Sink};
 use crate::flash::runs::{max_run_bytes, RunRule};
 use crate::{Result, RuntimeError};
 
@@ -80,33 +84,140 @@ impl Want<'_> {
     }
 }
 
-/// One layer's bundles in flight or arrived, by neuron id.
+/// One layer's bundles at their flash positions: written by the I/O thread,
+/// read by compute. Who touches which bytes when is governed by the stage
+/// protocol: the I/O thread writes a run's range once, before publishing it
+/// in the log; compute reads only published ranges, and re-requests a stage
+/// only once every read of its previous use has settled.
+struct StagingBuf {
+    ptr: *mut u8,
+    layout: std::alloc::Layout,
+}
+
+// SAFETY: plain bytes; access is ordered by the arrival log (see above).
+unsafe impl Send for StagingBuf {}
+unsafe impl Sync for StagingBuf {}
+
+impl StagingBuf {
+    fn new(len: usize) -> Self {
+        let layout = std::alloc::Layout::from_size_align(len.max(1), 64).expect("staging layout");
+        // SAFETY: non-zero size; freed in Drop.
+        let ptr = unsafe { std::alloc::alloc_zeroed(layout) };
+        if ptr.is_null() {
+            std::alloc::handle_alloc_error(layout);
+        }
+        Self { ptr, layout }
+    }
+
+    fn len(&self) -> usize {
+        self.layout.size()
+    }
+
+    /// Bytes `range`; only for a range the log has published (see the type's doc).
+    fn get(&self, range: std::ops::Range<usize>) -> &[u8] {
+        assert!(range.start <= range.end && range.end <= self.len(), "staging range");
+        // SAFETY: in bounds; no writer touches a published range.
+        unsafe { std::slice::from_raw_parts(self.ptr.add(range.start), range.len()) }
+    }
+}
+
+impl Drop for StagingBuf {
+    fn drop(&mut self) {
+        // SAFETY: allocated in `new` with this layout.
+        unsafe { std::alloc::dealloc(self.ptr, self.layout) }
+    }
+}
+
+/// What the I/O thread and compute share of one stage.
+struct Landing {
+    buf: StagingBuf,
+    /// Runs (indices into the stage's run list) in arrival order.
+    log: ArrivalLog,
+    /// Runs landed, failed or cancelled.
+    settled: AtomicUsize,
+    failed: Mutex<Option<RuntimeError>>,
+}
+
+struct Landings {
+    stages: [Landing; 2],
+    /// Counts deliveries; compute sleeps on it when nothing new has landed.
+    signal: Mutex<u64>,
+    arrived: Condvar,
+}
+
+/// Lands each finished read in its stage (request id = run << 1 | stage;
+/// `dest` = the run's byte offset in the stage buffer).
+struct LandingSink(Arc<Landings>);
+
+impl Sink for LandingSink {
+    fn deliver(&mut self, d: Delivery<'_>) {
+        let stage = |id: u32| &self.0.stages[id as usize & 1];
+        let st = match d {
+            Delivery::Landed { id, dest, data } => {
+                let st = stage(id);
+                let end = dest as usize + data.len();
+                if end <= st.buf.len() {
+                    // SAFETY: in bounds; compute does not read this range
+                    // until the push below publishes it.
+                    unsafe { std::ptr::copy_nonoverlapping(data.as_ptr(), st.buf.ptr.add(dest as usize), data.len()) };
+                    st.log.push(id >> 1);
+                } else {
+                    lock(&st.failed).get_or_insert_with(|| {
+                        RuntimeError::Invalid(format!(
+                            "read {id} of {} bytes lands past its staging buffer",
+                            data.len()
+                        ))
+                    });
+                }
+                st
+            }
+            Delivery::Failed { id, error, .. } => {
+                let st = stage(id);
+                lock(&st.failed).get_or_insert(error);
+                st
+            }
+            Delivery::Cancelled { id, .. } => stage(id),
+        };
+        st.settled.fetch_add(1, Ordering::Release);
+        *lock(&self.0.signal) += 1;
+        self.0.arrived.notify_all();
+    }
+}
+
+fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+/// Compute's side of one stage.
 struct Stage {
     layer: usize,
-    data: Vec<u8>,
-    /// Bundles of this stage in `data`.
-    have: Vec<bool>,
-    /// Wanted bundles not in the cache, not yet arrived.
-    need: Vec<bool>,
-    /// Neurons requested (bitmap).
+    /// By neuron: a miss of this stage whose read is requested.
+    requested: Vec<bool>,
+    /// By neuron: landed in the stage buffer and taken by compute.
+    staged: Vec<bool>,
+    /// Neurons wanted (bitmap).
     want: Vec<u64>,
-    missing: usize,
-    /// Requests of this stage: (first position on flash, bundles). A run may
-    /// span bundles that are not needed (see `Streamer::request`).
+    /// Requests: (first position on flash, bundles). A run may span bundles
+    /// that are not needed (see `Streamer::request`).
     runs: Vec<(usize, usize)>,
     /// Neurons served by the cache, pinned while this stage is live.
     pinned: Vec<usize>,
+    /// Arrivals taken from the log so far.
+    taken: usize,
 }
 
 pub struct Streamer {
-    io: IoEngine,
+    io: IoWorker,
+    landings: Arc<Landings>,
     cache: NeuronCache,
     budget: u64,
     n_ff: usize,
     bundle_bytes: Vec<usize>,
-    /// Per layer: offset of its first bundle, and the neuron at each position.
+    /// Per layer: offset of its first bundle, the neuron at each position and
+    /// the position of each neuron.
     layer_offset: Vec<u64>,
     placement: Vec<Vec<u32>>,
+    position: Vec<Vec<u32>>,
     /// Most bundle bytes in one request.
     max_run_bytes: usize,
     /// A gap of unneeded bundles at most this long joins two runs into one
@@ -120,28 +231,49 @@ pub struct Streamer {
     queue: VecDeque<usize>,
     next_stage: usize,
     seq: u32,
+    /// Time compute spent blocked on arrivals.
+    wait_ns: u64,
 }
 
 /// Read access to the bundles of the layer being computed.
 pub struct LayerView<'a> {
+    streamer: &'a Streamer,
     stage: &'a Stage,
-    cache: &'a NeuronCache,
     bb: usize,
+    k: usize,
 }
 
 impl LayerView<'_> {
-    /// Neuron `i`'s bundle; empty when `i` was not requested.
+    /// Neuron `i`'s bundle; empty when `i` was neither cached nor has landed.
     pub fn bundle(&self, i: usize) -> &[u8] {
-        if self.stage.have[i] {
-            &self.stage.data[i * self.bb..(i + 1) * self.bb]
+        if self.stage.staged[i] {
+            let p = self.streamer.position[self.stage.layer][i] as usize;
+            self.streamer.landings.stages[self.k]
+                .buf
+                .get(p * self.bb..(p + 1) * self.bb)
         } else {
-            self.cache.peek(self.stage.layer, i).unwrap_or(&[])
+            self.streamer.cache.peek(self.stage.layer, i).unwrap_or(&[])
         }
     }
 }
 
+/// A run that has landed: its bundles back to back, the neuron at each, and
+/// which neurons were asked for (a merged run also carries unneeded ones).
+pub struct LandedRun<'a> {
+    pub bytes: &'a [u8],
+    pub neurons: &'a [u32],
+    /// By neuron id: whether it was asked for.
+    pub requested: &'a [bool],
+}
+
 impl Streamer {
-    pub fn new(m: &FlashModel, budget: u64, policy: CachePolicy, merge_gap_bytes: usize) -> Result<Self> {
+    pub fn new(
+        m: &FlashModel,
+        budget: u64,
+        policy: CachePolicy,
+        merge_gap_bytes: usize,
+        backend: Option<super::BackendFactory>,
+    ) -> Result<Self> {
         let f = &m.flash;
         let shape = CacheShape::from_flash(f);
         let eviction: Box<dyn EvictionPolicy> = match policy {
@@ -174,38 +306,69 @@ impl Streamer {
         };
         let mut cache = NeuronCache::new(&shape, budget, eviction).map_err(|e| RuntimeError::Invalid(e.to_string()))?;
         prefill(m, &mut cache)?;
-        let io = IoEngine::open(f.path(), IoConfig::default())?;
         let (n_ff, n_layer) = (f.n_ff(), f.n_layer());
         let max_bb = shape.bundle_bytes.iter().copied().max().unwrap_or(0);
+        let landing = || Landing {
+            buf: StagingBuf::new(n_ff * max_bb),
+            log: ArrivalLog::new(n_ff),
+            settled: AtomicUsize::new(0),
+            failed: Mutex::new(None),
+        };
+        let landings = Arc::new(Landings {
+            stages: [landing(), landing()],
+            signal: Mutex::new(0),
+            arrived: Condvar::new(),
+        });
+        let cfg = IoConfig::default();
+        let engine = match backend {
+            None => IoEngine::open(f.path(), cfg)?,
+            Some(make) => {
+                let b = make(&cfg).map_err(|e| RuntimeError::Invalid(format!("I/O backend: {e}")))?;
+                IoEngine::with_backend(f.path(), cfg, b)?
+            }
+        };
+        let max_run_bytes = max_run_bytes(engine.config());
+        let io = IoWorker::spawn(engine, LandingSink(Arc::clone(&landings)))?;
         let stage = || Stage {
             layer: usize::MAX,
-            data: vec![0; n_ff * max_bb],
-            have: vec![false; n_ff],
-            need: vec![false; n_ff],
+            requested: vec![false; n_ff],
+            staged: vec![false; n_ff],
             want: vec![0; n_ff.div_ceil(64)],
-            missing: 0,
             runs: Vec::with_capacity(n_ff),
             pinned: Vec::with_capacity(n_ff),
+            taken: 0,
         };
-        let cfg = io.config();
-        let max_run_bytes = max_run_bytes(cfg);
+        let placement: Vec<Vec<u32>> = (0..n_layer)
+            .map(|l| (0..n_ff).map(|p| f.neuron_at(l, p) as u32).collect())
+            .collect();
+        let position = placement
+            .iter()
+            .map(|order| {
+                let mut pos = vec![0u32; n_ff];
+                for (p, &i) in order.iter().enumerate() {
+                    pos[i as usize] = p as u32;
+                }
+                pos
+            })
+            .collect();
         Ok(Self {
             merge_gap_bytes,
             bytes_needed: 0,
             io,
+            landings,
             cache,
             budget,
             n_ff,
             layer_offset: (0..n_layer).map(|l| f.layer_extent(l).0).collect(),
-            placement: (0..n_layer)
-                .map(|l| (0..n_ff).map(|p| f.neuron_at(l, p) as u32).collect())
-                .collect(),
+            placement,
+            position,
             max_run_bytes,
             bundle_bytes: shape.bundle_bytes,
             stages: [stage(), stage()],
             queue: VecDeque::with_capacity(2),
             next_stage: 0,
             seq: 0,
+            wait_ns: 0,
         })
     }
 
@@ -237,7 +400,7 @@ impl Streamer {
 
     /// Staging buffers plus the I/O engine's read buffers.
     pub fn buffer_bytes(&self) -> u64 {
-        let staged: usize = self.stages.iter().map(|s| s.data.len()).sum();
+        let staged: usize = self.landings.stages.iter().map(|s| s.buf.len()).sum();
         let cfg = self.io.config();
         (staged + cfg.pool_buffers * cfg.max_read_bytes) as u64
     }
@@ -250,12 +413,29 @@ impl Streamer {
             reads: io.reads_issued,
             cache_hits: c.hits,
             cache_misses: c.misses,
+            io_wait_seconds: self.wait_ns as f64 * 1e-9,
+            io_busy_seconds: self.io.busy_seconds(),
             ..EngineStats::default()
         }
     }
 
+    /// Sets the reads and bytes in flight at once (0 bytes: no byte limit).
+    pub fn set_depth(&self, reads: usize, bytes: u64) {
+        self.io.set_depth(reads, bytes);
+    }
+
+    /// Blocks until stage `k` has settled every read it asked for.
+    fn quiesce(&mut self, k: usize) {
+        let want = self.stages[k].runs.len();
+        let landing = &self.landings.stages[k];
+        let mut g = lock(&self.landings.signal);
+        while landing.settled.load(Ordering::Acquire) < want {
+            g = self.landings.arrived.wait(g).unwrap_or_else(|e| e.into_inner());
+        }
+    }
+
     /// Looks up layer `l`'s wanted bundles in the cache (pinning hits) and
-    /// enqueues the misses. Needed bundles close on flash share one request:
+    /// requests the misses. Needed bundles close on flash share one request:
     /// a gap of unneeded bundles of at most `merge_gap_bytes` is read along.
     /// This keeps the request count of scattered sparse sets low (the I/O
     /// engine then coalesces neighbouring requests within its own limits).
@@ -263,12 +443,18 @@ impl Streamer {
         let k = self.next_stage;
         self.next_stage ^= 1;
         self.seq = self.seq.wrapping_add(1);
+        // The stage is not queued, so nothing of it is outstanding; make sure.
+        self.quiesce(k);
+        let landing = &self.landings.stages[k];
+        landing.log.clear();
+        landing.settled.store(0, Ordering::Release);
+        *lock(&landing.failed) = None;
         let s = &mut self.stages[k];
         s.layer = l;
-        s.have.fill(false);
-        s.need.fill(false);
+        s.requested.fill(false);
+        s.staged.fill(false);
         s.want.fill(0);
-        s.missing = 0;
+        s.taken = 0;
         s.pinned.clear();
         s.runs.clear();
         let bb = self.bundle_bytes[l];
@@ -284,19 +470,20 @@ impl Streamer {
                 s.pinned.push(i);
                 continue;
             }
-            s.need[i] = true;
-            s.missing += 1;
+            s.requested[i] = true;
             self.bytes_needed += bb as u64;
             rule.push(&mut s.runs, p);
         }
-        for (r, &(p0, n)) in s.runs.iter().enumerate() {
-            self.io.enqueue(Request {
+        let (base, seq) = (self.layer_offset[l], self.seq);
+        self.io.read(s.runs.iter().enumerate().map(|(r, &(p0, n))| {
+            let req = Request {
                 id: Self::request_id(k, r),
-                offset: self.layer_offset[l] + (p0 * bb) as u64,
+                offset: base + (p0 * bb) as u64,
                 len: (n * bb) as u32,
-                priority: self.seq,
-            })?;
-        }
+                priority: seq,
+            };
+            (req, (p0 * bb) as u64)
+        }));
         self.queue.push_back(k);
         Ok(())
     }
@@ -305,52 +492,15 @@ impl Streamer {
         (run << 1 | stage) as u32
     }
 
-    /// Waits for one read, stages its bundles and offers them to the cache.
-    fn receive(&mut self) -> Result<()> {
-        let c = match self.io.wait_next()? {
-            Some(Ok(c)) => c,
-            Some(Err(f)) => return Err(f.error),
-            None => return Err(RuntimeError::Invalid("I/O engine idle with bundles outstanding".into())),
-        };
-        let (k, r) = (c.id as usize & 1, c.id as usize >> 1);
-        let s = &mut self.stages[k];
-        let (l, bb) = (s.layer, self.bundle_bytes[s.layer]);
-        let p0 = s.runs[r].0;
-        for (j, b) in c.data().chunks_exact(bb).enumerate() {
-            let i = self.placement[l][p0 + j] as usize;
-            if !s.need[i] {
-                continue;
-            }
-            s.need[i] = false;
-            s.data[i * bb..(i + 1) * bb].copy_from_slice(b);
-            s.have[i] = true;
-            s.missing -= 1;
-            if let Some(slot) = self.cache.insert(l, i) {
-                slot.copy_from_slice(b);
-            }
-        }
-        Ok(())
-    }
-
     /// Drops every outstanding stage: requests not yet submitted are
     /// cancelled, reads in flight are drained.
     fn reset(&mut self) -> Result<()> {
         for &k in &self.queue {
-            let s = &mut self.stages[k];
-            for (r, &(p0, n)) in s.runs.iter().enumerate() {
-                if self.io.cancel(Self::request_id(k, r)) {
-                    for &i in &self.placement[s.layer][p0..p0 + n] {
-                        if std::mem::take(&mut s.need[i as usize]) {
-                            s.missing -= 1;
-                        }
-                    }
-                }
-            }
-        }
-        while self.stages.iter().any(|s| s.missing > 0) {
-            self.receive()?;
+            let n = self.stages[k].runs.len();
+            self.io.cancel((0..n).map(|r| Self::request_id(k, r)));
         }
         while let Some(k) = self.queue.pop_front() {
+            self.quiesce(k);
             self.unpin(k);
         }
         Ok(())
@@ -379,7 +529,7 @@ impl Streamer {
         Ok(())
     }
 
-    /// Requests layer `l` behind the current one, if a staging buffer is free.
+    /// Requests layer `l` behind the current one, if a stage is free.
     pub fn prefetch(&mut self, l: usize, want: Want) -> Result<()> {
         if self.queue.len() < 2 {
             self.request(l, want)?;
@@ -387,28 +537,106 @@ impl Streamer {
         Ok(())
     }
 
-    /// Waits until the oldest stage (layer `l`, see [`ensure`](Self::ensure))
-    /// has every bundle it asked for and returns a view of them.
-    pub fn wait(&mut self, l: usize) -> Result<LayerView<'_>> {
-        let k = *self
-            .queue
+    /// The oldest stage, which must be layer `l` (see [`ensure`](Self::ensure)).
+    fn front(&self, l: usize) -> Result<usize> {
+        self.queue
             .front()
-            .filter(|&&k| self.stages[k].layer == l)
-            .ok_or_else(|| RuntimeError::Invalid(format!("layer {l} was not requested before waiting on it")))?;
-        while self.stages[k].missing > 0 {
-            self.receive()?;
+            .copied()
+            .filter(|&k| self.stages[k].layer == l)
+            .ok_or_else(|| RuntimeError::Invalid(format!("layer {l} was not requested before waiting on it")))
+    }
+
+    /// The wanted neurons of layer `l` the cache holds (available at once).
+    pub fn hits(&self, l: usize) -> Result<&[usize]> {
+        Ok(&self.stages[self.front(l)?].pinned)
+    }
+
+    /// Neuron `i`'s bundle from the cache (for [`hits`](Self::hits)).
+    pub fn cached(&self, l: usize, i: usize) -> &[u8] {
+        self.cache.peek(l, i).unwrap_or(&[])
+    }
+
+    /// The next run of layer `l` to land, in arrival order, blocking until
+    /// one has; `None` once every requested run has been taken. A failed
+    /// read is its error (naming the file, offset and length).
+    pub fn next_run(&mut self, l: usize) -> Result<Option<LandedRun<'_>>> {
+        let k = self.front(l)?;
+        let landing = &self.landings.stages[k];
+        let total = self.stages[k].runs.len();
+        let mut waited: Option<std::time::Instant> = None;
+        let r = loop {
+            let taken = self.stages[k].taken;
+            if taken < landing.log.len() {
+                break Some(landing.log.get(taken) as usize);
+            }
+            if let Some(e) = lock(&landing.failed).take() {
+                return Err(e);
+            }
+            if taken == total || landing.settled.load(Ordering::Acquire) == total {
+                break None;
+            }
+            waited.get_or_insert_with(std::time::Instant::now);
+            let g = lock(&self.landings.signal);
+            if self.stages[k].taken == landing.log.len() && landing.settled.load(Ordering::Acquire) < total {
+                let _ = self
+                    .landings
+                    .arrived
+                    .wait_timeout(g, std::time::Duration::from_millis(20))
+                    .unwrap_or_else(|e| e.into_inner());
+            }
+        };
+        if let Some(t) = waited {
+            self.wait_ns += t.elapsed().as_nanos() as u64;
         }
+        let Some(r) = r else { return Ok(None) };
+        let s = &mut self.stages[k];
+        s.taken += 1;
+        let (p0, n) = s.runs[r];
+        let bb = self.bundle_bytes[l];
+        let neurons = &self.placement[l][p0..p0 + n];
+        for &i in neurons {
+            if s.requested[i as usize] {
+                s.staged[i as usize] = true;
+            }
+        }
+        let s = &self.stages[k];
+        Ok(Some(LandedRun {
+            bytes: landing.buf.get(p0 * bb..(p0 + n) * bb),
+            neurons,
+            requested: &s.requested,
+        }))
+    }
+
+    /// The bundles of layer `l` once [`next_run`](Self::next_run) has given
+    /// every run: cached and landed ones by neuron id.
+    pub fn view(&self, l: usize) -> Result<LayerView<'_>> {
+        let k = self.front(l)?;
         Ok(LayerView {
+            streamer: self,
             stage: &self.stages[k],
-            cache: &self.cache,
             bb: self.bundle_bytes[l],
+            k,
         })
     }
 
-    /// Releases the layer computed last; `end_of_token` after the last layer.
+    /// Releases the layer computed last, offering what landed to the cache
+    /// (in arrival order); `end_of_token` after the last layer.
     pub fn finish(&mut self, l: usize, end_of_token: bool) {
         if let Some(k) = self.queue.pop_front() {
             debug_assert_eq!(self.stages[k].layer, l);
+            let (s, landing) = (&self.stages[k], &self.landings.stages[k]);
+            let bb = self.bundle_bytes[l];
+            for t in 0..s.taken {
+                let (p0, n) = s.runs[landing.log.get(t) as usize];
+                for p in p0..p0 + n {
+                    let i = self.placement[l][p] as usize;
+                    if s.staged[i] {
+                        if let Some(slot) = self.cache.insert(l, i) {
+                            slot.copy_from_slice(landing.buf.get(p * bb..(p + 1) * bb));
+                        }
+                    }
+                }
+            }
             self.unpin(k);
         }
         if end_of_token {
@@ -416,7 +644,6 @@ impl Streamer {
         }
     }
 }
-
 /// Loads the bundles the cache's policy wants up front (a static hot set),
 /// a layer at a time in 1 MiB reads, leaving nothing in the page cache.
 fn prefill(m: &FlashModel, cache: &mut NeuronCache) -> Result<()> {

@@ -9,7 +9,7 @@ use std::time::{Duration, Instant};
 pub use chat::ChatTemplate;
 pub use sampler::{argmax, Sampler, SamplerConfig};
 
-use crate::model::{FfnStep, Model, RunState};
+use crate::model::{DenseFfn, LayerHook, Model, RunState};
 use crate::{Result, RuntimeError};
 
 #[derive(Debug, Clone, Default)]
@@ -35,26 +35,20 @@ impl GenerationStats {
 /// Feeds `tokens` starting at `pos0` in batches of the state's capacity and
 /// leaves the hidden state of the last one ready for `Model::logits` (row 0).
 pub fn ingest(model: &Model, st: &mut RunState, tokens: &[u32], pos0: usize) -> Result<()> {
-    ingest_with(model, st, tokens, pos0, None)
+    ingest_with(model, st, tokens, pos0, &mut DenseFfn)
 }
 
-/// `ingest` with the FFN supplied by `ffn` (see `Model::forward_with`).
+/// `ingest` told to `hook` (see `Model::forward_with`).
 pub fn ingest_with(
     model: &Model,
     st: &mut RunState,
     tokens: &[u32],
     pos0: usize,
-    mut ffn: Option<&mut dyn FfnStep>,
+    hook: &mut dyn LayerHook,
 ) -> Result<()> {
     let mut pos = pos0;
     for chunk in tokens.chunks(st.max_batch) {
-        model.forward_with(
-            st,
-            chunk,
-            pos,
-            chunk.len() - 1..chunk.len(),
-            ffn.as_mut().map(|f| &mut **f as &mut dyn FfnStep).into(),
-        )?;
+        model.forward_with(st, chunk, pos, chunk.len() - 1..chunk.len(), hook)?;
         pos += chunk.len();
     }
     Ok(())
@@ -71,17 +65,17 @@ pub fn generate(
     sampler: &mut Sampler,
     on_token: impl FnMut(u32) -> Result<()>,
 ) -> Result<GenerationStats> {
-    generate_with(model, st, prompt, n_predict, sampler, None, on_token)
+    generate_with(model, st, prompt, n_predict, sampler, &mut DenseFfn, on_token)
 }
 
-/// `generate` with the FFN supplied by `ffn` (see `Model::forward_with`).
+/// `generate` told to `hook` (see `Model::forward_with`).
 pub fn generate_with(
     model: &Model,
     st: &mut RunState,
     prompt: &[u32],
     n_predict: usize,
     sampler: &mut Sampler,
-    mut ffn: Option<&mut dyn FfnStep>,
+    hook: &mut dyn LayerHook,
     mut on_token: impl FnMut(u32) -> Result<()>,
 ) -> Result<GenerationStats> {
     if prompt.is_empty() {
@@ -99,7 +93,7 @@ pub fn generate_with(
         ..Default::default()
     };
     let t0 = Instant::now();
-    ingest_with(model, st, prompt, 0, ffn.as_mut().map(|f| &mut **f as &mut dyn FfnStep))?;
+    ingest_with(model, st, prompt, 0, hook)?;
     stats.prompt_time = t0.elapsed();
 
     let t1 = Instant::now();
@@ -116,13 +110,7 @@ pub fn generate_with(
         if i + 1 == n_predict || pos >= st.ctx {
             break;
         }
-        model.forward_with(
-            st,
-            &[tok],
-            pos,
-            0..1,
-            ffn.as_mut().map(|f| &mut **f as &mut dyn FfnStep).into(),
-        )?;
+        model.forward_with(st, &[tok], pos, 0..1, hook)?;
     }
     stats.decode_time = t1.elapsed();
     Ok(stats)

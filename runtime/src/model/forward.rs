@@ -13,12 +13,11 @@ use leanstream_kernels::f16dot::{dot_f16_gemm, dot_f16_gemm_x4, dot_f16_vec};
 use leanstream_kernels::ops::{self, RopeTable};
 use leanstream_kernels::{matmul, ActBuffer};
 use rayon::prelude::*;
-use std::ops::Range;
 
 use super::config::{Config, FfnActivation};
+use super::hook::{DenseFfn, FfnBy, LayerAt, LayerHook};
 use super::weights::{mat, MatRef};
 use super::Model;
-use crate::sparsity::FfnHook;
 use crate::{Result, RuntimeError};
 
 /// Keys as `[layer][pos][kv_head * head_dim]`; values transposed as
@@ -105,8 +104,6 @@ pub struct RunState {
     pub logits: Vec<f32>,
     /// Tokens of the last forward call (rows of `xb`).
     n_rows: usize,
-    /// What happens to the gated FFN activations (calibration, sparsity).
-    pub ffn_hook: FfnHook,
 }
 
 impl RunState {
@@ -135,7 +132,6 @@ impl RunState {
             kv: KvCache::new(c, ctx),
             logits: vec![0.0; max_logit_rows.max(1) * c.n_vocab],
             n_rows: 0,
-            ffn_hook: FfnHook::None,
         }
     }
 
@@ -192,19 +188,18 @@ impl Model {
         pos0: usize,
         outputs: std::ops::Range<usize>,
     ) -> Result<()> {
-        self.forward_with(st, tokens, pos0, outputs, Ffn::Dense)
+        self.forward_with(st, tokens, pos0, outputs, &mut DenseFfn)
     }
 
-    /// `forward_outputs` with the feed-forward from `ffn`: the model's own
-    /// matrices (optionally watched by a probe) or a step supplied from
-    /// outside (norms, post-norm and residual stay here).
+    /// `forward_outputs` told to `hook` layer by layer, which may supply
+    /// each layer's FFN (norms, post-norm and residual stay here).
     pub fn forward_with(
         &self,
         st: &mut RunState,
         tokens: &[u32],
         pos0: usize,
         outputs: std::ops::Range<usize>,
-        mut ffn: Ffn<'_>,
+        hook: &mut dyn LayerHook,
     ) -> Result<()> {
         let c = &self.config;
         let file = self.gguf.data();
@@ -248,9 +243,12 @@ impl Model {
         // Batch rows the buffers hold; the last layer narrows them to `outputs`.
         let mut rows = 0..n;
         for (il, l) in self.weights.layers.iter().enumerate() {
-            if let Ffn::Probed(p) = &mut ffn {
-                p.layer_input(il, rows.clone(), &st.x[..n * d]);
-            }
+            let mut at = LayerAt {
+                layer: il,
+                rows: rows.clone(),
+                pos0,
+            };
+            hook.layer_input(&at, &st.x[..n * d]);
             // Attention: norm, q/k/v projections.
             ops::rms_norm_rows(&st.x[..n * d], &l.attn_norm, c.rms_eps, &mut st.xb[..n * d]);
             let mut fresh = false;
@@ -310,16 +308,16 @@ impl Model {
                 st.x.copy_within(outputs.start * d..outputs.end * d, 0);
                 n = outputs.len();
                 rows = outputs.clone();
+                at.rows = rows.clone();
             }
 
             // Feed-forward: norm, gate and up, gated activation, down, optional post-norm, residual.
             ops::rms_norm_rows(&st.x[..n * d], &l.ffn_norm, c.rms_eps, &mut st.xb[..n * d]);
-            if let Ffn::Step(f) = &mut ffn {
-                f.ffn(il, &st.xb[..n * d], n, &mut st.proj[..n * d])?;
-            } else {
+            let by = hook.ffn(&at, &st.x[..n * d], &st.xb[..n * d], &mut st.proj[..n * d])?;
+            if by == FfnBy::Model {
                 let (Some(gate), Some(up), Some(down)) = (&l.ffn_gate, &l.ffn_up, &l.ffn_down) else {
                     return Err(RuntimeError::Invalid(format!(
-                        "layer {il} has no FFN matrices (a streamed model needs an FFN step)"
+                        "layer {il} has no FFN matrices (a streamed model needs a hook that computes its FFN)"
                     )));
                 };
                 let ff = c.n_ff;
@@ -328,39 +326,36 @@ impl Model {
                 matmul(&mat(file, gate), &st.acts, &mut st.gate[..n * ff])?;
                 prepare(&mut st.acts, up, &st.xb, n, &mut fresh)?;
                 matmul(&mat(file, up), &st.acts, &mut st.up[..n * ff])?;
-                st.ffn_hook.observe_gate(il, &st.gate[..n * ff], c.ffn_activation);
+                hook.gate(&at, &st.gate[..n * ff], c.ffn_activation);
                 match c.ffn_activation {
                     FfnActivation::Silu => ops::swiglu(&mut st.gate[..n * ff], &st.up[..n * ff]),
                     FfnActivation::GeluTanh => ops::geglu(&mut st.gate[..n * ff], &st.up[..n * ff]),
                 }
-                st.ffn_hook.apply(il, &mut st.gate[..n * ff]);
-                if let Ffn::Probed(p) = &mut ffn {
-                    p.ffn_input(il, rows.clone(), &st.x[..n * d], &st.xb[..n * d]);
-                    p.activations(il, rows.clone(), &mut st.gate[..n * ff]);
-                    if let Some(mask) = p.partial_mask(il) {
-                        // The output of the masked neurons alone, as the residual would receive it.
-                        for (u, g) in st.up[..n * ff].chunks_exact_mut(ff).zip(st.gate.chunks_exact(ff)) {
-                            for ((u, &g), &m) in u.iter_mut().zip(g).zip(mask) {
-                                *u = g * m;
-                            }
+                hook.activations(&at, &mut st.gate[..n * ff]);
+                if let Some(mask) = hook.partial_mask(il) {
+                    // The output of the masked neurons alone, as the residual would receive it.
+                    for (u, g) in st.up[..n * ff].chunks_exact_mut(ff).zip(st.gate.chunks_exact(ff)) {
+                        for ((u, &g), &m) in u.iter_mut().zip(g).zip(mask) {
+                            *u = g * m;
                         }
-                        let mut fresh = false;
-                        prepare(&mut st.acts, down, &st.up, n, &mut fresh)?;
-                        matmul(&mat(file, down), &st.acts, &mut st.proj[..n * d])?;
-                        let partial = match l.ffn_post_norm.as_deref() {
-                            Some(w) => {
-                                ops::rms_norm_rows(&st.proj[..n * d], w, c.rms_eps, &mut st.xb[..n * d]);
-                                &st.xb[..n * d]
-                            }
-                            None => &st.proj[..n * d],
-                        };
-                        p.partial_output(il, rows.clone(), partial);
                     }
+                    let mut fresh = false;
+                    prepare(&mut st.acts, down, &st.up, n, &mut fresh)?;
+                    matmul(&mat(file, down), &st.acts, &mut st.proj[..n * d])?;
+                    let partial = match l.ffn_post_norm.as_deref() {
+                        Some(w) => {
+                            ops::rms_norm_rows(&st.proj[..n * d], w, c.rms_eps, &mut st.xb[..n * d]);
+                            &st.xb[..n * d]
+                        }
+                        None => &st.proj[..n * d],
+                    };
+                    hook.partial_output(&at, partial);
                 }
                 let mut fresh = false;
                 prepare(&mut st.acts, down, &st.gate, n, &mut fresh)?;
                 matmul(&mat(file, down), &st.acts, &mut st.proj[..n * d])?;
             }
+            hook.ffn_output(&at, &st.proj[..n * d]);
             residual(
                 &mut st.x[..n * d],
                 &st.proj[..n * d],
@@ -404,59 +399,6 @@ impl Model {
         }
         Ok(&st.logits[..count * c.n_vocab])
     }
-}
-
-/// Where a forward pass's feed-forward comes from.
-pub enum Ffn<'a> {
-    /// The model's own matrices.
-    Dense,
-    /// The model's own matrices, with a probe seeing (and possibly masking) each layer.
-    Probed(&'a mut dyn LayerProbe),
-    /// Supplied from outside the model (e.g. streamed from flash).
-    Step(&'a mut dyn FfnStep),
-}
-
-impl Ffn<'_> {
-    /// The same source for one more call (the probe or step stays borrowed).
-    pub fn reborrow(&mut self) -> Ffn<'_> {
-        match self {
-            Self::Dense => Ffn::Dense,
-            Self::Probed(p) => Ffn::Probed(&mut **p),
-            Self::Step(f) => Ffn::Step(&mut **f),
-        }
-    }
-}
-
-impl<'a> From<Option<&'a mut dyn FfnStep>> for Ffn<'a> {
-    fn from(step: Option<&'a mut dyn FfnStep>) -> Self {
-        step.map_or(Ffn::Dense, Ffn::Step)
-    }
-}
-
-/// Watches the dense forward pass layer by layer (activation traces,
-/// predictor evaluation). Every slice holds the batch rows `rows` of the call
-/// (the last layer runs only the output rows), one row per token.
-pub trait LayerProbe {
-    /// The residual stream entering layer `layer`, before attention.
-    fn layer_input(&mut self, _layer: usize, _rows: Range<usize>, _x: &[f32]) {}
-    /// Before the FFN: the residual after attention and the FFN's normed input.
-    fn ffn_input(&mut self, _layer: usize, _rows: Range<usize>, _resid: &[f32], _xb: &[f32]) {}
-    /// The gated activations `act(g)·u`, `[rows][n_ff]`; zeroing one skips its neuron.
-    fn activations(&mut self, _layer: usize, _rows: Range<usize>, _acts: &mut [f32]) {}
-    /// Per neuron 1 or 0: the neurons whose output `partial_output` should
-    /// receive (those a runtime has computed first, e.g. its hot set).
-    fn partial_mask(&self, _layer: usize) -> Option<&[f32]> {
-        None
-    }
-    /// The masked neurons' FFN output after any post-norm, `[rows][n_embd]`.
-    fn partial_output(&mut self, _layer: usize, _rows: Range<usize>, _y: &[f32]) {}
-}
-
-/// The feed-forward of one layer supplied from outside the model (e.g.
-/// streamed from flash): `xb` holds the `n` normed input rows `[n][n_embd]`,
-/// `out` receives the FFN output rows (before any post-norm and residual).
-pub trait FfnStep {
-    fn ffn(&mut self, layer: usize, xb: &[f32], n: usize, out: &mut [f32]) -> Result<()>;
 }
 
 /// `x += post_norm(y)` (or `x += y` without a post-norm); `tmp` is scratch.

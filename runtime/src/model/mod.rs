@@ -3,12 +3,14 @@
 
 pub mod config;
 pub mod forward;
+pub mod hook;
 pub mod weights;
 
 use std::path::Path;
 
 pub use config::{Arch, Config, FfnActivation};
-pub use forward::{Ffn, FfnStep, KvCache, LayerProbe, RunState};
+pub use forward::{KvCache, RunState};
+pub use hook::{DenseFfn, FfnBy, LayerAt, LayerHook};
 pub use weights::{LayerWeights, MatRef, Weights};
 
 use crate::gguf::GgufFile;
@@ -31,7 +33,7 @@ impl Model {
     }
 
     /// A model without FFN matrices (e.g. the resident part of a `.lsflash`
-    /// file): its forward pass needs an [`FfnStep`] for the feed-forward.
+    /// file): its forward pass needs a [`LayerHook`] that computes the feed-forward.
     pub fn from_gguf_without_ffn(gguf: GgufFile) -> Result<Self> {
         let config = Config::from_gguf(&gguf)?;
         let weights = Weights::load_without_ffn(&gguf, &config)?;

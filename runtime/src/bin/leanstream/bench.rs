@@ -11,11 +11,11 @@ use clap::Args;
 use leanstream_runtime::engine::{CachePolicy, EngineOptions, FlashModel, Policy};
 use leanstream_runtime::flash::{pagecache, SparsityLevel};
 use leanstream_runtime::generate::sampler::Rng;
-use leanstream_runtime::model::{Ffn, FfnStep, RunState};
+use leanstream_runtime::model::RunState;
 use leanstream_runtime::perplexity::perplexity_with;
-use leanstream_runtime::sparsity::FfnHook;
 
-use crate::{plot, Loaded};
+use crate::plot;
+use leanstream_runtime::session::Session;
 use serde_json::{json, Value};
 
 #[derive(Args)]
@@ -78,8 +78,8 @@ fn random_tokens(rng: &mut Rng, n: usize, n_vocab: usize) -> Vec<u32> {
 }
 
 /// Tokens per second of processing `n` prompt tokens from an empty context.
-fn prompt_speed(loaded: &mut Loaded, st: &mut RunState, tokens: &[u32]) -> Result<f64> {
-    let (model, ffn) = loaded.parts();
+fn prompt_speed(loaded: &mut Session, st: &mut RunState, tokens: &[u32]) -> Result<f64> {
+    let (model, ffn) = loaded.parts()?;
     let t = Instant::now();
     leanstream_runtime::generate::ingest_with(model, st, tokens, 0, ffn)?;
     model.logits(st, 0, 1)?;
@@ -87,17 +87,11 @@ fn prompt_speed(loaded: &mut Loaded, st: &mut RunState, tokens: &[u32]) -> Resul
 }
 
 /// Tokens per second of decoding `n` tokens one at a time from an empty context.
-fn decode_speed(loaded: &mut Loaded, st: &mut RunState, tokens: &[u32]) -> Result<f64> {
-    let (model, mut ffn) = loaded.parts();
+fn decode_speed(loaded: &mut Session, st: &mut RunState, tokens: &[u32]) -> Result<f64> {
+    let (model, ffn) = loaded.parts()?;
     let t = Instant::now();
     for (pos, &tok) in tokens.iter().enumerate() {
-        model.forward_with(
-            st,
-            &[tok],
-            pos,
-            0..1,
-            ffn.as_mut().map(|f| &mut **f as &mut dyn FfnStep).into(),
-        )?;
+        model.forward_with(st, &[tok], pos, 0..1, ffn)?;
         model.logits(st, 0, 1)?;
     }
     Ok(tokens.len() as f64 / t.elapsed().as_secs_f64())
@@ -127,8 +121,9 @@ pub fn run(a: BenchArgs) -> Result<()> {
     let path = leanstream_runtime::fetch::resolve_model(&a.model)?;
     let t0 = Instant::now();
     let state_tokens = a.prompt_tokens.max(a.gen_tokens).max(1);
-    let (mut loaded, mut st) = Loaded::open(&path, &a.flash, |m| Ok(m.new_state(state_tokens, 512, 1)))?;
-    if a.llama_bench.is_some() && matches!(loaded, Loaded::Flash(..)) {
+    let settings = a.flash.settings()?;
+    let (mut loaded, mut st) = Session::open(&path, &settings, |m| Ok(m.new_state(state_tokens, 512, 1)))?;
+    if a.llama_bench.is_some() && matches!(loaded, Session::Flash(..)) {
         bail!("--llama-bench needs a GGUF model, not a .lsflash file");
     }
     let c = loaded.model().config.clone();
@@ -136,7 +131,7 @@ pub fn run(a: BenchArgs) -> Result<()> {
     let reps = a.reps.max(1);
     let plan = make_plan(reps, a.prompt_tokens, a.gen_tokens, c.n_vocab);
     // The oracle first records the active sets of exactly this plan.
-    loaded.record_oracle(&a.flash, &mut st, |loaded, st| {
+    loaded.record_oracle(&settings, &mut st, |loaded, st| -> Result<()> {
         for (p, g) in &plan {
             if !p.is_empty() {
                 prompt_speed(loaded, st, p)?;
@@ -203,7 +198,7 @@ pub fn run(a: BenchArgs) -> Result<()> {
         let tokens = s.tokens.max(1) as f64;
         let mem = fm.memory(&st, engine);
         let (cached, file_len) = pagecache::cached_bytes(fm.flash.path())?;
-        report["policy"] = json!(engine.policy.to_string());
+        report["policy"] = json!(engine.policy().to_string());
         report["cache_policy"] = json!(engine.cache_policy_name());
         report["io_direct"] = json!(engine.io_direct());
         report["bytes_requested_per_token"] = json!(s.bytes_requested as f64 / tokens);
@@ -216,6 +211,16 @@ pub fn run(a: BenchArgs) -> Result<()> {
         report["reads_per_token"] = json!(s.reads as f64 / tokens);
         report["read_bw_bytes_s"] = json!(s.bytes_read as f64 / run_s);
         report["cache_miss_ratio"] = json!(s.cache_miss_ratio());
+        // Over every token row the FFN ran (prompt and decode): compute is
+        // FFN time not spent blocked on reads; overlap is I/O busy time that
+        // compute did not wait for.
+        report["time_per_token"] = json!({
+            "ffn_s": s.ffn_seconds / tokens,
+            "compute_s": (s.ffn_seconds - s.io_wait_seconds).max(0.0) / tokens,
+            "io_wait_s": s.io_wait_seconds / tokens,
+            "io_busy_s": s.io_busy_seconds / tokens,
+            "overlap_s": s.overlap_seconds() / tokens,
+        });
         report["memory"] = json!({
             "resident_weights": mem.resident_weights,
             "kv_cache": mem.kv_cache,
@@ -235,7 +240,7 @@ pub fn run(a: BenchArgs) -> Result<()> {
         let cache_bytes = engine.ffn_budget_bytes();
         report["quality"] = quality(
             fm,
-            engine.policy,
+            engine.policy(),
             a.flash.sparsity,
             cache_bytes,
             file,
@@ -286,15 +291,7 @@ fn quality(
             record: false,
             trace: None,
         })?;
-        let (p, _) = perplexity_with(
-            &fm.model,
-            &text,
-            ctx,
-            Some(chunks),
-            false,
-            FfnHook::None,
-            Ffn::Step(&mut e),
-        )?;
+        let p = perplexity_with(&fm.model, &text, ctx, Some(chunks), false, &mut e)?;
         Ok((p, e.stats().skipped_fraction()))
     };
     let (dense, _) = eval(Policy::DenseStream, SparsityLevel::dense(fm.flash.n_layer()))?;

@@ -8,15 +8,14 @@ use std::time::Instant;
 use anyhow::{bail, Context, Result};
 use clap::{Parser, Subcommand};
 use leanstream_runtime::cache::{fmt_bytes, FfnBudget};
-use leanstream_runtime::engine::{
-    is_lsflash, ActiveTrace, CachePolicy, EngineOptions, FlashEngine, FlashModel, Policy, DEFAULT_MERGE_GAP,
-};
+use leanstream_runtime::engine::{CachePolicy, Policy};
 use leanstream_runtime::fetch::{self, resolve_model};
 use leanstream_runtime::flash;
 use leanstream_runtime::generate::{generate_with, ChatTemplate, Sampler, SamplerConfig};
-use leanstream_runtime::model::{FfnStep, Model, RunState};
-use leanstream_runtime::perplexity::perplexity_with_hook;
-use leanstream_runtime::sparsity::{calibrate, Calibration, FfnHook};
+use leanstream_runtime::model::{DenseFfn, LayerHook, Model};
+use leanstream_runtime::perplexity::perplexity_with;
+use leanstream_runtime::session::{Session, StreamSettings};
+use leanstream_runtime::sparsity::{calibrate, Calibration, Sparsifier};
 use leanstream_runtime::synthetic;
 use leanstream_runtime::tokenizer::StreamDecoder;
 
@@ -190,172 +189,29 @@ pub(crate) struct FlashArgs {
 }
 
 impl FlashArgs {
-    fn is_set(&self) -> bool {
-        self.policy.is_some()
-            || self.ffn_budget.is_some()
-            || self.mem_budget.is_some()
-            || self.sparsity != 0.0
-            || self.cache_policy.is_some()
-            || self.merge_gap.is_some()
-    }
-
-    pub(crate) fn policy(&self) -> Policy {
-        self.policy.unwrap_or(Policy::Dense)
-    }
-
-    /// Bytes of the neuron cache for `policy` on `fm` with run state `st`
-    /// (and, for the oracle, a trace of `trace_bytes`).
-    pub(crate) fn cache_bytes(&self, fm: &FlashModel, policy: Policy, st: &RunState, trace_bytes: u64) -> Result<u64> {
-        let Some(mem) = &self.mem_budget else {
-            let b = self.ffn_budget.as_deref().unwrap_or("25%");
-            let budget = FfnBudget::parse(b).map_err(|e| anyhow::anyhow!("--ffn-budget: {e}"))?;
-            return Ok(budget.resolve(fm.ffn_bytes()));
+    /// The settings these flags name (sizes parsed, errors naming the flag).
+    pub(crate) fn settings(&self) -> Result<StreamSettings> {
+        let bytes = |flag: &str, v: &Option<String>| -> Result<Option<u64>> {
+            match v.as_deref().map(FfnBudget::parse) {
+                None => Ok(None),
+                Some(Ok(FfnBudget::Bytes(b))) => Ok(Some(b)),
+                Some(Ok(FfnBudget::Percent(_))) => bail!("{flag} takes bytes (e.g. 300MiB), not a percentage"),
+                Some(Err(e)) => bail!("{flag}: {e}"),
+            }
         };
-        let total = match FfnBudget::parse(mem).map_err(|e| anyhow::anyhow!("--mem-budget: {e}"))? {
-            FfnBudget::Bytes(b) => b,
-            FfnBudget::Percent(_) => bail!("--mem-budget takes bytes (e.g. 300MiB), not a percentage"),
+        let ffn_budget = match self.ffn_budget.as_deref().map(FfnBudget::parse) {
+            None => None,
+            Some(Ok(b)) => Some(b),
+            Some(Err(e)) => bail!("--ffn-budget: {e}"),
         };
-        let weights = fm.flash.resident_range().1 + fm.model.tokenizer.heap_bytes();
-        let state = st.bytes() as u64;
-        let engine = fm.engine_overhead_bytes(policy, st.max_batch) + trace_bytes;
-        let fixed = weights + state + engine;
-        if fixed > total {
-            bail!(
-                "--mem-budget {}: the resident parts alone need {} (weights and tokenizer {}, run state {}, {policy} buffers {}); \
-                 nothing would be left for the neuron cache",
-                fmt_bytes(total),
-                fmt_bytes(fixed),
-                fmt_bytes(weights),
-                fmt_bytes(state),
-                fmt_bytes(engine)
-            );
-        }
-        Ok(total - fixed)
-    }
-
-    /// The engine for `fm` under these settings; `record` keeps the kept
-    /// sets for an oracle replay.
-    pub(crate) fn engine(
-        &self,
-        fm: &FlashModel,
-        policy: Policy,
-        st: &RunState,
-        trace: Option<ActiveTrace>,
-        record: bool,
-    ) -> Result<FlashEngine> {
-        let trace_bytes = trace.as_ref().map_or(0, |t| t.bytes());
-        let has_scores = !fm.flash.header().neuron_scores.is_empty();
-        let merge_gap_bytes = match self.merge_gap.as_deref().map(FfnBudget::parse) {
-            None => DEFAULT_MERGE_GAP,
-            Some(Ok(FfnBudget::Bytes(b))) => b as usize,
-            Some(Ok(FfnBudget::Percent(_))) => bail!("--merge-gap takes bytes (e.g. 64KiB)"),
-            Some(Err(e)) => bail!("--merge-gap: {e}"),
-        };
-        Ok(fm.engine_with(EngineOptions {
-            policy,
-            cache_bytes: self.cache_bytes(fm, policy, st, trace_bytes)?,
-            cache_policy: self
-                .cache_policy
-                .unwrap_or(if has_scores { CachePolicy::Hot } else { CachePolicy::Lru }),
-            merge_gap_bytes,
-            level: fm.sparsity_level(self.sparsity)?,
-            record,
-            trace,
-        })?)
-    }
-}
-
-/// A GGUF model, or a `.lsflash` model with its FFN engine.
-pub(crate) enum Loaded {
-    Gguf(Box<Model>),
-    /// The engine is `None` only while an oracle's replaces its recorder.
-    Flash(Box<FlashModel>, Option<Box<FlashEngine>>),
-}
-
-impl Loaded {
-    /// Opens the model at `path`, its run state from `state`, and (for a
-    /// `.lsflash` model) the FFN engine sized for that state. An oracle
-    /// engine starts without a trace: see [`Loaded::record_oracle`].
-    pub(crate) fn open(
-        path: &Path,
-        flash: &FlashArgs,
-        state: impl FnOnce(&Model) -> Result<RunState>,
-    ) -> Result<(Self, RunState)> {
-        if !path.exists() {
-            bail!(
-                "{}: no such model file (known model names: smollm2, gemma3)",
-                path.display()
-            );
-        }
-        if is_lsflash(path) {
-            let fm = FlashModel::open(path)?;
-            let st = state(&fm.model)?;
-            // The oracle's engine is made once its trace is recorded; until
-            // then a dense-stream engine of the same budget stands in.
-            let policy = match flash.policy() {
-                Policy::Oracle => Policy::DenseStream,
-                p => p,
-            };
-            let engine = flash.engine(&fm, policy, &st, None, flash.policy() == Policy::Oracle)?;
-            return Ok((Self::Flash(Box::new(fm), Some(Box::new(engine))), st));
-        }
-        if flash.is_set() {
-            bail!(
-                "--policy, --ffn-budget, --mem-budget and --sparsity apply to .lsflash models; {} is not one",
-                path.display()
-            );
-        }
-        let m = Model::load(path)?;
-        let st = state(&m)?;
-        Ok((Self::Gguf(Box::new(m)), st))
-    }
-
-    /// For `--policy oracle`: runs `job` once with the recording engine,
-    /// then swaps in the oracle engine replaying what it recorded. `job`
-    /// must do exactly what the measured run will do. Other policies: nothing.
-    pub(crate) fn record_oracle(
-        &mut self,
-        flash: &FlashArgs,
-        st: &mut RunState,
-        job: impl FnOnce(&mut Self, &mut RunState) -> Result<()>,
-    ) -> Result<()> {
-        if flash.policy() != Policy::Oracle || !matches!(self, Self::Flash(..)) {
-            return Ok(());
-        }
-        job(self, st)?;
-        let Self::Flash(fm, engine) = self else {
-            unreachable!("checked above")
-        };
-        let trace = engine
-            .take()
-            .and_then(|mut e| e.take_trace())
-            .context("the recording engine kept no trace")?;
-        // The recorder (and its cache) is gone before the oracle's is allocated.
-        *engine = Some(Box::new(flash.engine(fm, Policy::Oracle, st, Some(trace), false)?));
-        Ok(())
-    }
-
-    /// The flash model and its engine, for reports.
-    pub(crate) fn flash(&self) -> Option<(&FlashModel, &FlashEngine)> {
-        match self {
-            Self::Flash(fm, Some(e)) => Some((fm, e)),
-            _ => None,
-        }
-    }
-
-    pub(crate) fn model(&self) -> &Model {
-        match self {
-            Self::Gguf(m) => m,
-            Self::Flash(fm, _) => &fm.model,
-        }
-    }
-
-    /// The model and, for a `.lsflash` model, its FFN step.
-    pub(crate) fn parts(&mut self) -> (&Model, Option<&mut dyn FfnStep>) {
-        match self {
-            Self::Gguf(m) => (m, None),
-            Self::Flash(fm, e) => (&fm.model, e.as_deref_mut().map(|e| e as &mut dyn FfnStep)),
-        }
+        Ok(StreamSettings {
+            policy: self.policy,
+            ffn_budget,
+            mem_budget: bytes("--mem-budget", &self.mem_budget)?,
+            sparsity: self.sparsity,
+            cache_policy: self.cache_policy,
+            merge_gap: bytes("--merge-gap", &self.merge_gap)?.map(|b| b as usize),
+        })
     }
 }
 
@@ -419,27 +275,29 @@ fn real_main(cli: Cli) -> Result<()> {
         } => {
             let model = load(&model)?;
             let text = std::fs::read_to_string(&file).with_context(|| format!("reading {}", file.display()))?;
-            let hook = match (&thresholds, sparsity) {
-                (Some(path), Some(s)) => {
-                    let cal = Calibration::load(path)?;
-                    let level = cal
-                        .level(s)
-                        .with_context(|| format!("{}: no thresholds for sparsity {s}", path.display()))?;
-                    if level.per_layer.len() != model.config.n_layer {
-                        bail!(
-                            "{}: {} layers of thresholds for a {}-layer model",
-                            path.display(),
-                            level.per_layer.len(),
-                            model.config.n_layer
-                        );
-                    }
-                    FfnHook::sparsify(level.per_layer.clone())
+            let mut sparsifier = None;
+            if let (Some(path), Some(s)) = (&thresholds, sparsity) {
+                let cal = Calibration::load(path)?;
+                let level = cal
+                    .level(s)
+                    .with_context(|| format!("{}: no thresholds for sparsity {s}", path.display()))?;
+                if level.per_layer.len() != model.config.n_layer {
+                    bail!(
+                        "{}: {} layers of thresholds for a {}-layer model",
+                        path.display(),
+                        level.per_layer.len(),
+                        model.config.n_layer
+                    );
                 }
-                _ => FfnHook::None,
+                sparsifier = Some(Sparsifier::new(level.per_layer.clone()));
+            }
+            let hook: &mut dyn LayerHook = match &mut sparsifier {
+                Some(s) => s,
+                None => &mut DenseFfn,
             };
-            let (p, hook) = perplexity_with_hook(&model, &text, ctx, chunks, true, hook)?;
+            let p = perplexity_with(&model, &text, ctx, chunks, true, hook)?;
             let mut report = serde_json::to_value(&p)?;
-            if let Some(skipped) = hook.skipped_fraction() {
+            if let Some(skipped) = sparsifier.as_ref().and_then(|s| s.skipped_fraction()) {
                 report["sparsity_target"] = serde_json::json!(sparsity);
                 report["skipped_fraction"] = serde_json::json!(skipped);
             }
@@ -645,21 +503,22 @@ fn run(
         Ok(model.tokenizer.encode(&text, true, chat))
     };
     let path = resolve_model(model_arg)?;
-    let (mut loaded, mut st) = Loaded::open(&path, flash, |model| {
-        let ids = prompt_ids(model)?;
+    let settings = flash.settings()?;
+    let (mut loaded, mut st) = Session::open(&path, &settings, |model| {
+        let ids = prompt_ids(model).map_err(|e| leanstream_runtime::RuntimeError::Invalid(format!("{e:#}")))?;
         let ctx = ctx.unwrap_or(ids.len() + n + 1).min(model.config.context_length);
         Ok(model.new_state(ctx, 512, 1))
     })?;
     let ids = prompt_ids(loaded.model())?;
     // The oracle replays a first, silent run of the same generation.
-    loaded.record_oracle(flash, &mut st, |loaded, st| {
-        let (model, ffn) = loaded.parts();
+    loaded.record_oracle(&settings, &mut st, |loaded, st| -> Result<()> {
+        let (model, ffn) = loaded.parts()?;
         let mut sampler = Sampler::new(sampler_cfg, model.config.n_vocab);
         generate_with(model, st, &ids, n, &mut sampler, ffn, |_| Ok(()))?;
         Ok(())
     })?;
     let load_time = t0.elapsed();
-    let (model, ffn) = loaded.parts();
+    let (model, ffn) = loaded.parts()?;
     let mut sampler = Sampler::new(sampler_cfg, model.config.n_vocab);
     let mut decoder = StreamDecoder::new();
     let stdout = std::io::stdout();
@@ -686,7 +545,7 @@ fn run(
         let (cached, len) = flash::pagecache::cached_bytes(fm.flash.path())?;
         eprintln!(
             "{} | sparsity {} (skipped {:.1}%) | {:.1} MiB read/token | cache miss ratio {:.3} | memory: {} | {} of {} of the .lsflash file in the page cache",
-            engine.policy,
+            engine.policy(),
             engine.sparsity(),
             100.0 * s.skipped_fraction(),
             s.bytes_read as f64 / s.tokens.max(1) as f64 / (1 << 20) as f64,

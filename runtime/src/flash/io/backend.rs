@@ -70,6 +70,26 @@ pub struct FaultyBackend {
     submitted: u64,
     injected: VecDeque<ReadResult>,
     shorten: HashMap<u64, u32>,
+    shuffle: Option<Shuffle>,
+}
+
+/// Completions held back and handed out in a seeded random order, each
+/// hand-out after a random delay: arrivals out of order and late.
+struct Shuffle {
+    state: u64,
+    max_delay: std::time::Duration,
+    held: Vec<ReadResult>,
+}
+
+impl Shuffle {
+    fn next(&mut self) -> u64 {
+        // SplitMix64: enough to scramble an order.
+        self.state = self.state.wrapping_add(0x9E37_79B9_7F4A_7C15);
+        let mut z = self.state;
+        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+        z ^ (z >> 31)
+    }
 }
 
 impl FaultyBackend {
@@ -80,7 +100,19 @@ impl FaultyBackend {
             submitted: 0,
             injected: VecDeque::new(),
             shorten: HashMap::new(),
+            shuffle: None,
         }
+    }
+
+    /// Also holds completions back and hands them out in an order drawn
+    /// from `seed`, sleeping up to `max_delay` before each hand-out.
+    pub fn shuffled(mut self, seed: u64, max_delay: std::time::Duration) -> Self {
+        self.shuffle = Some(Shuffle {
+            state: seed,
+            max_delay,
+            held: Vec::new(),
+        });
+        self
     }
 
     /// Reads submitted through this wrapper so far.
@@ -121,12 +153,28 @@ impl Backend for FaultyBackend {
         let injected = self.injected.len();
         out.extend(self.injected.drain(..));
         let start = out.len();
-        self.inner.complete(min.saturating_sub(injected), out)?;
+        let need = min.saturating_sub(injected);
+        let held = self.shuffle.as_ref().map_or(0, |s| s.held.len());
+        self.inner.complete(need.saturating_sub(held), out)?;
         for r in &mut out[start..] {
             if let Some(cap) = self.shorten.remove(&r.tag) {
                 if r.result > cap as i32 {
                     r.result = cap as i32;
                 }
+            }
+        }
+        if let Some(sh) = &mut self.shuffle {
+            sh.held.extend(out.drain(start..));
+            // Hand out at least what was asked for, and a random share more.
+            let extra = (sh.next() % (sh.held.len() as u64 + 1)) as usize;
+            let give = need.max(extra).min(sh.held.len());
+            if give > 0 && !sh.max_delay.is_zero() {
+                let nanos = sh.next() % sh.max_delay.as_nanos().max(1) as u64;
+                std::thread::sleep(std::time::Duration::from_nanos(nanos));
+            }
+            for _ in 0..give {
+                let k = (sh.next() % sh.held.len() as u64) as usize;
+                out.push(sh.held.swap_remove(k));
             }
         }
         Ok(())

@@ -17,6 +17,7 @@ mod pool;
 mod pread;
 mod request;
 mod uring;
+mod worker;
 
 use std::collections::VecDeque;
 use std::fs::{File, OpenOptions};
@@ -32,6 +33,7 @@ pub use pool::Completed;
 pub use pread::PreadBackend;
 pub use request::Request;
 pub use uring::UringBackend;
+pub use worker::{Delivery, IoWorker, Sink};
 
 use pool::Pool;
 use request::{align_down, CoalesceLimits, PendingQueue};
@@ -63,8 +65,10 @@ pub struct IoConfig {
     /// A neighbour joins a read only if bytes read / bytes requested stays at
     /// or under this (or does not grow).
     pub max_amplification: f64,
-    /// Reads outstanding at once.
+    /// Reads outstanding at once (changeable later, up to `pool_buffers`).
     pub max_in_flight: usize,
+    /// Bytes of reads outstanding at once; 0: no limit beyond the read count.
+    pub max_bytes_in_flight: u64,
     /// Buffers in the pool: in-flight reads plus completions the caller holds.
     pub pool_buffers: usize,
     /// Threads of the pread backend.
@@ -82,6 +86,7 @@ impl Default for IoConfig {
             max_gap: 16 * 1024,
             max_amplification: 1.5,
             max_in_flight: 16,
+            max_bytes_in_flight: 0,
             pool_buffers: 32,
             pread_threads: 4,
             direct: true,
@@ -156,6 +161,59 @@ impl ReadyFlags {
     }
 }
 
+/// An append-only log of ids in the order they arrived, written by one
+/// thread (the I/O worker) and read by another (compute) without locks: the
+/// writer stores the id, then publishes the new length with Release; a reader
+/// that loads the length with Acquire sees every id (and everything written
+/// before it, such as the bytes it names) up to that length.
+pub struct ArrivalLog {
+    ids: Box<[std::sync::atomic::AtomicU32]>,
+    len: std::sync::atomic::AtomicUsize,
+}
+
+impl ArrivalLog {
+    pub fn new(capacity: usize) -> Self {
+        Self {
+            ids: (0..capacity).map(|_| std::sync::atomic::AtomicU32::new(0)).collect(),
+            len: std::sync::atomic::AtomicUsize::new(0),
+        }
+    }
+
+    pub fn capacity(&self) -> usize {
+        self.ids.len()
+    }
+
+    /// Appends `id` (the single writer only); false when full.
+    pub fn push(&self, id: u32) -> bool {
+        let n = self.len.load(Ordering::Relaxed);
+        if n == self.ids.len() {
+            return false;
+        }
+        self.ids[n].store(id, Ordering::Relaxed);
+        self.len.store(n + 1, Ordering::Release);
+        true
+    }
+
+    /// Ids published so far.
+    pub fn len(&self) -> usize {
+        self.len.load(Ordering::Acquire)
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// The `k`-th id; only for `k < len()` as last observed.
+    pub fn get(&self, k: usize) -> u32 {
+        self.ids[k].load(Ordering::Relaxed)
+    }
+
+    /// Empties the log; the writer must be quiet (nothing of this log in flight).
+    pub fn clear(&self) {
+        self.len.store(0, Ordering::Release);
+    }
+}
+
 /// Retries of one read (EINTR/EAGAIN, no progress) before it is failed.
 const MAX_RETRIES: u32 = 16;
 
@@ -173,6 +231,12 @@ struct InFlight {
     members: Vec<Request>,
 }
 
+impl InFlight {
+    fn span(&self) -> u64 {
+        self.end - self.start
+    }
+}
+
 /// The I/O engine over one file.
 pub struct IoEngine {
     path: PathBuf,
@@ -187,6 +251,7 @@ pub struct IoEngine {
     slots: Vec<Option<InFlight>>,
     spare_members: Vec<Vec<Request>>,
     in_flight: usize,
+    bytes_in_flight: u64,
     ready: VecDeque<std::result::Result<Completed, ReadFailure>>,
     flags: Option<Arc<ReadyFlags>>,
     results: Vec<ReadResult>,
@@ -249,7 +314,9 @@ fn direct_read_works(f: &File, align: usize) -> bool {
 
 /// Makes the backend `kind` asks for, with the in-flight depth of `cfg`.
 pub fn make_backend(cfg: &IoConfig) -> io::Result<Box<dyn Backend>> {
-    let uring = || UringBackend::new(cfg.max_in_flight as u32).map(|b| Box::new(b) as Box<dyn Backend>);
+    // The ring has room for every pool buffer, so the depth can be raised later.
+    let uring =
+        || UringBackend::new(cfg.pool_buffers.max(cfg.max_in_flight) as u32).map(|b| Box::new(b) as Box<dyn Backend>);
     let pread = || PreadBackend::new(cfg.pread_threads).map(|b| Box::new(b) as Box<dyn Backend>);
     match cfg.backend {
         BackendKind::Uring => uring(),
@@ -296,6 +363,7 @@ impl IoEngine {
             pool,
             pending: PendingQueue::default(),
             in_flight: 0,
+            bytes_in_flight: 0,
             ready: VecDeque::new(),
             flags: None,
             results: Vec::new(),
@@ -340,6 +408,13 @@ impl IoEngine {
 
     pub fn in_flight(&self) -> usize {
         self.in_flight
+    }
+
+    /// Sets the reads (1 to the pool's buffers) and bytes (0: no limit) in
+    /// flight at once; takes effect at the next submission.
+    pub fn set_depth(&mut self, reads: usize, bytes: u64) {
+        self.cfg.max_in_flight = reads.clamp(1, self.pool.count());
+        self.cfg.max_bytes_in_flight = bytes;
     }
 
     /// Nothing pending, in flight, or waiting to be popped.
@@ -440,7 +515,11 @@ impl IoEngine {
 
     fn submit(&mut self) -> Result<()> {
         let lim = self.limits();
-        while self.in_flight < self.cfg.max_in_flight && !self.pending.is_empty() {
+        let byte_cap = self.cfg.max_bytes_in_flight;
+        while self.in_flight < self.cfg.max_in_flight
+            && !self.pending.is_empty()
+            && (byte_cap == 0 || self.in_flight == 0 || self.bytes_in_flight < byte_cap)
+        {
             let Some(buf) = self.pool.claim(self.hint) else { break };
             self.hint = (buf + 1) % self.pool.count();
             let mut members = self.spare_members.pop().unwrap_or_default();
@@ -463,6 +542,7 @@ impl IoEngine {
                 members,
             });
             self.in_flight += 1;
+            self.bytes_in_flight += g.end - g.start;
             self.issue(buf)?;
         }
         Ok(())
@@ -545,6 +625,7 @@ impl IoEngine {
     fn finish(&mut self, buf: usize) {
         let s = self.slots[buf].take().expect("slot in flight");
         self.in_flight -= 1;
+        self.bytes_in_flight -= s.span();
         self.pool.set_refs(buf, s.members.len() as u32);
         for r in &s.members {
             self.stats.requests_completed += 1;
@@ -565,6 +646,7 @@ impl IoEngine {
     fn fail(&mut self, buf: usize, source: io::Error) {
         let s = self.slots[buf].take().expect("slot in flight");
         self.in_flight -= 1;
+        self.bytes_in_flight -= s.span();
         self.pool.set_refs(buf, 0);
         for r in &s.members {
             self.stats.requests_failed += 1;

@@ -39,6 +39,10 @@
 //! `y` for a given set of neurons is bit-identical regardless of the order in
 //! which bundles were fed or which kernel ran.
 
+mod blocked;
+
+pub use blocked::{run_activations, run_activations_scalar, run_down, run_down_scalar, FfnRows};
+
 use half::f16;
 
 use crate::dot::{has_avx2, vec_dot};
@@ -466,6 +470,53 @@ mod avx2 {
                 let w = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(q)), d);
                 let out = _mm256_fmadd_ps(va, w, _mm256_loadu_ps(yp.add(8 * k)));
                 _mm256_storeu_ps(yp.add(8 * k), out);
+            }
+        }
+    }
+
+    /// Four neurons of [`axpy_q8_0`] per pass over `y`, in the group's order.
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub(super) unsafe fn axpy4_q8_0(group: &[(f32, &[u8]); 4], y: &mut [f32]) {
+        let va = group.map(|(a, _)| _mm256_set1_ps(a));
+        for (b, ys) in y.chunks_exact_mut(32).enumerate() {
+            let blocks = group.map(|(_, col)| &col[b * Q8_0_BYTES..(b + 1) * Q8_0_BYTES]);
+            let d = blocks.map(|blk| _mm256_set1_ps(f16::from_le_bytes([blk[0], blk[1]]).to_f32()));
+            let yp = ys.as_mut_ptr();
+            for k in 0..4 {
+                // SAFETY: 8 of each block's 32 quants and 8 of the 32 outputs.
+                let mut acc = _mm256_loadu_ps(yp.add(8 * k));
+                for j in 0..4 {
+                    let q = _mm_loadl_epi64(blocks[j][2..].as_ptr().add(8 * k) as *const __m128i);
+                    let w = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(q)), d[j]);
+                    acc = _mm256_fmadd_ps(va[j], w, acc);
+                }
+                _mm256_storeu_ps(yp.add(8 * k), acc);
+            }
+        }
+    }
+
+    /// Four neurons of [`axpy_f16`] per pass over `y`, in the group's order.
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub(super) unsafe fn axpy4_f16(group: &[(f32, &[u8]); 4], y: &mut [f32]) {
+        let va = group.map(|(a, _)| _mm256_set1_ps(a));
+        let n = y.len();
+        let main = n - n % 8;
+        let yp = y.as_mut_ptr();
+        let mut j = 0;
+        while j < main {
+            // SAFETY: values j..j + 8 exist in y and in every column.
+            let mut acc = _mm256_loadu_ps(yp.add(j));
+            for (k, (_, col)) in group.iter().enumerate() {
+                let w = _mm256_cvtph_ps(_mm_loadu_si128(col.as_ptr().add(2 * j) as *const __m128i));
+                acc = _mm256_fmadd_ps(va[k], w, acc);
+            }
+            _mm256_storeu_ps(yp.add(j), acc);
+            j += 8;
+        }
+        for (e, yj) in y.iter_mut().enumerate().skip(main) {
+            for &(a, col) in group {
+                let w = f16::from_le_bytes([col[2 * e], col[2 * e + 1]]).to_f32();
+                *yj = a.mul_add(w, *yj);
             }
         }
     }

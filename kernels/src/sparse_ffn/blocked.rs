@@ -1,0 +1,360 @@
+//! Blocked forms of the two stages, for runs of bundles that sit back to back
+//! in memory (a layer held in neuron order, a staged read from flash) and for
+//! several token rows at once (prefill).
+//!
+//! Everything is checked once per call, not once per neuron: the format, the
+//! input rows, the run's length. The gate and up dots of a run go through the
+//! same tile kernels as [`crate::matmul`] (weight rows × activation rows per
+//! call), and every output is still exactly one vec-dot of one weight row with
+//! one activation row, so [`run_activations`] gives, bit for bit, what
+//! [`super::neuron_activation`] gives bundle by bundle and row by row.
+//! [`run_down`] adds each row's neurons in ascending id order with one fused
+//! multiply-add per element and neuron, as [`super::accumulate_down`] does, so
+//! each output row is bit-identical to it whatever the row count, the split
+//! across threads or the order in which stage 1 saw the bundles.
+
+use bytemuck::Pod;
+use rayon::prelude::*;
+
+use super::{axpy_scalar_unchecked, BundleFormat, FfnActivation};
+use crate::blocks::cast_blocks;
+use crate::dot::{has_avx2, with_kernel, Kernel, KernelUser, Path};
+use crate::matmul::ActBuffer;
+use crate::{GgmlType, KernelError};
+
+/// Weight rows (bundles) handed to a tile kernel together.
+const ROW_TILE: usize = 4;
+/// Activation rows handed to a tile kernel together.
+const TOKEN_TILE: usize = 8;
+
+/// The FFN inputs of `n` token rows, converted for the gate and up rows' dot
+/// types (checked once against the format).
+#[derive(Debug, Clone, Copy)]
+pub struct FfnRows<'a> {
+    gate: &'a ActBuffer,
+    up: &'a ActBuffer,
+}
+
+impl<'a> FfnRows<'a> {
+    /// Pass the same buffer twice when gate and up share a dot type.
+    pub fn new(format: &BundleFormat, gate: &'a ActBuffer, up: &'a ActBuffer) -> Result<Self, KernelError> {
+        format.validate()?;
+        for (acts, ty, what) in [
+            (gate, format.gate_ty, "FFN gate input"),
+            (up, format.up_ty, "FFN up input"),
+        ] {
+            let expected = ty.vec_dot_type();
+            if acts.dot_type() != expected {
+                return Err(KernelError::TypeMismatch {
+                    what,
+                    expected,
+                    got: acts.dot_type(),
+                });
+            }
+            if acts.cols() != format.n_embd {
+                return Err(KernelError::Length {
+                    what,
+                    expected: format.n_embd,
+                    got: acts.cols(),
+                });
+            }
+        }
+        if gate.n() != up.n() {
+            return Err(KernelError::Length {
+                what: "FFN up input rows",
+                expected: gate.n(),
+                got: up.n(),
+            });
+        }
+        Ok(Self { gate, up })
+    }
+
+    /// Token rows.
+    pub fn n(&self) -> usize {
+        self.gate.n()
+    }
+}
+
+/// Stage 1 over a run of whole bundles back to back: for bundle j of `run`
+/// and token row t, `out[j * rows.n() + t] = act(gate_j · x_t) * (up_j · x_t)`.
+/// `scratch` holds at least as many values as `out` (the up dots).
+pub fn run_activations(
+    format: &BundleFormat,
+    rows: &FfnRows,
+    act: FfnActivation,
+    run: &[u8],
+    out: &mut [f32],
+    scratch: &mut [f32],
+) -> Result<(), KernelError> {
+    activations_on(format, rows, act, run, out, scratch, Path::Fastest)
+}
+
+/// The portable twin of [`run_activations`] (GGML's generic dots).
+pub fn run_activations_scalar(
+    format: &BundleFormat,
+    rows: &FfnRows,
+    act: FfnActivation,
+    run: &[u8],
+    out: &mut [f32],
+    scratch: &mut [f32],
+) -> Result<(), KernelError> {
+    activations_on(format, rows, act, run, out, scratch, Path::Scalar)
+}
+
+fn activations_on(
+    format: &BundleFormat,
+    rows: &FfnRows,
+    act: FfnActivation,
+    run: &[u8],
+    out: &mut [f32],
+    scratch: &mut [f32],
+    path: Path,
+) -> Result<(), KernelError> {
+    let bb = format.bundle_bytes();
+    if bb == 0 || !run.len().is_multiple_of(bb) {
+        return Err(KernelError::ByteLength {
+            what: "run of neuron bundles",
+            expected: run.len() / bb.max(1) * bb,
+            got: run.len(),
+        });
+    }
+    let (count, n) = (run.len() / bb, rows.n());
+    let values = count * n;
+    if out.len() < values || scratch.len() < values {
+        return Err(KernelError::Length {
+            what: "stage-1 output",
+            expected: values,
+            got: out.len().min(scratch.len()),
+        });
+    }
+    let gate = StridedDots {
+        run,
+        offset: 0,
+        row_bytes: format.gate_bytes(),
+        stride: bb,
+        count,
+        acts: rows.gate,
+        out: &mut out[..values],
+    };
+    with_kernel(format.gate_ty, path, gate)??;
+    let up = StridedDots {
+        run,
+        offset: format.gate_bytes(),
+        row_bytes: format.up_bytes(),
+        stride: bb,
+        count,
+        acts: rows.up,
+        out: &mut scratch[..values],
+    };
+    with_kernel(format.up_ty, path, up)??;
+    for (g, &u) in out[..values].iter_mut().zip(&scratch[..values]) {
+        *g = act.apply(*g, u);
+    }
+    Ok(())
+}
+
+/// `out[j * n + t] = dot(row j, activation row t)` for `count` weight rows of
+/// `row_bytes` at `offset + j * stride` in `run`.
+struct StridedDots<'a> {
+    run: &'a [u8],
+    offset: usize,
+    row_bytes: usize,
+    stride: usize,
+    count: usize,
+    acts: &'a ActBuffer,
+    out: &'a mut [f32],
+}
+
+impl KernelUser for StridedDots<'_> {
+    type Output = Result<(), KernelError>;
+
+    fn run<W: Pod + Sync, A: Pod + Sync>(self, kernel: Kernel<W, A>) -> Self::Output {
+        let n = self.acts.n();
+        let row_tile = if n == 1 { kernel.decode_rows().max(1) } else { ROW_TILE };
+        let mut tmp = [0f32; ROW_TILE * TOKEN_TILE];
+        for t0 in (0..n).step_by(TOKEN_TILE) {
+            let tn = TOKEN_TILE.min(n - t0);
+            let mut a_refs: [&[A]; TOKEN_TILE] = [&[]; TOKEN_TILE];
+            for (t, r) in a_refs[..tn].iter_mut().enumerate() {
+                *r = cast_blocks::<A>(self.acts.row(t0 + t), "FFN input row")?;
+            }
+            for j0 in (0..self.count).step_by(row_tile) {
+                let rn = row_tile.min(self.count - j0).min(ROW_TILE);
+                let mut w_refs: [&[W]; ROW_TILE] = [&[]; ROW_TILE];
+                for (k, w) in w_refs[..rn].iter_mut().enumerate() {
+                    let start = self.offset + (j0 + k) * self.stride;
+                    *w = cast_blocks::<W>(&self.run[start..start + self.row_bytes], "bundle weight row")?;
+                }
+                kernel.dot(&w_refs[..rn], &a_refs[..tn], &mut tmp[..rn * tn]);
+                for k in 0..rn {
+                    let dst = (j0 + k) * n + t0;
+                    self.out[dst..dst + tn].copy_from_slice(&tmp[k * tn..(k + 1) * tn]);
+                }
+            }
+        }
+        Ok(())
+    }
+}
+
+/// Stage 2 for `n` token rows: `ys[t] += Σ_i a[t][i] · down_i` over the
+/// neurons `ids` (strictly ascending), skipping `a[t][i] == 0`; `a` is
+/// `[n][n_ff]`, `ys` is `[n][n_embd]`, `bundle(i)` neuron i's whole bundle.
+/// Parallel over output columns (one row) or rows (several), never changing
+/// any element's sequence of operations.
+pub fn run_down<'b>(
+    format: &BundleFormat,
+    ids: &[u32],
+    a: &[f32],
+    n_ff: usize,
+    bundle: impl Fn(usize) -> &'b [u8] + Sync,
+    ys: &mut [f32],
+) -> Result<(), KernelError> {
+    down_on(format, ids, a, n_ff, bundle, ys, has_avx2(), true)
+}
+
+/// Single-threaded scalar twin of [`run_down`] (same bits).
+pub fn run_down_scalar<'b>(
+    format: &BundleFormat,
+    ids: &[u32],
+    a: &[f32],
+    n_ff: usize,
+    bundle: impl Fn(usize) -> &'b [u8] + Sync,
+    ys: &mut [f32],
+) -> Result<(), KernelError> {
+    down_on(format, ids, a, n_ff, bundle, ys, false, false)
+}
+
+#[allow(clippy::too_many_arguments)]
+fn down_on<'b>(
+    format: &BundleFormat,
+    ids: &[u32],
+    a: &[f32],
+    n_ff: usize,
+    bundle: impl Fn(usize) -> &'b [u8] + Sync,
+    ys: &mut [f32],
+    simd: bool,
+    parallel: bool,
+) -> Result<(), KernelError> {
+    format.validate()?;
+    let d = format.n_embd;
+    if d == 0 || !ys.len().is_multiple_of(d) || a.len() != ys.len() / d * n_ff {
+        return Err(KernelError::Length {
+            what: "stage-2 rows (activations per output row)",
+            expected: ys.len() / d.max(1) * n_ff,
+            got: a.len(),
+        });
+    }
+    if ids.windows(2).any(|w| w[0] >= w[1]) || ids.last().is_some_and(|&i| i as usize >= n_ff) {
+        return Err(KernelError::Length {
+            what: "stage-2 neuron ids (ascending, below n_ff)",
+            expected: n_ff,
+            got: ids.last().map_or(0, |&i| i as usize),
+        });
+    }
+    let n = ys.len() / d;
+    let down_at = format.gate_bytes() + format.up_bytes();
+    let (down_ty, down_bytes, bb) = (format.down_ty, format.down_bytes(), format.bundle_bytes());
+    let column = |i: usize| -> Result<&'b [u8], KernelError> {
+        let b = bundle(i);
+        if b.len() != bb {
+            return Err(KernelError::ByteLength {
+                what: "neuron bundle",
+                expected: bb,
+                got: b.len(),
+            });
+        }
+        Ok(&b[down_at..down_at + down_bytes])
+    };
+    let blk = down_ty.block_size();
+    let blk_bytes = down_ty.row_bytes(blk)?;
+    // One output row over every neuron, columns `cols` of each down column.
+    let row = |a: &[f32], cols: std::ops::Range<usize>, y: &mut [f32]| -> Result<(), KernelError> {
+        let mut group: [(f32, &[u8]); 4] = [(0.0, &[]); 4];
+        let mut g = 0;
+        for &i in ids {
+            let ai = a[i as usize];
+            if ai == 0.0 {
+                continue;
+            }
+            group[g] = (ai, &column(i as usize)?[cols.clone()]);
+            g += 1;
+            if g == 4 {
+                axpy4_unchecked(down_ty, &group, y, simd);
+                g = 0;
+            }
+        }
+        for &(ai, col) in &group[..g] {
+            axpy_unchecked(down_ty, ai, col, y, simd);
+        }
+        Ok(())
+    };
+    if n == 1 {
+        // One row: split its columns into runs of whole blocks.
+        let n_blocks = d / blk;
+        let tasks = if parallel {
+            rayon::current_num_threads().min(n_blocks / 8).max(1)
+        } else {
+            1
+        };
+        let per_task = n_blocks.div_ceil(tasks) * blk;
+        return ys.par_chunks_mut(per_task).enumerate().try_for_each(|(t, y)| {
+            let cols = t * per_task / blk * blk_bytes..(t * per_task + y.len()) / blk * blk_bytes;
+            row(a, cols, y)
+        });
+    }
+    // Several rows: each task owns whole rows.
+    let tasks = if parallel {
+        rayon::current_num_threads().min(n)
+    } else {
+        1
+    };
+    let rows_per_task = n.div_ceil(tasks);
+    ys.par_chunks_mut(rows_per_task * d)
+        .zip(a.par_chunks(rows_per_task * n_ff))
+        .try_for_each(|(ys, a)| {
+            for (y, a) in ys.chunks_exact_mut(d).zip(a.chunks_exact(n_ff)) {
+                row(a, 0..down_bytes, y)?;
+            }
+            Ok(())
+        })
+}
+
+/// Four neurons' [`axpy_unchecked`] in their order, each output loaded and
+/// stored once: every element sees the same four fused multiply-adds in the
+/// same order as four separate calls, so the bits are the same.
+#[inline]
+fn axpy4_unchecked(down_ty: GgmlType, group: &[(f32, &[u8]); 4], y: &mut [f32], simd: bool) {
+    #[cfg(target_arch = "x86_64")]
+    if simd {
+        // SAFETY: as in `axpy_unchecked`; every column holds y.len() values.
+        unsafe {
+            match down_ty {
+                GgmlType::Q8_0 => super::avx2::axpy4_q8_0(group, y),
+                _ => super::avx2::axpy4_f16(group, y),
+            }
+        }
+        return;
+    }
+    for &(a, col) in group {
+        axpy_unchecked(down_ty, a, col, y, simd);
+    }
+}
+
+/// `y[j] = fma(a, w[j], y[j])`; lengths are the caller's to check.
+#[inline]
+fn axpy_unchecked(down_ty: GgmlType, a: f32, col: &[u8], y: &mut [f32], simd: bool) {
+    #[cfg(target_arch = "x86_64")]
+    if simd {
+        // SAFETY: `simd` is only set after has_avx2() said yes; the caller
+        // passes a column of exactly y.len() values.
+        unsafe {
+            match down_ty {
+                GgmlType::Q8_0 => super::avx2::axpy_q8_0(a, col, y),
+                _ => super::avx2::axpy_f16(a, col, y),
+            }
+        }
+        return;
+    }
+    let _ = simd;
+    axpy_scalar_unchecked(down_ty, a, col, y);
+}

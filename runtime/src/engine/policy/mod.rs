@@ -1,0 +1,126 @@
+//! Policies: what a layer's FFN keeps and what is read for it (and for the
+//! layers after it). Each is a type in its own file behind [`FfnPolicy`];
+//! the engine then runs the shared tail ([`super::tail`]: wait, gather,
+//! compute, finish) on the [`Plan`] the policy returns, so a new policy is a
+//! new file, not a new branch in the engine.
+
+mod dense;
+mod dense_stream;
+mod gate_first;
+mod oracle;
+
+pub(crate) use dense::Dense;
+pub(crate) use dense_stream::DenseStream;
+pub(crate) use gate_first::GateFirst;
+pub(crate) use oracle::Oracle;
+
+use super::tail::{Select, Source, Tail};
+use crate::Result;
+
+/// How the FFN bundles reach compute (the name a user picks).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Policy {
+    /// Every bundle read once at open into memory (the reference).
+    Dense,
+    /// Every bundle each token through the I/O engine, layer l+1 read while l computes.
+    DenseStream,
+    /// The true active sets, known in advance from a recorded run, read a layer ahead.
+    Oracle,
+    /// Gate rows resident; after attention `|act(g)|` decides what to read.
+    GateFirst,
+}
+
+impl Policy {
+    pub const ALL: [Policy; 4] = [Self::Dense, Self::DenseStream, Self::Oracle, Self::GateFirst];
+
+    /// Whether bundles come from flash while the model runs.
+    pub fn streams(self) -> bool {
+        self != Self::Dense
+    }
+}
+
+impl std::str::FromStr for Policy {
+    type Err = String;
+    fn from_str(s: &str) -> std::result::Result<Self, String> {
+        match s {
+            "dense" => Ok(Self::Dense),
+            "dense-stream" => Ok(Self::DenseStream),
+            "oracle" => Ok(Self::Oracle),
+            "gate-first" => Ok(Self::GateFirst),
+            other => Err(format!(
+                "unknown policy '{other}' (expected dense, dense-stream, oracle or gate-first)"
+            )),
+        }
+    }
+}
+
+impl std::fmt::Display for Policy {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            Self::Dense => "dense",
+            Self::DenseStream => "dense-stream",
+            Self::Oracle => "oracle",
+            Self::GateFirst => "gate-first",
+        })
+    }
+}
+
+/// One FFN call as a policy sees it.
+pub(crate) struct LayerCall<'a> {
+    pub layer: usize,
+    pub n_layer: usize,
+    /// The `n` normed FFN input rows, `[n][n_embd]`.
+    pub xb: &'a [f32],
+    pub n: usize,
+    /// The layer's thresholds on `|act(g)·u|` and on `|act(g)|` (0: keep all).
+    pub threshold: f32,
+    pub gate_threshold: f32,
+}
+
+impl LayerCall<'_> {
+    /// The layer after this one in run order (the next token's layer 0 after the last).
+    pub fn next_layer(&self) -> usize {
+        (self.layer + 1) % self.n_layer
+    }
+}
+
+/// What the tail computes for a call.
+pub(crate) struct Plan<'p> {
+    pub select: Select<'p>,
+    /// The union of what any row may keep (`None`: every neuron); the reads
+    /// for it have been asked for.
+    pub want: Option<&'p [u64]>,
+}
+
+pub(crate) trait FfnPolicy: Send {
+    fn kind(&self) -> Policy;
+
+    /// Before the tail runs layer `call.layer`: decide what it keeps, ask
+    /// `source` for those bundles, and queue reads for what comes next.
+    fn plan<'p>(&'p mut self, call: &LayerCall<'_>, source: &mut Source, tail: &Tail) -> Result<Plan<'p>>;
+
+    /// Bytes the policy knows beyond the cache (resident gate rows, a trace).
+    fn held_bytes(&self) -> u64 {
+        0
+    }
+
+    /// Bytes of per-call scratch.
+    fn scratch_bytes(&self) -> u64 {
+        0
+    }
+
+    /// FFN calls replayed so far (an oracle).
+    fn replayed_calls(&self) -> Option<usize> {
+        None
+    }
+}
+
+/// The streamer of a streaming policy's source.
+pub(crate) fn streamer(source: &mut Source) -> Result<&mut super::Streamer> {
+    match source {
+        Source::Stream(s) => Ok(s),
+        Source::Resident(_) => Err(crate::RuntimeError::Invalid(
+            "a streaming policy was given resident bundles".into(),
+        )),
+    }
+}

@@ -1,0 +1,252 @@
+//! The I/O engine on a thread of its own, so reads are submitted and reaped
+//! while compute runs: the caller only posts commands (read, cancel, change
+//! the depth) and never has to call in for the queue to move. Each finished
+//! request goes to a [`Sink`] on the worker thread, which lands the bytes where
+//! compute will look for them and publishes the arrival (see
+//! [`ArrivalLog`](super::ArrivalLog)).
+
+use std::collections::{HashMap, VecDeque};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Condvar, Mutex, MutexGuard};
+use std::thread::JoinHandle;
+use std::time::Instant;
+
+use super::{IoConfig, IoEngine, IoStats, Request};
+use crate::{Result, RuntimeError};
+
+/// What happened to one request, handed to the [`Sink`] on the worker thread.
+pub enum Delivery<'a> {
+    /// `data` holds the request's bytes; `dest` is what the command carried.
+    Landed {
+        id: u32,
+        dest: u64,
+        data: &'a [u8],
+    },
+    Failed {
+        id: u32,
+        dest: u64,
+        error: RuntimeError,
+    },
+    /// Cancelled before it was submitted: nothing was read.
+    Cancelled {
+        id: u32,
+        dest: u64,
+    },
+}
+
+/// Receives deliveries on the worker thread. It must not block for long: the
+/// worker submits nothing while it runs.
+pub trait Sink: Send + 'static {
+    fn deliver(&mut self, d: Delivery<'_>);
+}
+
+enum Cmd {
+    Read(Request, u64),
+    Cancel(u32),
+    Depth { reads: usize, bytes: u64 },
+}
+
+#[derive(Default)]
+struct Inbox {
+    cmds: VecDeque<Cmd>,
+    shutdown: bool,
+}
+
+struct Shared {
+    inbox: Mutex<Inbox>,
+    wake: Condvar,
+    stats: Mutex<IoStats>,
+    /// Nanoseconds with at least one read in flight.
+    busy_ns: AtomicU64,
+}
+
+/// An [`IoEngine`] driven by a background thread.
+pub struct IoWorker {
+    shared: Arc<Shared>,
+    thread: Option<JoinHandle<()>>,
+    config: IoConfig,
+    direct: bool,
+    backend: String,
+}
+
+fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    // A panic on the worker leaves plain data behind; keep going with it.
+    m.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+impl IoWorker {
+    /// Moves `engine` onto a new thread that feeds `sink`.
+    pub fn spawn(engine: IoEngine, sink: impl Sink) -> Result<Self> {
+        let shared = Arc::new(Shared {
+            inbox: Mutex::new(Inbox::default()),
+            wake: Condvar::new(),
+            stats: Mutex::new(IoStats::default()),
+            busy_ns: AtomicU64::new(0),
+        });
+        let (config, direct, backend) = (engine.config().clone(), engine.is_direct(), engine.backend_name());
+        let s = Arc::clone(&shared);
+        let thread = std::thread::Builder::new()
+            .name("leanstream-io".into())
+            .spawn(move || run(engine, sink, &s))
+            .map_err(|e| RuntimeError::Invalid(format!("starting the I/O thread: {e}")))?;
+        Ok(Self {
+            shared,
+            thread: Some(thread),
+            config,
+            direct,
+            backend,
+        })
+    }
+
+    fn post(&self, cmds: impl IntoIterator<Item = Cmd>) {
+        lock(&self.shared.inbox).cmds.extend(cmds);
+        self.shared.wake.notify_one();
+    }
+
+    /// Queues reads; `dest` travels with each to its delivery.
+    pub fn read(&self, reads: impl IntoIterator<Item = (Request, u64)>) {
+        self.post(reads.into_iter().map(|(r, d)| Cmd::Read(r, d)));
+    }
+
+    /// Cancels requests not yet submitted (each then delivers `Cancelled`;
+    /// one already submitted lands or fails as usual).
+    pub fn cancel(&self, ids: impl IntoIterator<Item = u32>) {
+        self.post(ids.into_iter().map(Cmd::Cancel));
+    }
+
+    /// Sets the reads and bytes in flight at once (the controller's queue
+    /// depth); `bytes` 0 means no byte limit.
+    pub fn set_depth(&self, reads: usize, bytes: u64) {
+        self.post([Cmd::Depth { reads, bytes }]);
+    }
+
+    pub fn stats(&self) -> IoStats {
+        *lock(&self.shared.stats)
+    }
+
+    /// Seconds with at least one read in flight, since the start.
+    pub fn busy_seconds(&self) -> f64 {
+        self.shared.busy_ns.load(Ordering::Relaxed) as f64 * 1e-9
+    }
+
+    pub fn config(&self) -> &IoConfig {
+        &self.config
+    }
+
+    pub fn is_direct(&self) -> bool {
+        self.direct
+    }
+
+    pub fn backend_name(&self) -> &str {
+        &self.backend
+    }
+}
+
+impl Drop for IoWorker {
+    fn drop(&mut self) {
+        lock(&self.shared.inbox).shutdown = true;
+        self.shared.wake.notify_one();
+        if let Some(t) = self.thread.take() {
+            let _ = t.join();
+        }
+    }
+}
+
+fn run(mut io: IoEngine, mut sink: impl Sink, shared: &Shared) {
+    let mut dest: HashMap<u32, u64> = HashMap::new();
+    let mut busy_since: Option<Instant> = None;
+    let mut cmds = VecDeque::new();
+    loop {
+        {
+            let mut inbox = lock(&shared.inbox);
+            while inbox.cmds.is_empty() && !inbox.shutdown && io.is_idle() {
+                inbox = shared.wake.wait(inbox).unwrap_or_else(|e| e.into_inner());
+            }
+            if inbox.shutdown {
+                return;
+            }
+            std::mem::swap(&mut cmds, &mut inbox.cmds);
+        }
+        for cmd in cmds.drain(..) {
+            match cmd {
+                Cmd::Read(r, d) => match io.enqueue(r) {
+                    Ok(()) => {
+                        dest.insert(r.id, d);
+                    }
+                    Err(error) => sink.deliver(Delivery::Failed {
+                        id: r.id,
+                        dest: d,
+                        error,
+                    }),
+                },
+                Cmd::Cancel(id) => {
+                    if io.cancel(id) {
+                        let d = dest.remove(&id).unwrap_or(0);
+                        sink.deliver(Delivery::Cancelled { id, dest: d });
+                    }
+                }
+                Cmd::Depth { reads, bytes } => io.set_depth(reads, bytes),
+            }
+        }
+        if io.is_idle() {
+            continue;
+        }
+        if busy_since.is_none() {
+            busy_since = Some(Instant::now());
+        }
+        let polled = io.poll(true);
+        if let Err(e) = polled {
+            // The backend itself broke: every outstanding request fails with its error.
+            let msg = e.to_string();
+            for (id, d) in dest.drain() {
+                let error = RuntimeError::Invalid(format!("I/O engine: {msg}"));
+                sink.deliver(Delivery::Failed { id, dest: d, error });
+            }
+            *lock(&shared.stats) = io.stats();
+            let mut inbox = lock(&shared.inbox);
+            while !inbox.shutdown {
+                // Refuse further reads the same way until dropped.
+                for cmd in inbox.cmds.drain(..) {
+                    if let Cmd::Read(r, d) = cmd {
+                        let error = RuntimeError::Invalid(format!("I/O engine: {msg}"));
+                        sink.deliver(Delivery::Failed {
+                            id: r.id,
+                            dest: d,
+                            error,
+                        });
+                    }
+                }
+                inbox = shared.wake.wait(inbox).unwrap_or_else(|e| e.into_inner());
+            }
+            return;
+        }
+        while let Some(r) = io.pop() {
+            match r {
+                Ok(c) => {
+                    let d = dest.remove(&c.id).unwrap_or(0);
+                    sink.deliver(Delivery::Landed {
+                        id: c.id,
+                        dest: d,
+                        data: c.data(),
+                    });
+                }
+                Err(f) => {
+                    let d = dest.remove(&f.id).unwrap_or(0);
+                    sink.deliver(Delivery::Failed {
+                        id: f.id,
+                        dest: d,
+                        error: f.error,
+                    });
+                }
+            }
+        }
+        if io.in_flight() == 0 {
+            if let Some(t) = busy_since.take() {
+                shared
+                    .busy_ns
+                    .fetch_add(t.elapsed().as_nanos() as u64, Ordering::Relaxed);
+            }
+        }
+        *lock(&shared.stats) = io.stats();
+    }
+}

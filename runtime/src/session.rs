@@ -1,0 +1,189 @@
+//! A model opened for running: a GGUF model (the dense engine), or a
+//! `.lsflash` model with its FFN engine sized to a memory budget. The CLI,
+//! the benchmarks, the tests and a server open models through this one type.
+
+use std::path::Path;
+
+use crate::cache::{fmt_bytes, FfnBudget};
+use crate::engine::{
+    is_lsflash, ActiveTrace, CachePolicy, EngineOptions, FlashEngine, FlashModel, Policy, DEFAULT_MERGE_GAP,
+};
+use crate::model::{DenseFfn, LayerHook, Model, RunState};
+use crate::{Result, RuntimeError};
+
+/// How a `.lsflash` model streams its FFN; the defaults suit a first run.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct StreamSettings {
+    /// Default: `dense`.
+    pub policy: Option<Policy>,
+    /// The neuron cache's budget (default 25% of the FFN); exclusive with `mem_budget`.
+    pub ffn_budget: Option<FfnBudget>,
+    /// Bytes for the whole process: the cache gets what the resident parts leave.
+    pub mem_budget: Option<u64>,
+    /// A calibrated sparsity level (0: none).
+    pub sparsity: f32,
+    /// Default: `hot` when the file has calibrated scores, else `lru`.
+    pub cache_policy: Option<CachePolicy>,
+    /// Default [`DEFAULT_MERGE_GAP`].
+    pub merge_gap: Option<usize>,
+}
+
+impl StreamSettings {
+    /// Whether anything differs from the defaults (they apply to `.lsflash` models only).
+    pub fn is_set(&self) -> bool {
+        *self != Self::default()
+    }
+
+    pub fn policy(&self) -> Policy {
+        self.policy.unwrap_or(Policy::Dense)
+    }
+
+    /// Bytes of the neuron cache for `policy` on `fm` with run state `st`
+    /// (and, for the oracle, a trace of `trace_bytes`): the FFN budget, or
+    /// what the memory budget leaves after everything else (an error naming
+    /// each part when nothing is left).
+    pub fn cache_bytes(&self, fm: &FlashModel, policy: Policy, st: &RunState, trace_bytes: u64) -> Result<u64> {
+        let Some(total) = self.mem_budget else {
+            let budget = self.ffn_budget.unwrap_or(FfnBudget::Percent(25.0));
+            return Ok(budget.resolve(fm.ffn_bytes()));
+        };
+        let weights = fm.flash.resident_range().1 + fm.model.tokenizer.heap_bytes();
+        let state = st.bytes() as u64;
+        let engine = fm.engine_overhead_bytes(policy, st.max_batch) + trace_bytes;
+        let fixed = weights + state + engine;
+        if fixed > total {
+            return Err(RuntimeError::Invalid(format!(
+                "memory budget (--mem-budget) {}: the resident parts alone need {} (weights and tokenizer {}, run state {}, \
+                 {policy} buffers {}); nothing would be left for the neuron cache",
+                fmt_bytes(total),
+                fmt_bytes(fixed),
+                fmt_bytes(weights),
+                fmt_bytes(state),
+                fmt_bytes(engine)
+            )));
+        }
+        Ok(total - fixed)
+    }
+
+    /// The engine for `fm` under these settings with `policy`; `record`
+    /// keeps the kept sets for an oracle replay.
+    pub fn engine(
+        &self,
+        fm: &FlashModel,
+        policy: Policy,
+        st: &RunState,
+        trace: Option<ActiveTrace>,
+        record: bool,
+    ) -> Result<FlashEngine> {
+        let trace_bytes = trace.as_ref().map_or(0, |t| t.bytes());
+        let has_scores = !fm.flash.header().neuron_scores.is_empty();
+        fm.engine_with(EngineOptions {
+            policy,
+            cache_bytes: self.cache_bytes(fm, policy, st, trace_bytes)?,
+            cache_policy: self
+                .cache_policy
+                .unwrap_or(if has_scores { CachePolicy::Hot } else { CachePolicy::Lru }),
+            merge_gap_bytes: self.merge_gap.unwrap_or(DEFAULT_MERGE_GAP),
+            level: fm.sparsity_level(self.sparsity)?,
+            record,
+            trace,
+        })
+    }
+}
+
+/// A GGUF model, or a `.lsflash` model with its FFN engine.
+pub enum Session {
+    Gguf(Box<Model>, DenseFfn),
+    /// The engine is `None` only while an oracle's replaces its recorder.
+    Flash(Box<FlashModel>, Option<Box<FlashEngine>>),
+}
+
+impl Session {
+    /// Opens the model at `path`, its run state from `state`, and (for a
+    /// `.lsflash` model) the FFN engine sized for that state. An oracle
+    /// engine starts without a trace: see [`Session::record_oracle`].
+    pub fn open(
+        path: &Path,
+        settings: &StreamSettings,
+        state: impl FnOnce(&Model) -> Result<RunState>,
+    ) -> Result<(Self, RunState)> {
+        if !path.exists() {
+            return Err(RuntimeError::Invalid(format!(
+                "{}: no such model file (known model names: smollm2, gemma3)",
+                path.display()
+            )));
+        }
+        if is_lsflash(path) {
+            let fm = FlashModel::open(path)?;
+            let st = state(&fm.model)?;
+            // The oracle's engine is made once its trace is recorded; until
+            // then a dense-stream engine of the same budget stands in.
+            let policy = match settings.policy() {
+                Policy::Oracle => Policy::DenseStream,
+                p => p,
+            };
+            let engine = settings.engine(&fm, policy, &st, None, settings.policy() == Policy::Oracle)?;
+            return Ok((Self::Flash(Box::new(fm), Some(Box::new(engine))), st));
+        }
+        if settings.is_set() {
+            return Err(RuntimeError::Invalid(format!(
+                "--policy, --ffn-budget, --mem-budget, --sparsity, --cache-policy and --merge-gap apply to \
+                 .lsflash models; {} is not one",
+                path.display()
+            )));
+        }
+        let m = Model::load(path)?;
+        let st = state(&m)?;
+        Ok((Self::Gguf(Box::new(m), DenseFfn), st))
+    }
+
+    /// For the oracle policy: runs `job` once with the recording engine,
+    /// then swaps in the oracle engine replaying what it recorded. `job`
+    /// must do exactly what the measured run will do. Other policies: nothing.
+    pub fn record_oracle<E: From<RuntimeError>>(
+        &mut self,
+        settings: &StreamSettings,
+        st: &mut RunState,
+        job: impl FnOnce(&mut Self, &mut RunState) -> std::result::Result<(), E>,
+    ) -> std::result::Result<(), E> {
+        if settings.policy() != Policy::Oracle || !matches!(self, Self::Flash(..)) {
+            return Ok(());
+        }
+        job(self, st)?;
+        let Self::Flash(fm, engine) = self else {
+            unreachable!("checked above")
+        };
+        let trace = engine
+            .take()
+            .and_then(|mut e| e.take_trace())
+            .ok_or_else(|| RuntimeError::Invalid("the recording engine kept no trace".into()))?;
+        // The recorder (and its cache) is gone before the oracle's is allocated.
+        *engine = Some(Box::new(settings.engine(fm, Policy::Oracle, st, Some(trace), false)?));
+        Ok(())
+    }
+
+    /// The flash model and its engine, for reports.
+    pub fn flash(&self) -> Option<(&FlashModel, &FlashEngine)> {
+        match self {
+            Self::Flash(fm, Some(e)) => Some((fm, e)),
+            _ => None,
+        }
+    }
+
+    pub fn model(&self) -> &Model {
+        match self {
+            Self::Gguf(m, _) => m,
+            Self::Flash(fm, _) => &fm.model,
+        }
+    }
+
+    /// The model and the hook its forward passes take (the flash engine, or
+    /// the dense path).
+    pub fn parts(&mut self) -> Result<(&Model, &mut dyn LayerHook)> {
+        match self {
+            Self::Gguf(m, dense) => Ok((m, dense)),
+            Self::Flash(fm, Some(e)) => Ok((&fm.model, &mut **e)),
+            Self::Flash(..) => Err(RuntimeError::Invalid("the flash engine is being replaced".into())),
+        }
+    }
+}

@@ -1,0 +1,92 @@
+#!/usr/bin/env bash
+# The flash engine against its two bounds, one model at a time, in one run:
+#  1. `dense` over the .lsflash file against the GGUF engine on the same
+#     model (prompt and decode tokens/s, repetitions interleaved);
+#  2. `dense-stream` at an FFN budget against the lower of (a) `dense`
+#     compute speed and (b) fio's random-read bandwidth at the request size
+#     the engine issues (same file, O_DIRECT, io_uring, the engine's queue
+#     depth) divided by the bytes it reads per token;
+#  3. the engine's time split per token (compute, waiting on reads, overlap).
+#
+# Usage: scripts/bench_engine.sh [MODEL...]   (default: smollm2 gemma3)
+#   MODEL is smollm2, gemma3 or a .gguf path (e.g. `leanstream synthetic`).
+# Env: BUDGET (25%), PROMPT (128), GEN (32), REPS (3), OUT (JSON lines;
+#      default $LEANSTREAM_HOME/bench-engine), PACK_ARGS (default --hot-first
+#      with a calibration on data/text/apache-2.0.txt for real models).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+export CARGO_TARGET_DIR=${CARGO_TARGET_DIR:-$HOME/.cache/leanstream/target}
+home=${LEANSTREAM_HOME:-$HOME/.cache/leanstream}
+budget=${BUDGET:-25%} prompt=${PROMPT:-128} gen=${GEN:-32} reps=${REPS:-3}
+out=${OUT:-$home/bench-engine}
+mkdir -p "$out" "$home/flash"
+cargo build --release --bin leanstream >&2
+ls=$CARGO_TARGET_DIR/release/leanstream
+command -v fio >/dev/null || { apt-get update >&2 && apt-get install -y fio >&2; }
+models=("$@")
+[ ${#models[@]} -gt 0 ] || models=(smollm2 gemma3)
+
+for m in "${models[@]}"; do
+  gguf=$("$ls" fetch "$m" 2>/dev/null || echo "$m")
+  name=$(basename "$gguf" .gguf)
+  flash=$home/flash/$name.engine.lsflash
+  if [ ! -f "$flash" ]; then
+    case $m in
+      smollm2|gemma3) args=${PACK_ARGS---calibrate data/text/apache-2.0.txt --hot-first} ;;
+      *) args=${PACK_ARGS-} ;;
+    esac
+    # shellcheck disable=SC2086
+    "$ls" pack --model "$gguf" -o "$flash" $args >&2
+  fi
+  jl=$out/$name.jsonl
+  : > "$jl"
+  bench() { # label model [args]
+    local label=$1 model=$2; shift 2
+    echo "bench $name: $label" >&2
+    "$ls" bench --model "$model" --prompt-tokens "$prompt" --gen-tokens "$gen" --reps 1 "$@" |
+      python3 -c 'import json,sys; r=json.load(sys.stdin); r["label"]=sys.argv[1]; print(json.dumps(r))' "$label" >> "$jl"
+  }
+  # Interleaved repetitions: the machine is shared and its speed drifts.
+  for _ in $(seq "$reps"); do
+    bench gguf "$gguf"
+    bench dense "$flash" --policy dense
+    bench dense-stream "$flash" --policy dense-stream --ffn-budget "$budget"
+  done
+  # fio at the mean request size dense-stream issued, random offsets, its queue depth.
+  bs=$(python3 - "$jl" <<'PY'
+import json, sys
+r = [json.loads(l) for l in open(sys.argv[1]) if '"dense-stream"' in l][-1]
+print(max(4096, int(r["bytes_read_per_token"] / r["reads_per_token"]) // 4096 * 4096))
+PY
+)
+  fio --name=engine-size --filename="$flash" --readonly --rw=randread --bs="$bs" --iodepth=16 \
+    --ioengine=io_uring --direct=1 --runtime=10 --time_based --output-format=json |
+    python3 -c 'import json,sys; j=json.load(sys.stdin); print(json.dumps({"label": "fio", "bw": j["jobs"][0]["read"]["bw_bytes"], "bs": int(sys.argv[1])}))' "$bs" >> "$jl"
+  python3 - "$jl" <<'PY'
+import json, statistics, sys
+rows = [json.loads(l) for l in open(sys.argv[1])]
+by = {}
+for r in rows:
+    by.setdefault(r["label"], []).append(r)
+med = lambda label, key: statistics.median(r[key] for r in by[label])
+fio = by["fio"][0]
+g_pp, g_tg = med("gguf", "prompt_tok_s"), med("gguf", "decode_tok_s")
+d_pp, d_tg = med("dense", "prompt_tok_s"), med("dense", "decode_tok_s")
+s_tg = med("dense-stream", "decode_tok_s")
+ds = by["dense-stream"][-1]
+per_tok = ds["bytes_read_per_token"]
+io_bound = fio["bw"] / per_tok if per_tok > 0 else float("inf")
+bound = min(d_tg, io_bound)
+mib = 1 << 20
+print(f"\n{rows[0]['model']}  (medians of {len(by['gguf'])} interleaved runs)")
+print(f"GGUF engine: prompt {g_pp:.1f} tok/s, decode {g_tg:.2f} tok/s")
+print(f"dense .lsflash: prompt {d_pp:.1f} ({d_pp/g_pp:.3f}x), decode {d_tg:.2f} ({d_tg/g_tg:.3f}x)")
+print(f"dense-stream at {ds['ffn_budget_bytes']/mib:.1f} MiB cache: decode {s_tg:.2f} tok/s; "
+      f"{per_tok/mib:.2f} MiB read/token, {ds['reads_per_token']:.1f} reads/token")
+print(f"  bounds: (a) dense compute {d_tg:.2f} tok/s, (b) fio {fio['bw']/1e6:.0f} MB/s at {fio['bs']//1024} KiB / "
+      f"bytes per token = {io_bound:.2f} tok/s -> {s_tg/bound:.3f}x of the lower")
+t = ds["time_per_token"]
+print(f"  per token: ffn {t['ffn_s']*1e3:.2f} ms = compute {t['compute_s']*1e3:.2f} + waiting on reads "
+      f"{t['io_wait_s']*1e3:.2f}; I/O busy {t['io_busy_s']*1e3:.2f}, overlapped with compute {t['overlap_s']*1e3:.2f}")
+PY
+done
