@@ -43,14 +43,16 @@ for m in "${models[@]}"; do
   bench() { # label model [args]
     local label=$1 model=$2; shift 2
     echo "bench $name: $label" >&2
-    "$ls" bench --model "$model" --prompt-tokens "$prompt" --gen-tokens "$gen" --reps 1 "$@" |
+    "$ls" bench --model "$model" --prompt-tokens "$prompt" --gen-tokens "$gen" --reps 1 "$@" 2>/dev/null |
       python3 -c 'import json,sys; r=json.load(sys.stdin); r["label"]=sys.argv[1]; print(json.dumps(r))' "$label" >> "$jl"
   }
   # Interleaved repetitions: the machine is shared and its speed drifts.
   for _ in $(seq "$reps"); do
     bench gguf "$gguf"
     bench dense "$flash" --policy dense
-    bench dense-stream "$flash" --policy dense-stream --ffn-budget "$budget"
+    # Decode only: a prompt batch shares each layer's reads across its rows,
+    # which would hide the bytes a decoded token costs.
+    bench dense-stream "$flash" --policy dense-stream --ffn-budget "$budget" --prompt-tokens 0
   done
   # fio at the mean request size dense-stream issued, random offsets, its queue depth.
   bs=$(python3 - "$jl" <<'PY'

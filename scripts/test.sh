@@ -8,4 +8,5 @@ cargo build --release --bin leanstream
 for m in smollm2 gemma3; do
   "$CARGO_TARGET_DIR/release/leanstream" fetch "$m" || echo "warning: could not fetch $m; its tests will be skipped" >&2
 done
-cargo test --workspace --no-fail-fast "$@"
+# The release profile: the tests reuse the build above (and CI builds once).
+cargo test --release --workspace --no-fail-fast "$@"

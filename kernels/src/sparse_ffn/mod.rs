@@ -475,22 +475,42 @@ mod avx2 {
     }
 
     /// Four neurons of [`axpy_q8_0`] per pass over `y`, in the group's order.
+    /// (No closures here: they would not inherit the target features, and
+    /// each intrinsic would become a call.)
     #[target_feature(enable = "avx2,fma,f16c")]
     pub(super) unsafe fn axpy4_q8_0(group: &[(f32, &[u8]); 4], y: &mut [f32]) {
-        let va = group.map(|(a, _)| _mm256_set1_ps(a));
-        for (b, ys) in y.chunks_exact_mut(32).enumerate() {
-            let blocks = group.map(|(_, col)| &col[b * Q8_0_BYTES..(b + 1) * Q8_0_BYTES]);
-            let d = blocks.map(|blk| _mm256_set1_ps(f16::from_le_bytes([blk[0], blk[1]]).to_f32()));
-            let yp = ys.as_mut_ptr();
+        let va = [
+            _mm256_set1_ps(group[0].0),
+            _mm256_set1_ps(group[1].0),
+            _mm256_set1_ps(group[2].0),
+            _mm256_set1_ps(group[3].0),
+        ];
+        let cols = [
+            group[0].1.as_ptr(),
+            group[1].1.as_ptr(),
+            group[2].1.as_ptr(),
+            group[3].1.as_ptr(),
+        ];
+        let yp = y.as_mut_ptr();
+        for b in 0..y.len() / 32 {
+            let mut d = [_mm256_setzero_ps(); 4];
+            let mut qs = [std::ptr::null::<u8>(); 4];
+            for j in 0..4 {
+                // SAFETY: every column holds y.len() / 32 blocks (checked by the caller).
+                let blk = cols[j].add(b * Q8_0_BYTES);
+                d[j] = _mm256_set1_ps(f16::from_bits(u16::from_le_bytes([*blk, *blk.add(1)])).to_f32());
+                qs[j] = blk.add(2);
+            }
             for k in 0..4 {
-                // SAFETY: 8 of each block's 32 quants and 8 of the 32 outputs.
-                let mut acc = _mm256_loadu_ps(yp.add(8 * k));
+                // SAFETY: 8 of each block's 32 quants and 8 of its 32 outputs.
+                let out = yp.add(32 * b + 8 * k);
+                let mut acc = _mm256_loadu_ps(out);
                 for j in 0..4 {
-                    let q = _mm_loadl_epi64(blocks[j][2..].as_ptr().add(8 * k) as *const __m128i);
+                    let q = _mm_loadl_epi64(qs[j].add(8 * k) as *const __m128i);
                     let w = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(q)), d[j]);
                     acc = _mm256_fmadd_ps(va[j], w, acc);
                 }
-                _mm256_storeu_ps(yp.add(8 * k), acc);
+                _mm256_storeu_ps(out, acc);
             }
         }
     }
@@ -498,7 +518,12 @@ mod avx2 {
     /// Four neurons of [`axpy_f16`] per pass over `y`, in the group's order.
     #[target_feature(enable = "avx2,fma,f16c")]
     pub(super) unsafe fn axpy4_f16(group: &[(f32, &[u8]); 4], y: &mut [f32]) {
-        let va = group.map(|(a, _)| _mm256_set1_ps(a));
+        let va = [
+            _mm256_set1_ps(group[0].0),
+            _mm256_set1_ps(group[1].0),
+            _mm256_set1_ps(group[2].0),
+            _mm256_set1_ps(group[3].0),
+        ];
         let n = y.len();
         let main = n - n % 8;
         let yp = y.as_mut_ptr();
