@@ -520,7 +520,7 @@ fn blocked_kernels_equal_per_neuron_stages_and_their_scalar_twins() {
                     for t in 0..n {
                         for &i in &ids {
                             // Row t drops some neurons of the union (a zero is skipped).
-                            if (i as usize + t) % 5 != 0 {
+                            if !(i as usize + t).is_multiple_of(5) {
                                 a[t * N_FF + i as usize] = fast[i as usize * n + t];
                             }
                         }

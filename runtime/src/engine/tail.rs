@@ -244,7 +244,7 @@ impl Tail {
                     let a = vals[k * n + t];
                     let keep = match select {
                         // The dense path's rule (Sparsifier): skip |a| < threshold.
-                        Select::Threshold(th) => !(a.abs() < th),
+                        Select::Threshold(th) => a.abs().partial_cmp(&th) != Some(std::cmp::Ordering::Less),
                         Select::Rows(bits) => bit_is_set(&bits[t * words..(t + 1) * words], i),
                     };
                     if keep {
