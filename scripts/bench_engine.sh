@@ -3,9 +3,10 @@
 #  1. `dense` over the .lsflash file against the GGUF engine on the same
 #     model (prompt and decode tokens/s, repetitions interleaved);
 #  2. `dense-stream` at an FFN budget against the lower of (a) `dense`
-#     compute speed and (b) fio's random-read bandwidth at the request size
-#     the engine issues (same file, O_DIRECT, io_uring, the engine's queue
-#     depth) divided by the bytes it reads per token;
+#     compute speed and (b) fio's sequential-read bandwidth (dense-stream
+#     reads each layer front to back) at the request size the engine issues
+#     (same file, O_DIRECT, io_uring, QD16) divided by the bytes it reads per
+#     decoded token;
 #  3. the engine's time split per token (compute, waiting on reads, overlap).
 #
 # Usage: scripts/bench_engine.sh [MODEL...]   (default: smollm2 gemma3)
@@ -43,7 +44,7 @@ for m in "${models[@]}"; do
   bench() { # label model [args]
     local label=$1 model=$2; shift 2
     echo "bench $name: $label" >&2
-    "$ls" bench --model "$model" --prompt-tokens "$prompt" --gen-tokens "$gen" --reps 1 "$@" 2>/dev/null |
+    "$ls" bench --model "$model" --prompt-tokens "${P:-$prompt}" --gen-tokens "$gen" --reps 1 "$@" 2>/dev/null |
       python3 -c 'import json,sys; r=json.load(sys.stdin); r["label"]=sys.argv[1]; print(json.dumps(r))' "$label" >> "$jl"
   }
   # Interleaved repetitions: the machine is shared and its speed drifts.
@@ -52,16 +53,17 @@ for m in "${models[@]}"; do
     bench dense "$flash" --policy dense
     # Decode only: a prompt batch shares each layer's reads across its rows,
     # which would hide the bytes a decoded token costs.
-    bench dense-stream "$flash" --policy dense-stream --ffn-budget "$budget" --prompt-tokens 0
+    P=0 bench dense-stream "$flash" --policy dense-stream --ffn-budget "$budget"
   done
-  # fio at the mean request size dense-stream issued, random offsets, its queue depth.
+  # fio at the mean request size dense-stream issued, in its order (a layer is read
+  # front to back), at its queue depth.
   bs=$(python3 - "$jl" <<'PY'
 import json, sys
 r = [json.loads(l) for l in open(sys.argv[1]) if '"dense-stream"' in l][-1]
 print(max(4096, int(r["bytes_read_per_token"] / r["reads_per_token"]) // 4096 * 4096))
 PY
 )
-  fio --name=engine-size --filename="$flash" --readonly --rw=randread --bs="$bs" --iodepth=16 \
+  fio --name=engine-size --filename="$flash" --readonly --rw=read --bs="$bs" --iodepth=16 \
     --ioengine=io_uring --direct=1 --runtime=10 --time_based --output-format=json |
     python3 -c 'import json,sys; j=json.load(sys.stdin); print(json.dumps({"label": "fio", "bw": j["jobs"][0]["read"]["bw_bytes"], "bs": int(sys.argv[1])}))' "$bs" >> "$jl"
   python3 - "$jl" <<'PY'
