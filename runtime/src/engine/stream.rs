@@ -566,13 +566,21 @@ impl Streamer {
         let mut waited: Option<std::time::Instant> = None;
         let r = loop {
             let taken = self.stages[k].taken;
+            // Settled first: the I/O thread logs a run before counting it
+            // settled, so once every run is settled the log is complete. (In
+            // the other order a run landing between the two loads is lost.)
+            let settled = landing.settled.load(Ordering::Acquire);
             if taken < landing.log.len() {
                 break Some(landing.log.get(taken) as usize);
             }
-            if let Some(e) = lock(&landing.failed).take() {
+            let mut failed = lock(&landing.failed);
+            if let Some(e) = failed.take() {
+                // Later calls on this layer keep failing: nothing of it is garbage-filled.
+                *failed = Some(RuntimeError::Invalid(e.to_string()));
                 return Err(e);
             }
-            if taken == total || landing.settled.load(Ordering::Acquire) == total {
+            drop(failed);
+            if taken == total || settled == total {
                 break None;
             }
             waited.get_or_insert_with(std::time::Instant::now);
