@@ -12,8 +12,9 @@
 # Usage: scripts/bench_engine.sh [MODEL...]   (default: smollm2 gemma3)
 #   MODEL is smollm2, gemma3 or a .gguf path (e.g. `leanstream synthetic`).
 # Env: BUDGET (25%), PROMPT (128), GEN (32), REPS (3), OUT (JSON lines;
-#      default $LEANSTREAM_HOME/bench-engine), PACK_ARGS (default --hot-first
-#      with a calibration on data/text/apache-2.0.txt for real models).
+#      default $LEANSTREAM_HOME/bench-engine), PACK_ARGS (default --down source:
+#      the down matrices in the model's own blocks, exact at sparsity 0; the
+#      packed file is reused while it exists, so delete it after changing them).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 export CARGO_TARGET_DIR=${CARGO_TARGET_DIR:-$HOME/.cache/leanstream/target}
@@ -30,12 +31,9 @@ models=("$@")
 for m in "${models[@]}"; do
   gguf=$("$ls" fetch "$m" 2>/dev/null || echo "$m")
   name=$(basename "$gguf" .gguf)
-  flash=$home/flash/$name.engine.lsflash
+  flash=$home/flash/$name.engine3.lsflash
   if [ ! -f "$flash" ]; then
-    case $m in
-      smollm2|gemma3) args=${PACK_ARGS---calibrate data/text/apache-2.0.txt --hot-first} ;;
-      *) args=${PACK_ARGS-} ;;
-    esac
+    args=${PACK_ARGS---down source}
     # shellcheck disable=SC2086
     "$ls" pack --model "$gguf" -o "$flash" $args >&2
   fi

@@ -38,7 +38,7 @@ struct Layer {
 
 impl Layer {
     fn new(gate_ty: GgmlType, up_ty: GgmlType, down_ty: GgmlType, n_embd: usize, n_ff: usize, rng: &mut Rng) -> Self {
-        let format = BundleFormat::new(gate_ty, up_ty, down_ty, n_embd).unwrap();
+        let format = BundleFormat::new(gate_ty, up_ty, down_ty, DownLayout::Columns, n_embd).unwrap();
         let mut gate = Vec::new();
         let mut up = Vec::new();
         for _ in 0..n_ff {
@@ -337,18 +337,18 @@ fn axpy_simd_and_scalar_agree_bit_for_bit() {
 fn bad_sizes_and_types_are_errors() {
     let q8 = GgmlType::Q8_0;
     assert!(matches!(
-        BundleFormat::new(q8, q8, GgmlType::Q4_0, 64),
+        BundleFormat::new(q8, q8, GgmlType::Q4_0, DownLayout::Columns, 64),
         Err(KernelError::UnsupportedType(_))
     ));
     assert!(matches!(
-        BundleFormat::new(q8, q8, q8, 48),
+        BundleFormat::new(q8, q8, q8, DownLayout::Columns, 48),
         Err(KernelError::RaggedRow { .. })
     ));
     assert!(matches!(
-        BundleFormat::new(GgmlType::Q4K, q8, q8, 64),
+        BundleFormat::new(GgmlType::Q4K, q8, q8, DownLayout::Columns, 64),
         Err(KernelError::RaggedRow { .. })
     ));
-    assert!(BundleFormat::new(GgmlType::Q8K, q8, q8, 256).is_err());
+    assert!(BundleFormat::new(GgmlType::Q8K, q8, q8, DownLayout::Columns, 256).is_err());
 
     let mut rng = Rng::new(9);
     let layer = Layer::new(q8, GgmlType::Q4_1, GgmlType::F16, 64, 8, &mut rng);

@@ -1,6 +1,8 @@
 //! The streaming engine over `.lsflash` files: the `dense` and `dense-stream`
-//! policies agree bit for bit at every cache budget, and the flash FFN is
-//! close to the GGUF dense engine (the down columns are Q8_0 there).
+//! policies agree bit for bit at every cache budget; with the down matrix in
+//! its source type every policy at sparsity 0 gives the GGUF engine's tokens
+//! and logits bit for bit, and with Q8_0 down columns the flash FFN is close
+//! to it.
 
 mod common;
 
@@ -25,9 +27,13 @@ fn dir() -> PathBuf {
 }
 
 fn pack_to(src: &Path, name: &str, placement: Option<Vec<Vec<u32>>>) -> PathBuf {
+    pack_down(src, name, placement, DownType::Q8_0)
+}
+
+fn pack_down(src: &Path, name: &str, placement: Option<Vec<Vec<u32>>>, down: DownType) -> PathBuf {
     let out = dir().join(format!("{name}.lsflash"));
     let opts = PackOptions {
-        down: DownType::Q8_0,
+        down,
         placement,
         sparsity: Vec::new(),
         neuron_scores: Vec::new(),
@@ -44,7 +50,7 @@ fn greedy_flash(fm: &FlashModel, engine: &mut FlashEngine, prompt: &[u32], n: us
 }
 
 fn greedy_gguf(m: &Model, prompt: &[u32], n: usize) -> Run {
-    let mut st = m.new_state(prompt.len() + n + 1, 8, 1);
+    let mut st = m.new_state(prompt.len() + n + 1, prompt.len().max(8), 1);
     let (mut toks, mut logits) = (Vec::new(), Vec::new());
     m.forward_outputs(&mut st, prompt, 0, prompt.len() - 1..prompt.len())
         .unwrap();
@@ -128,10 +134,75 @@ fn synthetic_policies_agree_bit_for_bit() {
     }
 }
 
+/// Every policy at sparsity 0 over a file with source-type down tiles gives
+/// the GGUF engine's run, bit for bit: dense, dense-stream at three cache
+/// budgets, gate-first, and the oracle replaying dense's trace.
+fn check_exact(fm: &FlashModel, gguf: &Run, prompt: &[u32], n: usize) {
+    let opts = |policy, share: f64, record, trace| EngineOptions {
+        policy,
+        cache_bytes: (fm.ffn_bytes() as f64 * share) as u64,
+        cache_policy: CachePolicy::Lru,
+        merge_gap_bytes: leanstream_runtime::engine::DEFAULT_MERGE_GAP,
+        level: SparsityLevel::dense(fm.flash.n_layer()),
+        record,
+        trace,
+    };
+    let mut dense = fm.engine_with(opts(Policy::Dense, 1.0, true, None)).unwrap();
+    let run = greedy_flash(fm, &mut dense, prompt, n);
+    assert_eq!(run.0, gguf.0, "dense tokens");
+    assert!(
+        common::same_bits(&run, gguf),
+        "dense logits differ from the GGUF engine's"
+    );
+    let trace = dense.take_trace().unwrap();
+    let cases = [
+        (Policy::DenseStream, 0.0, None),
+        (Policy::DenseStream, 0.25, None),
+        (Policy::DenseStream, 1.0, None),
+        (Policy::GateFirst, 0.25, None),
+        (Policy::Oracle, 0.25, Some(trace)),
+    ];
+    for (policy, share, trace) in cases {
+        let mut e = fm.engine_with(opts(policy, share, false, trace)).unwrap();
+        let run = greedy_flash(fm, &mut e, prompt, n);
+        assert!(common::same_bits(&run, gguf), "{policy} at cache share {share}");
+    }
+}
+
+#[test]
+fn source_down_tiles_give_the_gguf_engine_bit_for_bit() {
+    for (name, ty, reversed) in [("src_q4_0", GgmlType::Q4_0, true), ("src_q8_0", GgmlType::Q8_0, false)] {
+        let mut spec = SyntheticSpec::tiny("llama");
+        spec.weight_type = ty;
+        let src = dir().join(format!("{name}.gguf"));
+        std::fs::write(&src, spec.build().unwrap().to_bytes()).unwrap();
+        // A placement that is not the identity: groups are found by neuron id.
+        let placement = reversed.then(|| {
+            (0..spec.n_layer)
+                .map(|_| (0..spec.n_ff as u32).rev().collect())
+                .collect()
+        });
+        let fm = FlashModel::open(pack_down(&src, name, placement, DownType::Source)).unwrap();
+        let prompt = [1u32, 20, 33, 47, 5, 9, 11, 2, 40, 7];
+        let gguf = greedy_gguf(&Model::load(&src).unwrap(), &prompt, 8);
+        check_exact(&fm, &gguf, &prompt, 8);
+    }
+}
+
 fn real_model(name: &str) {
     let Some(src) = common::model_path(name) else {
         return;
     };
+    let exact = FlashModel::open(pack_down(&src, &format!("{name}_source"), None, DownType::Source)).unwrap();
+    // A prompt of more than 8 tokens takes the batched (tiled K-quant) products.
+    let long = exact.model.tokenizer.encode(
+        "The history of the printing press begins in the fifteenth century, when",
+        true,
+        false,
+    );
+    assert!(long.len() >= 8);
+    check_exact(&exact, &greedy_gguf(&Model::load(&src).unwrap(), &long, 12), &long, 12);
+    drop(exact);
     let fm = FlashModel::open(pack_to(&src, name, None)).unwrap();
     let prompt = fm.model.tokenizer.encode("The capital of France is", true, false);
     let n = 16;
@@ -208,12 +279,16 @@ fn a_file_truncated_while_streaming_is_an_error_naming_it() {
 /// A model whose layers span several reads (1.6 MiB of bundles each), so
 /// arrivals within a layer can come in any order.
 fn multi_read_model(name: &str) -> FlashModel {
+    multi_read_model_down(name, DownType::Q8_0)
+}
+
+fn multi_read_model_down(name: &str, down: DownType) -> FlashModel {
     let mut spec = SyntheticSpec::tiny("llama");
     spec.weight_type = GgmlType::Q8_0;
     (spec.n_embd, spec.n_ff, spec.n_layer) = (256, 2048, 3);
     let src = dir().join(format!("{name}.gguf"));
     std::fs::write(&src, spec.build().unwrap().to_bytes()).unwrap();
-    FlashModel::open(pack_to(&src, name, None)).unwrap()
+    FlashModel::open(pack_down(&src, name, None, down)).unwrap()
 }
 
 /// Streaming options that split every layer into many requests: an LRU cache
@@ -239,7 +314,15 @@ fn shuffled_backend(seed: u64) -> BackendFactory {
 
 #[test]
 fn arrival_order_compute_equals_barrier_compute_bit_for_bit() {
-    let fm = multi_read_model("arrival");
+    for down in [DownType::Q8_0, DownType::Source] {
+        arrival_order_case(down);
+    }
+}
+
+/// With tiles, an LRU cache holding part of a layer splits groups between
+/// the cache and the reads; the gathered down matrix must still be whole.
+fn arrival_order_case(down: DownType) {
+    let fm = multi_read_model_down(&format!("arrival_{down}"), down);
     let prompt = [1u32, 20, 33, 47, 5, 9];
     let mut dense = fm.engine(Policy::Dense, FfnBudget::Percent(100.0)).unwrap();
     let reference = greedy_flash(&fm, &mut dense, &prompt, 6);
@@ -252,7 +335,10 @@ fn arrival_order_compute_equals_barrier_compute_bit_for_bit() {
         let reads_per_layer_call = s.reads as f64 / (7 * fm.flash.n_layer()) as f64;
         eprintln!("seed {seed}, cache {share}: {reads_per_layer_call:.1} reads per layer call, {s:?}");
         assert!(reads_per_layer_call > 2.0, "each layer arrives in several reads");
-        assert!(common::same_bits(&run, &reference), "seed {seed}, cache share {share}");
+        assert!(
+            common::same_bits(&run, &reference),
+            "{down}: seed {seed}, cache share {share}"
+        );
     }
 }
 

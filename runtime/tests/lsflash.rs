@@ -7,6 +7,8 @@ use std::path::{Path, PathBuf};
 use std::time::Instant;
 
 use leanstream_kernels::dequant::dequantize_row;
+use leanstream_kernels::sparse_ffn::tiles::{part_bytes, tile_bytes, tile_of};
+use leanstream_kernels::sparse_ffn::DownLayout;
 use leanstream_kernels::GgmlType;
 use leanstream_runtime::flash::format::{ALIGN, PREAMBLE_LEN};
 use leanstream_runtime::flash::{pack, DownType, Header, LsFlash, PackOptions};
@@ -86,6 +88,9 @@ fn check_round_trip(gguf: &Path, flash: &LsFlash, placement: Option<&[Vec<u32>]>
             let (gb, ub, db) = layout.split(&bytes).unwrap();
             assert_eq!(gb, gate.row(i), "layer {l} neuron {i} gate");
             assert_eq!(ub, up.row(i), "layer {l} neuron {i} up");
+            if layout.down_layout == DownLayout::Tiles {
+                continue; // checked whole by check_tiles
+            }
             dequantize_row(layout.down_type, db, &mut down).unwrap();
             let want = down_column(&g, l, i, n_embd, n_ff);
             let amax = want.iter().fold(0f32, |m, v| m.max(v.abs()));
@@ -115,10 +120,88 @@ fn round_trip_f32_model_q8_0_and_f16_down() {
         let f = LsFlash::open(&out).unwrap();
         f.verify().unwrap();
         assert_eq!(f.header().down_type, down);
-        assert_eq!(f.layout(0).down_type, down.ggml());
+        assert_eq!(Some(f.layout(0).down_type), down.column_type());
         let worst = check_round_trip(&src, &f, None);
         eprintln!("down {down:?}: worst abs error {worst:e}");
     }
+}
+
+/// Each group's tile, put back together from its neurons' bundles, is the
+/// source's down blocks byte for byte (zero padding after them).
+fn check_tiles(gguf: &Path, flash: &LsFlash) {
+    let g = GgufFile::open(gguf).unwrap();
+    let c = Config::from_gguf(&g).unwrap();
+    let (n_embd, n_ff) = (c.n_embd, c.n_ff);
+    for l in 0..c.n_layer {
+        let layout = flash.layout(l);
+        let down = g.matrix(&format!("blk.{l}.ffn_down.weight"), n_embd, n_ff).unwrap();
+        assert_eq!(layout.down_layout, DownLayout::Tiles);
+        assert_eq!(layout.down_type, down.ty);
+        let (gsize, p) = (down.ty.block_size(), part_bytes(down.ty, n_embd).unwrap());
+        assert_eq!(layout.down_bytes, p);
+        let mut want = vec![0u8; tile_bytes(down.ty, n_embd).unwrap()];
+        for grp in 0..n_ff / gsize {
+            tile_of(down.ty, n_embd, n_ff, down.data, grp, &mut want).unwrap();
+            let mut got = Vec::new();
+            for k in 0..gsize {
+                let b = flash.read_bundle(l, grp * gsize + k).unwrap();
+                got.extend_from_slice(layout.split(&b).unwrap().2);
+            }
+            assert_eq!(&got[..want.len()], &want[..], "layer {l} group {grp}");
+            assert!(
+                got[want.len()..].iter().all(|&b| b == 0),
+                "layer {l} group {grp} padding"
+            );
+        }
+    }
+}
+
+#[test]
+fn round_trip_source_down_tiles_with_placement() {
+    for (name, ty) in [("tiles_q4_0", GgmlType::Q4_0), ("tiles_q8_0", GgmlType::Q8_0)] {
+        let src = synthetic(name, ty);
+        let spec = SyntheticSpec::tiny("llama");
+        let placement: Vec<Vec<u32>> = (0..spec.n_layer)
+            .map(|l| {
+                let mut p: Vec<u32> = (0..spec.n_ff as u32).rev().collect();
+                p.rotate_left(l * 7);
+                p
+            })
+            .collect();
+        let out = dir().join(format!("{name}.lsflash"));
+        pack(&src, &out, &opts(DownType::Source, Some(placement.clone()))).unwrap();
+        let f = LsFlash::open(&out).unwrap();
+        f.verify().unwrap();
+        assert_eq!(f.header().down_type, DownType::Source);
+        check_round_trip(&src, &f, Some(&placement));
+        check_tiles(&src, &f);
+        // Fewer bytes than Q8_0 columns for a 4-bit source.
+        let q8 = dir().join(format!("{name}_q8.lsflash"));
+        pack(&src, &q8, &opts(DownType::Q8_0, None)).unwrap();
+        let cols = LsFlash::open(&q8).unwrap();
+        assert!(f.layout(0).bundle_bytes() <= cols.layout(0).bundle_bytes(), "{name}");
+    }
+}
+
+#[test]
+fn version_2_files_still_open() {
+    // A version-2 file is a version-3 file with down columns, 0 in each
+    // layer's down type and 2 in the preamble.
+    let (_, good) = packed_bytes("v2");
+    let f = LsFlash::open(write("v2_probe.lsflash", &good)).unwrap();
+    let table_at = 32 + 8 + 4 + f.header().arch.len() + 8 * 4 + 8 + 8 + 32 + 8 + 8 + f.n_layer() * f.n_ff() * 4;
+    let n_layer = f.n_layer();
+    let p = forged(&good, "v2_meta.lsflash", move |m| {
+        for l in 0..n_layer {
+            let at = table_at + l * 72 + 20;
+            m[at..at + 4].copy_from_slice(&0u32.to_le_bytes());
+        }
+    });
+    let mut b = std::fs::read(&p).unwrap();
+    b[8..12].copy_from_slice(&2u32.to_le_bytes());
+    let v2 = LsFlash::open(write("v2.lsflash", &b)).unwrap();
+    assert_eq!(v2.layout(0), f.layout(0));
+    assert_eq!(v2.header().down_type, DownType::Q8_0);
 }
 
 #[test]
@@ -296,6 +379,13 @@ fn smollm2_round_trip() {
     let worst = check_round_trip(&src, &f, None);
     eprintln!("smollm2: worst down abs error {worst:e}");
     std::fs::remove_file(&out).unwrap();
+    let r = pack(&src, &out, &opts(DownType::Source, None)).unwrap();
+    eprintln!("smollm2 with source down tiles: {} bytes of bundles", r.bundle_len);
+    let f = LsFlash::open(&out).unwrap();
+    f.verify().unwrap();
+    check_round_trip(&src, &f, None);
+    check_tiles(&src, &f);
+    std::fs::remove_file(&out).unwrap();
 }
 
 type MetaEdit = dyn Fn(&mut Vec<u8>);
@@ -339,6 +429,8 @@ fn forged_headers_with_valid_checksums_are_rejected_naming_the_field() {
         ("placement[0]", Box::new(move |m| put32(m, placement_at, 1))),
         ("layer[0].gate_type", Box::new(move |m| put32(m, table_at, 99))),
         ("layer[0].gate_bytes", Box::new(move |m| put32(m, table_at + 8, 3))),
+        ("layer[0].down_bytes", Box::new(move |m| put32(m, table_at + 16, 7))),
+        ("layer[0].down_type", Box::new(move |m| put32(m, table_at + 20, 1))),
         ("layer[0].offset", Box::new(move |m| put64(m, table_at + 24, 4097))),
         ("layer[1].offset", Box::new(move |m| put64(m, table_at + 72 + 24, 0))),
         ("layer[0].len", Box::new(move |m| put64(m, table_at + 32, 5))),

@@ -26,6 +26,8 @@ use crate::{GgmlType, KernelError};
 const ROW_TILE: usize = 4;
 /// Activation rows handed to a tile kernel together.
 const TOKEN_TILE: usize = 8;
+/// Most weight rows handed to a kernel together for one activation row.
+const DECODE_ROW_TILE: usize = 8;
 
 /// The FFN inputs of `n` token rows, converted for the gate and up rows' dot
 /// types (checked once against the format).
@@ -170,7 +172,33 @@ impl KernelUser for StridedDots<'_> {
 
     fn run<W: Pod + Sync, A: Pod + Sync>(self, kernel: Kernel<W, A>) -> Self::Output {
         let n = self.acts.n();
-        let row_tile = if n == 1 { kernel.decode_rows().max(1) } else { ROW_TILE };
+        let row = |j: usize| -> Result<&[W], KernelError> {
+            let start = self.offset + j * self.stride;
+            cast_blocks::<W>(&self.run[start..start + self.row_bytes], "bundle weight row")
+        };
+        if n == 1 {
+            // One row: the kernel's rows come from separate stretches of the
+            // run, so memory sees a few long streams (as `matmul` decodes).
+            let a = [cast_blocks::<A>(self.acts.row(0), "FFN input row")?];
+            let lanes = kernel.decode_rows().clamp(1, DECODE_ROW_TILE);
+            let lane_len = self.count / lanes;
+            let mut w_refs: [&[W]; DECODE_ROW_TILE] = [&[]; DECODE_ROW_TILE];
+            let mut tmp = [0f32; DECODE_ROW_TILE];
+            for k in 0..lane_len {
+                for (lane, w) in w_refs[..lanes].iter_mut().enumerate() {
+                    *w = row(lane * lane_len + k)?;
+                }
+                kernel.dot(&w_refs[..lanes], &a, &mut tmp[..lanes]);
+                for (lane, &v) in tmp[..lanes].iter().enumerate() {
+                    self.out[lane * lane_len + k] = v;
+                }
+            }
+            for j in lanes * lane_len..self.count {
+                kernel.dot(&[row(j)?], &a, &mut tmp[..1]);
+                self.out[j] = tmp[0];
+            }
+            return Ok(());
+        }
         let mut tmp = [0f32; ROW_TILE * TOKEN_TILE];
         for t0 in (0..n).step_by(TOKEN_TILE) {
             let tn = TOKEN_TILE.min(n - t0);
@@ -178,12 +206,11 @@ impl KernelUser for StridedDots<'_> {
             for (t, r) in a_refs[..tn].iter_mut().enumerate() {
                 *r = cast_blocks::<A>(self.acts.row(t0 + t), "FFN input row")?;
             }
-            for j0 in (0..self.count).step_by(row_tile) {
-                let rn = row_tile.min(self.count - j0).min(ROW_TILE);
+            for j0 in (0..self.count).step_by(ROW_TILE) {
+                let rn = ROW_TILE.min(self.count - j0);
                 let mut w_refs: [&[W]; ROW_TILE] = [&[]; ROW_TILE];
                 for (k, w) in w_refs[..rn].iter_mut().enumerate() {
-                    let start = self.offset + (j0 + k) * self.stride;
-                    *w = cast_blocks::<W>(&self.run[start..start + self.row_bytes], "bundle weight row")?;
+                    *w = row(j0 + k)?;
                 }
                 kernel.dot(&w_refs[..rn], &a_refs[..tn], &mut tmp[..rn * tn]);
                 for k in 0..rn {
@@ -235,7 +262,7 @@ fn down_on<'b>(
     simd: bool,
     parallel: bool,
 ) -> Result<(), KernelError> {
-    format.validate()?;
+    format.validate_columns()?;
     let d = format.n_embd;
     if d == 0 || !ys.len().is_multiple_of(d) || a.len() != ys.len() / d * n_ff {
         return Err(KernelError::Length {

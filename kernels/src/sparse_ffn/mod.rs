@@ -1,9 +1,12 @@
 //! A gated FFN (SwiGLU or GeGLU) over any subset of its neurons, each given
-//! as a neuron *bundle*: gate row i + up row i + down column i, back to back,
-//! exactly as a layer's bundles sit in a `.lsflash` file (see the runtime's
-//! `flash::format`: `gate_bytes` of the gate row in `gate_ty`, `up_bytes` of
-//! the up row in `up_ty`, `down_bytes` of the n_embd down weights in Q8_0 or
-//! F16).
+//! as a neuron *bundle*: gate row i + up row i + neuron i's share of the
+//! down matrix, back to back, exactly as a layer's bundles sit in a
+//! `.lsflash` file (see the runtime's `flash::format`: `gate_bytes` of the
+//! gate row in `gate_ty`, `up_bytes` of the up row in `up_ty`, then
+//! `down_bytes` of down, as [`DownLayout`] says: column i in Q8_0 or F16, or
+//! a part of its group's tile in the source type, [`tiles`]). Stage 2 below
+//! is the column form; tiles go through [`DownTiles`], the dense path's own
+//! down product.
 //!
 //! Two stages, slices in and slices out, nothing allocated after setup:
 //!
@@ -40,8 +43,18 @@
 //! which bundles were fed or which kernel ran.
 
 mod blocked;
+pub mod tiles;
 
 pub use blocked::{run_activations, run_activations_scalar, run_down, run_down_scalar, FfnRows};
+pub use tiles::DownTiles;
+
+/// A type the dot kernels take as weights (the activation-only types are not).
+pub(crate) fn check_weight_type(ty: GgmlType) -> Result<(), KernelError> {
+    if matches!(ty, GgmlType::Q8_1 | GgmlType::Q8K) {
+        return Err(KernelError::UnsupportedType(format!("{ty} as a weight type")));
+    }
+    Ok(())
+}
 
 use half::f16;
 
@@ -73,23 +86,51 @@ impl FfnActivation {
 /// A bundle's (gate row, up row, down column).
 pub type BundleParts<'a> = (&'a [u8], &'a [u8], &'a [u8]);
 
+/// How a bundle carries its neuron's share of the down matrix.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum DownLayout {
+    /// Column i of `ffn_down`, re-quantized to Q8_0 or F16: each neuron's
+    /// down weights stand alone, so any subset of neurons can be read, but
+    /// the arithmetic is not the source model's.
+    #[default]
+    Columns,
+    /// The source matrix in its own type ([`tiles`]): a group of
+    /// `down_ty.block_size()` neurons shares one block per output row (the
+    /// group's tile), split evenly over the group's bundles. A group is
+    /// read whole, and the down product is the dense path's matmul, bit
+    /// for bit.
+    Tiles,
+    /// No down part: the layer's down matrix is held apart, whole, in the
+    /// source's type (a resident layer whose tiles were gathered once), and
+    /// bundles are the gate and up rows alone.
+    Matrix,
+}
+
 /// The shape of one layer's bundles (the runtime's `BundleLayout`, from types).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct BundleFormat {
     pub gate_ty: GgmlType,
     pub up_ty: GgmlType,
-    /// Q8_0 or F16.
+    /// Q8_0 or F16 as [`DownLayout::Columns`]; the source type as [`DownLayout::Tiles`].
     pub down_ty: GgmlType,
+    pub down_layout: DownLayout,
     pub n_embd: usize,
 }
 
 impl BundleFormat {
     /// Checks the types and that `n_embd` fills whole blocks of each.
-    pub fn new(gate_ty: GgmlType, up_ty: GgmlType, down_ty: GgmlType, n_embd: usize) -> Result<Self, KernelError> {
+    pub fn new(
+        gate_ty: GgmlType,
+        up_ty: GgmlType,
+        down_ty: GgmlType,
+        down_layout: DownLayout,
+        n_embd: usize,
+    ) -> Result<Self, KernelError> {
         let format = Self {
             gate_ty,
             up_ty,
             down_ty,
+            down_layout,
             n_embd,
         };
         format.validate()?;
@@ -98,19 +139,37 @@ impl BundleFormat {
 
     /// The fields are public, so every stage re-checks them.
     fn validate(&self) -> Result<(), KernelError> {
-        if !matches!(self.down_ty, GgmlType::Q8_0 | GgmlType::F16) {
+        match self.down_layout {
+            DownLayout::Columns => {
+                if !matches!(self.down_ty, GgmlType::Q8_0 | GgmlType::F16) {
+                    return Err(KernelError::UnsupportedType(format!(
+                        "{} as a down column type (expected Q8_0 or F16)",
+                        self.down_ty
+                    )));
+                }
+                self.down_ty.row_bytes(self.n_embd)?;
+            }
+            DownLayout::Tiles | DownLayout::Matrix => {
+                tiles::part_bytes(self.down_ty, self.n_embd)?;
+            }
+        }
+        for ty in [self.gate_ty, self.up_ty] {
+            check_weight_type(ty)?;
+            ty.row_bytes(self.n_embd)?;
+        }
+        Ok(())
+    }
+
+    /// [`validate`](Self::validate), and down columns: the per-neuron
+    /// stage-2 kernels read columns; tiles go through [`DownTiles`].
+    pub(crate) fn validate_columns(&self) -> Result<(), KernelError> {
+        self.validate()?;
+        if self.down_layout != DownLayout::Columns {
             return Err(KernelError::UnsupportedType(format!(
-                "{} as a down column type (expected Q8_0 or F16)",
+                "{} down tiles in a per-neuron down kernel (tiles go through DownTiles)",
                 self.down_ty
             )));
         }
-        for ty in [self.gate_ty, self.up_ty] {
-            if matches!(ty, GgmlType::Q8_1 | GgmlType::Q8K) {
-                return Err(KernelError::UnsupportedType(format!("{ty} as a weight type")));
-            }
-            ty.row_bytes(self.n_embd)?;
-        }
-        self.down_ty.row_bytes(self.n_embd)?;
         Ok(())
     }
 
@@ -124,9 +183,34 @@ impl BundleFormat {
         self.up_ty.row_bytes(self.n_embd).unwrap_or(0)
     }
 
-    /// Bytes of the down column.
+    /// Bytes of the down column, or of the tile part ([`DownLayout::Tiles`]).
     pub fn down_bytes(&self) -> usize {
-        self.down_ty.row_bytes(self.n_embd).unwrap_or(0)
+        match self.down_layout {
+            DownLayout::Columns => self.down_ty.row_bytes(self.n_embd).unwrap_or(0),
+            DownLayout::Tiles => tiles::part_bytes(self.down_ty, self.n_embd).unwrap_or(0),
+            DownLayout::Matrix => 0,
+        }
+    }
+
+    /// Neurons that share down blocks: 1 for columns, the down type's block
+    /// size for tiles (whole groups are read and computed together).
+    pub fn group(&self) -> usize {
+        match self.down_layout {
+            DownLayout::Columns | DownLayout::Matrix => 1,
+            DownLayout::Tiles => self.down_ty.block_size(),
+        }
+    }
+
+    /// The format of the same layer held resident: tiles gathered into the
+    /// down matrix ([`DownLayout::Matrix`]), bundles of gate and up rows.
+    pub fn resident(&self) -> Self {
+        match self.down_layout {
+            DownLayout::Tiles => Self {
+                down_layout: DownLayout::Matrix,
+                ..*self
+            },
+            _ => *self,
+        }
     }
 
     /// Bytes of a whole bundle.
@@ -628,7 +712,7 @@ type Axpy = fn(GgmlType, f32, &[u8], &mut [f32]) -> Result<(), KernelError>;
 
 /// A valid format and an output of `n_embd` values.
 fn check_output(format: &BundleFormat, y: &[f32]) -> Result<(), KernelError> {
-    format.validate()?;
+    format.validate_columns()?;
     if y.len() != format.n_embd {
         return Err(KernelError::Length {
             what: "FFN output",

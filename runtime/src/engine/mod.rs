@@ -25,7 +25,7 @@ pub mod trace;
 use std::os::unix::fs::FileExt;
 use std::path::Path;
 
-use leanstream_kernels::sparse_ffn::BundleFormat;
+use leanstream_kernels::sparse_ffn::{tiles, BundleFormat, DownLayout};
 
 use crate::cache::{CacheShape, FfnBudget, MemoryReport};
 use crate::flash::format::{LsFlash, SparsityLevel};
@@ -36,7 +36,7 @@ use crate::{Result, RuntimeError};
 pub use policy::Policy;
 use policy::{FfnPolicy, LayerCall};
 pub use stream::{CachePolicy, LandedRun, Streamer, Want};
-use tail::{Source, Tail};
+use tail::{Resident, Source, Tail};
 pub use trace::{ActiveTrace, TraceCursor};
 
 /// Default of [`EngineOptions::merge_gap_bytes`]. On the development disk
@@ -96,7 +96,8 @@ impl FlashModel {
         let formats = (0..flash.n_layer())
             .map(|l| {
                 let b = flash.layout(l);
-                BundleFormat::new(b.gate_type, b.up_type, b.down_type, model.config.n_embd).map_err(RuntimeError::from)
+                BundleFormat::new(b.gate_type, b.up_type, b.down_type, b.down_layout, model.config.n_embd)
+                    .map_err(RuntimeError::from)
             })
             .collect::<Result<Vec<_>>>()?;
         Ok(Self { flash, model, formats })
@@ -141,7 +142,7 @@ impl FlashModel {
     /// must cover before the cache gets anything.
     pub fn engine_overhead_bytes(&self, policy: Policy, max_batch: usize) -> u64 {
         let n_ff = self.flash.n_ff() as u64;
-        let tail = Tail::bytes_for(self.model.config.n_embd, self.flash.n_ff(), max_batch);
+        let tail = Tail::bytes_for(&self.formats, self.flash.n_ff(), max_batch);
         tail + match policy {
             Policy::Dense => self.ffn_bytes(),
             Policy::DenseStream | Policy::Oracle => Streamer::overhead_bytes(self),
@@ -208,20 +209,26 @@ impl FlashModel {
                 )))
             }
         };
-        let source = match o.policy {
-            Policy::Dense => Source::Resident(self.read_all()?),
-            _ => Source::Stream(Box::new(Streamer::new(
-                self,
-                o.cache_bytes,
-                o.cache_policy,
-                o.merge_gap_bytes,
-                backend,
-            )?)),
+        let (source, formats) = match o.policy {
+            Policy::Dense => {
+                let (resident, formats) = self.read_all()?;
+                (Source::Resident(resident), formats)
+            }
+            _ => (
+                Source::Stream(Box::new(Streamer::new(
+                    self,
+                    o.cache_bytes,
+                    o.cache_policy,
+                    o.merge_gap_bytes,
+                    backend,
+                )?)),
+                self.formats.clone(),
+            ),
         };
         Ok(FlashEngine {
             plan: policy,
             level: o.level,
-            formats: self.formats.clone(),
+            formats,
             tail: Tail::new(c.ffn_activation, c.n_embd, c.n_ff),
             source,
             recorder,
@@ -244,10 +251,13 @@ impl FlashModel {
             .collect()
     }
 
-    /// Every layer's bundles in neuron order.
-    fn read_all(&self) -> Result<Vec<Vec<u8>>> {
+    /// Every layer's bundles in neuron order, and the down matrices of
+    /// tiled layers gathered once (their bundles then keep gate and up rows
+    /// only), so `dense` runs the source's product straight from memory and
+    /// moves the GGUF engine's bytes. The formats the tail then computes with.
+    fn read_all(&self) -> Result<(Resident, Vec<BundleFormat>)> {
         let n_ff = self.flash.n_ff();
-        (0..self.flash.n_layer())
+        let bundles = (0..self.flash.n_layer())
             .map(|l| {
                 let bb = self.flash.layout(l).bundle_bytes();
                 let mut by_id = vec![0u8; n_ff * bb];
@@ -255,7 +265,44 @@ impl FlashModel {
                     .for_each_bundle(l, 0..n_ff, |i, b| by_id[i * bb..(i + 1) * bb].copy_from_slice(b))?;
                 Ok(by_id)
             })
-            .collect()
+            .collect::<Result<Vec<_>>>()?;
+        let mut bundles = bundles;
+        let mut down = Vec::with_capacity(bundles.len());
+        let mut down_len = Vec::with_capacity(bundles.len());
+        for (f, all) in self.formats.iter().zip(bundles.iter_mut()) {
+            if f.down_layout != DownLayout::Tiles {
+                down.push(Vec::new());
+                down_len.push(0);
+                continue;
+            }
+            let len = f.n_embd * f.down_ty.row_bytes(n_ff)?;
+            let mut m = vec![0u64; len.div_ceil(8)];
+            let groups: Vec<u32> = (0..(n_ff / f.group()) as u32).collect();
+            let bb = f.bundle_bytes();
+            let bundle = |i: usize| &all[i * bb..(i + 1) * bb];
+            tiles::gather(
+                f,
+                n_ff,
+                &groups,
+                &bundle,
+                &mut bytemuck::cast_slice_mut(&mut m)[..len],
+                true,
+            )?;
+            let rows = f.resident().bundle_bytes();
+            let stripped: Vec<u8> = all.chunks_exact(bb).flat_map(|b| &b[..rows]).copied().collect();
+            *all = stripped;
+            down.push(m);
+            down_len.push(len);
+        }
+        let formats = self.formats.iter().map(BundleFormat::resident).collect();
+        Ok((
+            Resident {
+                bundles,
+                down,
+                down_len,
+            },
+            formats,
+        ))
     }
 
     /// Runs `tokens` at `pos0..` (as `Model::forward_outputs`) with the FFN from `engine`.
@@ -275,7 +322,7 @@ impl FlashModel {
     /// rows, the oracle's trace.
     pub fn memory(&self, st: &RunState, engine: &FlashEngine) -> MemoryReport {
         let (ffn_cache, io_buffers) = match &engine.source {
-            Source::Resident(layers) => (layers.iter().map(|l| l.len() as u64).sum(), 0),
+            Source::Resident(r) => (r.bytes(), 0),
             Source::Stream(s) => (s.cache_bytes(), s.buffer_bytes()),
         };
         let recorded = engine.recorder.as_ref().map_or(0, |t| t.bytes());
@@ -376,7 +423,7 @@ impl FlashEngine {
     /// Bytes of the neuron cache's budget (all FFN bytes for `Dense`).
     pub fn ffn_budget_bytes(&self) -> u64 {
         match &self.source {
-            Source::Resident(layers) => layers.iter().map(|l| l.len() as u64).sum(),
+            Source::Resident(r) => r.bytes(),
             Source::Stream(s) => s.budget_bytes(),
         }
     }

@@ -213,6 +213,10 @@ pub struct Streamer {
     budget: u64,
     n_ff: usize,
     bundle_bytes: Vec<usize>,
+    /// Per layer, neurons read together (down tiles: a quantization block's
+    /// group; 1 for down columns), and the expanded want of a request.
+    group: Vec<usize>,
+    grouped: Vec<u64>,
     /// Per layer: offset of its first bundle, the neuron at each position and
     /// the position of each neuron.
     layer_offset: Vec<u64>,
@@ -364,6 +368,8 @@ impl Streamer {
             position,
             max_run_bytes,
             bundle_bytes: shape.bundle_bytes,
+            group: m.formats.iter().map(|f| f.group()).collect(),
+            grouped: vec![0; n_ff.div_ceil(64)],
             stages: [stage(), stage()],
             queue: VecDeque::with_capacity(2),
             next_stage: 0,
@@ -439,7 +445,25 @@ impl Streamer {
     /// a gap of unneeded bundles of at most `merge_gap_bytes` is read along.
     /// This keeps the request count of scattered sparse sets low (the I/O
     /// engine then coalesces neighbouring requests within its own limits).
+    /// Where neurons share down tiles, a wanted neuron brings its group.
     fn request(&mut self, l: usize, want: Want) -> Result<()> {
+        let g = self.group[l];
+        if let (Want::Set(bits), true) = (want, g > 1) {
+            let mut grouped = std::mem::take(&mut self.grouped);
+            grouped.fill(0);
+            for grp in 0..self.n_ff / g {
+                if (grp * g..(grp + 1) * g).any(|i| bit_is_set(bits, i)) {
+                    (grp * g..(grp + 1) * g).for_each(|i| set_bit(&mut grouped, i));
+                }
+            }
+            let r = self.request_exact(l, Want::Set(&grouped));
+            self.grouped = grouped;
+            return r;
+        }
+        self.request_exact(l, want)
+    }
+
+    fn request_exact(&mut self, l: usize, want: Want) -> Result<()> {
         let k = self.next_stage;
         self.next_stage ^= 1;
         self.seq = self.seq.wrapping_add(1);

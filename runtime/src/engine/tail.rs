@@ -2,14 +2,18 @@
 //! available (all at once when resident, cache hits first and then runs in
 //! arrival order when streamed), compute stage 1 over each run with the
 //! blocked kernels, keep what the selection says, then stage 2 over the kept
-//! neurons in ascending id. Stage 1's values are pure functions of a bundle
-//! and a row, and stage 2's order is fixed, so the output does not depend on
-//! arrival order, run boundaries, batch size or thread count: every policy
-//! that keeps the same neurons gets the same bits.
+//! neurons in ascending id (down columns), or the source's own down product
+//! over the groups used (down tiles: with every group, the GGUF engine's
+//! bits). Stage 1's values are pure functions of a bundle and a row, and
+//! stage 2's order is fixed, so the output does not depend on arrival order,
+//! run boundaries, batch size or thread count: every policy that keeps the
+//! same neurons gets the same bits.
 
 use std::time::Instant;
 
-use leanstream_kernels::sparse_ffn::{run_activations, run_down, BundleFormat, FfnActivation, FfnRows};
+use leanstream_kernels::sparse_ffn::{
+    run_activations, run_down, BundleFormat, DownLayout, DownTiles, FfnActivation, FfnRows,
+};
 use leanstream_kernels::ActBuffer;
 use rayon::prelude::*;
 
@@ -34,9 +38,37 @@ pub enum Select<'a> {
 
 /// Where a layer's bundles are.
 pub enum Source {
-    /// Per layer, all bundles in neuron order.
-    Resident(Vec<Vec<u8>>),
+    Resident(Resident),
     Stream(Box<Streamer>),
+}
+
+/// Every bundle in memory.
+pub struct Resident {
+    /// Per layer, all bundles in neuron order (without down parts where
+    /// the down matrix is held whole).
+    pub bundles: Vec<Vec<u8>>,
+    /// Per layer with down tiles in the file, its down matrix gathered once
+    /// (the source's row-major bytes, u64-backed for block alignment; its
+    /// format is [`DownLayout::Matrix`]); empty for down columns.
+    pub down: Vec<Vec<u64>>,
+    /// Bytes of each `down` matrix.
+    pub down_len: Vec<usize>,
+}
+
+impl Resident {
+    /// Bytes held.
+    pub fn bytes(&self) -> u64 {
+        self.bundles
+            .iter()
+            .map(|b| b.len())
+            .chain(self.down_len.iter().copied())
+            .sum::<usize>() as u64
+    }
+
+    fn down(&self, l: usize) -> Option<&[u8]> {
+        let m = self.down.get(l).filter(|m| !m.is_empty())?;
+        Some(&bytemuck::cast_slice::<u64, u8>(m)[..self.down_len[l]])
+    }
 }
 
 /// Scratch and counters of the FFN arithmetic, allocated once.
@@ -51,8 +83,9 @@ pub struct Tail {
     /// Stage-1 values of a piece, `[bundle][row]`, and the up dots.
     piece: Vec<f32>,
     scratch: Vec<f32>,
-    /// Neurons stage 2 visits, ascending.
+    /// Neurons stage 2 visits, ascending (down columns), or the groups (tiles).
     ids: Vec<u32>,
+    down_tiles: DownTiles,
     /// Rows the buffers are sized for (grown on a larger call, then kept).
     rows: usize,
     pub kept: u64,
@@ -73,6 +106,7 @@ impl Tail {
             piece: Vec::new(),
             scratch: Vec::new(),
             ids: Vec::with_capacity(n_ff),
+            down_tiles: DownTiles::new(),
             rows: 0,
             kept: 0,
             considered: 0,
@@ -89,11 +123,23 @@ impl Tail {
 
     /// Bytes of scratch held.
     pub fn bytes(&self) -> u64 {
-        Self::bytes_for(self.n_embd, self.n_ff, self.rows)
+        Self::base_bytes(self.n_embd, self.n_ff, self.rows) + self.down_tiles.bytes()
     }
 
-    /// Bytes of scratch for calls of up to `rows` rows (known before construction).
-    pub fn bytes_for(n_embd: usize, n_ff: usize, rows: usize) -> u64 {
+    /// Bytes of scratch for calls of up to `rows` rows over layers of
+    /// `formats` (known before construction).
+    pub fn bytes_for(formats: &[BundleFormat], n_ff: usize, rows: usize) -> u64 {
+        let n_embd = formats.first().map_or(0, |f| f.n_embd);
+        let tiles = formats
+            .iter()
+            .filter(|f| f.down_layout == DownLayout::Tiles)
+            .map(|f| DownTiles::bytes_for(f.down_ty, n_embd, n_ff, rows))
+            .max()
+            .unwrap_or(0);
+        Self::base_bytes(n_embd, n_ff, rows) + tiles
+    }
+
+    fn base_bytes(n_embd: usize, n_ff: usize, rows: usize) -> u64 {
         let rows = rows.max(1);
         // Two converted input buffers (f32 is the widest), the activation rows,
         // a piece's two value arrays, the id list.
@@ -151,8 +197,8 @@ impl Tail {
         let bb = f.bundle_bytes();
         let wanted = |i: usize| want.is_none_or(|w| bit_is_set(w, i));
         match source {
-            Source::Resident(layers) => {
-                let all = &layers[l];
+            Source::Resident(resident) => {
+                let all = &resident.bundles[l];
                 // Maximal runs of wanted neurons (in id order, as stored).
                 let mut i = 0;
                 while i < self.n_ff {
@@ -171,7 +217,7 @@ impl Tail {
                     )?;
                     i = j;
                 }
-                self.finish(f, n, out, want, |i| &all[i * bb..(i + 1) * bb])?;
+                self.finish(f, n, out, want, |i| &all[i * bb..(i + 1) * bb], resident.down(l))?;
             }
             Source::Stream(s) => {
                 for &i in s.hits(l)? {
@@ -199,7 +245,7 @@ impl Tail {
                     }
                 }
                 let view = s.view(l)?;
-                self.finish(f, n, out, want, |i| view.bundle(i))?;
+                self.finish(f, n, out, want, |i| view.bundle(i), None)?;
             }
         }
         self.considered += (n * self.n_ff) as u64;
@@ -260,7 +306,9 @@ impl Tail {
         Ok(())
     }
 
-    /// Stage 2: the kept neurons' down columns in ascending id.
+    /// Stage 2: the kept neurons' down columns in ascending id, or the
+    /// source's down product over the groups of the wanted neurons (tiles),
+    /// or over `matrix`, the layer's down held whole.
     fn finish<'b>(
         &mut self,
         f: &BundleFormat,
@@ -268,15 +316,38 @@ impl Tail {
         out: &mut [f32],
         want: Option<&[u64]>,
         bundle: impl Fn(usize) -> &'b [u8] + Sync,
+        matrix: Option<&[u8]>,
     ) -> Result<()> {
+        let (a, y) = (&self.a[..n * self.n_ff], &mut out[..n * self.n_embd]);
         self.ids.clear();
-        match want {
-            None => self.ids.extend(0..self.n_ff as u32),
-            Some(w) => self.ids.extend(super::trace::set_bits(w).map(|i| i as u32)),
+        match f.down_layout {
+            DownLayout::Columns => {
+                match want {
+                    None => self.ids.extend(0..self.n_ff as u32),
+                    Some(w) => self.ids.extend(super::trace::set_bits(w).map(|i| i as u32)),
+                }
+                y.fill(0.0);
+                run_down(f, &self.ids, a, self.n_ff, bundle, y)?;
+            }
+            DownLayout::Tiles => {
+                let g = f.group();
+                let n_groups = self.n_ff / g;
+                match want {
+                    None => self.ids.extend(0..n_groups as u32),
+                    Some(w) => self.ids.extend(
+                        (0..n_groups as u32)
+                            .filter(|&grp| (grp as usize * g..(grp as usize + 1) * g).any(|i| bit_is_set(w, i))),
+                    ),
+                }
+                self.down_tiles.run(f, &self.ids, a, self.n_ff, bundle, y)?;
+            }
+            DownLayout::Matrix => {
+                let m = matrix.ok_or_else(|| {
+                    crate::RuntimeError::Invalid("a layer whose down matrix is held whole was given none".into())
+                })?;
+                self.down_tiles.run_matrix(f.down_ty, m, f.n_embd, a, self.n_ff, y)?;
+            }
         }
-        let y = &mut out[..n * self.n_embd];
-        y.fill(0.0);
-        run_down(f, &self.ids, &self.a[..n * self.n_ff], self.n_ff, bundle, y)?;
         Ok(())
     }
 }

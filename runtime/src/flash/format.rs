@@ -2,12 +2,12 @@
 //! bundles for streaming from flash, plus everything else the model needs
 //! (kept "resident") as an embedded GGUF image.
 //!
-//! # Layout (version 1, all integers little-endian)
+//! # Layout (version 3, all integers little-endian)
 //!
 //! ```text
 //! offset 0      preamble, 64 bytes
 //!               0  magic            b"LSFLASH\0"
-//!               8  version          u32 (= 1)
+//!               8  version          u32 (= 3; 2 is read too)
 //!              12  flags            u32 (= 0; readers reject other values)
 //!              16  meta_len         u64   length of the meta block
 //!              24  meta_sha256      [u8; 32]  SHA-256 of the meta block
@@ -17,14 +17,16 @@
 //!               source_len    u64    its length in bytes
 //!               arch_len u32, arch   general.architecture (UTF-8, ≤ 64 bytes)
 //!               n_layer, n_embd, n_ff, n_head, n_head_kv, head_dim, n_vocab: u32 each
-//!               down_type     u32    GGML type id of the down columns (Q8_0 = 8 or F16 = 1)
+//!               down_type     u32    GGML type id of the down columns (Q8_0 = 8 or F16 = 1),
+//!                                    or 0xFFFF_FFFF: down tiles in the source's type
 //!               resident_offset u64, resident_len u64, resident_sha256 [32]
 //!               bundle_offset u64, bundle_len u64   the bundle region
 //!               placement     n_layer × n_ff × u32  per layer, the neuron stored at
 //!                                                    each position (a permutation)
 //!               layer table   n_layer × 72 bytes:
 //!                 gate_type u32, up_type u32      GGML ids, as in the source GGUF
-//!                 gate_bytes u32, up_bytes u32, down_bytes u32, reserved u32 (= 0)
+//!                 gate_bytes u32, up_bytes u32, down_bytes u32,
+//!                 down_type u32   the layer's down type (version 2: reserved, 0)
 //!                 offset u64, len u64             the layer's bundles
 //!                 sha256 [32]                     of those len bytes
 //! resident_offset (4096-aligned)
@@ -37,9 +39,14 @@
 //!               placement order. A bundle is
 //!                 gate row i  (gate_bytes, the source's raw bytes)
 //!                 up row i    (up_bytes, the source's raw bytes)
-//!                 down column i (down_bytes: column i of ffn_down, i.e. the
-//!                               n_embd weights that neuron i feeds, converted
-//!                               to down_type)
+//!                 down part   (down_bytes), either
+//!                   column i of ffn_down (the n_embd weights neuron i feeds,
+//!                   converted to Q8_0 or F16), or
+//!                   part i % G of the tile of group i / G: the source's own
+//!                   down blocks of neurons G·(i/G).. (G = its block size),
+//!                   one per row, cut in G parts (leanstream_kernels::
+//!                   sparse_ffn::tiles); a group is read whole and computed
+//!                   as the source computes it
 //! ```
 //!
 //! The bundle index is implicit: all bundles of a layer have the same size
@@ -62,6 +69,7 @@ use std::io::Read;
 use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
 
+use leanstream_kernels::sparse_ffn::{tiles, DownLayout};
 use leanstream_kernels::GgmlType;
 use sha2::{Digest, Sha256};
 
@@ -70,8 +78,13 @@ use crate::model::Config;
 use crate::{Result, RuntimeError};
 
 pub const MAGIC: &[u8; 8] = b"LSFLASH\0";
-/// 2 added the sparsity thresholds after the layer table.
-pub const VERSION: u32 = 2;
+/// 2 added the sparsity thresholds after the layer table; 3 the down tiles
+/// and the per-layer down type.
+pub const VERSION: u32 = 3;
+/// The oldest version this build reads (its files have down columns only).
+pub const MIN_VERSION: u32 = 2;
+/// `down_type` of a file whose down matrices are kept as tiles in the source types.
+const DOWN_SOURCE_ID: u32 = u32::MAX;
 /// Size of the fixed preamble; the meta block follows it.
 pub const PREAMBLE_LEN: usize = 64;
 /// Alignment of the resident image, the bundle region and each layer's first bundle.
@@ -89,24 +102,47 @@ pub fn align_up(x: u64) -> u64 {
     x.div_ceil(ALIGN) * ALIGN
 }
 
-/// The type the down columns are stored in.
+/// How the down matrices are stored.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub enum DownType {
+    /// Per-neuron columns in Q8_0: any subset of neurons can be read, but
+    /// the arithmetic is not the source model's.
     #[default]
     Q8_0,
+    /// Per-neuron columns in F16.
     F16,
+    /// Tiles in the source's own type: exact (the source's tokens and
+    /// logits at sparsity 0) and the fewest bytes, read a group of neurons
+    /// (a quantization block, 32 or 256) at a time.
+    Source,
 }
 
 impl DownType {
-    pub fn ggml(self) -> GgmlType {
+    /// The column type; `None` for tiles (their type is each layer's source type).
+    pub fn column_type(self) -> Option<GgmlType> {
         match self {
-            Self::Q8_0 => GgmlType::Q8_0,
-            Self::F16 => GgmlType::F16,
+            Self::Q8_0 => Some(GgmlType::Q8_0),
+            Self::F16 => Some(GgmlType::F16),
+            Self::Source => None,
         }
     }
 
-    fn from_ggml(ty: GgmlType) -> Option<Self> {
-        match ty {
+    pub fn layout(self) -> DownLayout {
+        match self {
+            Self::Source => DownLayout::Tiles,
+            _ => DownLayout::Columns,
+        }
+    }
+
+    fn id(self) -> u32 {
+        self.column_type().map_or(DOWN_SOURCE_ID, GgmlType::id)
+    }
+
+    fn from_id(id: u32) -> Option<Self> {
+        if id == DOWN_SOURCE_ID {
+            return Some(Self::Source);
+        }
+        match GgmlType::from_id(id).ok()? {
             GgmlType::Q8_0 => Some(Self::Q8_0),
             GgmlType::F16 => Some(Self::F16),
             _ => None,
@@ -120,8 +156,19 @@ impl std::str::FromStr for DownType {
         match s.to_ascii_lowercase().as_str() {
             "q8_0" => Ok(Self::Q8_0),
             "f16" => Ok(Self::F16),
-            other => Err(format!("unknown down type '{other}' (expected q8_0 or f16)")),
+            "source" => Ok(Self::Source),
+            other => Err(format!("unknown down type '{other}' (expected source, q8_0 or f16)")),
         }
+    }
+}
+
+impl std::fmt::Display for DownType {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            Self::Q8_0 => "q8_0",
+            Self::F16 => "f16",
+            Self::Source => "source",
+        })
     }
 }
 
@@ -131,6 +178,7 @@ pub struct BundleLayout {
     pub gate_type: GgmlType,
     pub up_type: GgmlType,
     pub down_type: GgmlType,
+    pub down_layout: DownLayout,
     pub gate_bytes: usize,
     pub up_bytes: usize,
     pub down_bytes: usize,
@@ -296,7 +344,7 @@ impl Header {
             self.n_head_kv,
             self.head_dim,
             self.n_vocab,
-            self.down_type.ggml().id(),
+            self.down_type.id(),
         ] {
             b.extend_from_slice(&d.to_le_bytes());
         }
@@ -318,7 +366,7 @@ impl Header {
                 lay.gate_bytes as u32,
                 lay.up_bytes as u32,
                 lay.down_bytes as u32,
-                0,
+                lay.down_type.id(),
             ] {
                 b.extend_from_slice(&v.to_le_bytes());
             }
@@ -412,7 +460,7 @@ impl<'a> Cursor<'a> {
 }
 
 /// Decodes and validates a meta block against the file's length.
-fn decode_meta(path: &Path, meta: &[u8], file_len: u64) -> Result<Header> {
+fn decode_meta(path: &Path, meta: &[u8], file_len: u64, version: u32) -> Result<Header> {
     let bad = |field: &str, problem: String| corrupt(path, format!("header field '{field}': {problem}"));
     let mut c = Cursor {
         path,
@@ -450,10 +498,14 @@ fn decode_meta(path: &Path, meta: &[u8], file_len: u64) -> Result<Header> {
     }
     let [n_layer, n_embd, n_ff, n_head, n_head_kv, head_dim, n_vocab] = dims;
     let down_id = c.u32("down_type")?;
-    let down_type = GgmlType::from_id(down_id)
-        .ok()
-        .and_then(DownType::from_ggml)
-        .ok_or_else(|| bad("down_type", format!("type id {down_id} is not Q8_0 or F16")))?;
+    let down_type = DownType::from_id(down_id)
+        .filter(|d| version >= 3 || *d != DownType::Source)
+        .ok_or_else(|| {
+            bad(
+                "down_type",
+                format!("{down_id} is not Q8_0 (8), F16 (1) or source tiles"),
+            )
+        })?;
     let resident_offset = c.u64("resident_offset")?;
     let resident_len = c.u64("resident_len")?;
     let resident_sha256 = c.sha("resident_sha256")?;
@@ -539,12 +591,26 @@ fn decode_meta(path: &Path, meta: &[u8], file_len: u64) -> Result<Header> {
         let gate_type = ty("gate_type")?;
         let up_type = ty("up_type")?;
         let mut sizes = [0usize; 3];
-        for (s, (f, t)) in sizes.iter_mut().zip([
-            ("gate_bytes", gate_type),
-            ("up_bytes", up_type),
-            ("down_bytes", down_type.ggml()),
-        ]) {
+        for (s, f) in sizes.iter_mut().zip(["gate_bytes", "up_bytes", "down_bytes"]) {
             *s = c.u32(&field(f))? as usize;
+        }
+        // The layer's down type follows its sizes; version 2 kept 0 there.
+        let layer_down = c.u32(&field("down_type"))?;
+        let layer_down_type = match down_type.column_type() {
+            Some(col) if version < 3 && layer_down == 0 => col,
+            Some(col) if layer_down == col.id() => col,
+            Some(col) => {
+                return Err(bad(
+                    &field("down_type"),
+                    format!("{layer_down}, but the file's down columns are {col}"),
+                ))
+            }
+            None => GgmlType::from_id(layer_down).map_err(|e| bad(&field("down_type"), e.to_string()))?,
+        };
+        for (s, (f, t)) in sizes[..2]
+            .iter()
+            .zip([("gate_bytes", gate_type), ("up_bytes", up_type)])
+        {
             let want = t
                 .row_bytes(n_embd as usize)
                 .map_err(|e| bad(&field(f), format!("{t} rows of n_embd = {n_embd}: {e}")))?;
@@ -555,14 +621,32 @@ fn decode_meta(path: &Path, meta: &[u8], file_len: u64) -> Result<Header> {
                 ));
             }
         }
-        let reserved = c.u32(&field("reserved"))?;
-        if reserved != 0 {
-            return Err(bad(&field("reserved"), format!("{reserved}, expected 0")));
+        let down_want = match down_type.layout() {
+            DownLayout::Columns => layer_down_type.row_bytes(n_embd as usize),
+            DownLayout::Tiles | DownLayout::Matrix => layer_down_type
+                .row_bytes(n_ff as usize)
+                .and_then(|_| tiles::part_bytes(layer_down_type, n_embd as usize)),
+        }
+        .map_err(|e| {
+            bad(
+                &field("down_bytes"),
+                format!("{layer_down_type} down of {n_embd} x {n_ff}: {e}"),
+            )
+        })?;
+        if sizes[2] != down_want {
+            return Err(bad(
+                &field("down_bytes"),
+                format!(
+                    "{}, but {layer_down_type} down parts of this model are {down_want} bytes",
+                    sizes[2]
+                ),
+            ));
         }
         let layout = BundleLayout {
             gate_type,
             up_type,
-            down_type: down_type.ggml(),
+            down_type: layer_down_type,
+            down_layout: down_type.layout(),
             gate_bytes: sizes[0],
             up_bytes: sizes[1],
             down_bytes: sizes[2],
@@ -701,10 +785,13 @@ impl LsFlash {
             ));
         }
         let version = u32::from_le_bytes(pre[8..12].try_into().expect("4 bytes"));
-        if version != VERSION {
+        if !(MIN_VERSION..=VERSION).contains(&version) {
             return Err(corrupt(
                 &path,
-                format!("header field 'version': {version}, this build reads version {VERSION} (re-pack the model)"),
+                format!(
+                    "header field 'version': {version}, this build reads versions {MIN_VERSION} to {VERSION} \
+                     (re-pack the model)"
+                ),
             ));
         }
         let flags = u32::from_le_bytes(pre[12..16].try_into().expect("4 bytes"));
@@ -729,7 +816,7 @@ impl LsFlash {
             ));
         }
         super::pagecache::drop_cached(&file);
-        let header = decode_meta(&path, &meta, file_len)?;
+        let header = decode_meta(&path, &meta, file_len, version)?;
         let position = header
             .placement
             .iter()

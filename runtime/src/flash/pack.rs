@@ -1,7 +1,8 @@
 //! Writes an `.lsflash` file from a GGUF model (see [`super::format`]).
 //!
 //! The writer streams layer by layer: only one layer's down matrix (as f32,
-//! transposed) and one layer's bundles are in memory at a time. It writes to
+//! transposed, for columns; cut into tiles, for the source layout) and one
+//! bundle are in memory at a time. It writes to
 //! `OUT.tmp`, fsyncs, drops the written pages from the page cache and renames
 //! the file into place, so a crash never leaves a half-written `OUT`.
 
@@ -14,6 +15,7 @@ use std::time::Instant;
 use indicatif::{ProgressBar, ProgressStyle};
 use leanstream_kernels::dequant::dequantize_row;
 use leanstream_kernels::quantize::quantize_row;
+use leanstream_kernels::sparse_ffn::{tiles, DownLayout};
 use sha2::{Digest, Sha256};
 
 use super::format::{
@@ -47,23 +49,31 @@ pub struct PackReport {
     pub seconds: f64,
 }
 
-/// Each layer's bundle layout for the FFN of `g` with down columns as
+/// Each layer's bundle layout for the FFN of `g` with the down matrix as
 /// `down` (checks the three matrices' shapes).
 pub fn bundle_layouts(g: &GgufFile, c: &Config, down: DownType) -> Result<Vec<BundleLayout>> {
     let (n_embd, n_ff) = (c.n_embd, c.n_ff);
-    let down_ty = down.ggml();
-    let down_bytes = down_ty
-        .row_bytes(n_embd)
-        .map_err(|e| RuntimeError::Unsupported(format!("down columns as {down_ty} with n_embd = {n_embd}: {e}")))?;
     (0..c.n_layer)
         .map(|l| {
             let gate = g.matrix(&ffn_name(l, "gate"), n_ff, n_embd)?;
             let up = g.matrix(&ffn_name(l, "up"), n_ff, n_embd)?;
-            g.matrix(&ffn_name(l, "down"), n_embd, n_ff)?;
+            let down_name = ffn_name(l, "down");
+            let source = g.matrix(&down_name, n_embd, n_ff)?;
+            let down_ty = down.column_type().unwrap_or(source.ty);
+            let down_bytes = match down.layout() {
+                DownLayout::Columns => down_ty.row_bytes(n_embd),
+                DownLayout::Tiles | DownLayout::Matrix => tiles::part_bytes(down_ty, n_embd),
+            }
+            .map_err(|e| {
+                RuntimeError::Unsupported(format!(
+                    "{down_name}: down as {down} ({down_ty}) with n_embd = {n_embd}: {e}"
+                ))
+            })?;
             Ok(BundleLayout {
                 gate_type: gate.ty,
                 up_type: up.ty,
                 down_type: down_ty,
+                down_layout: down.layout(),
                 gate_bytes: gate.row_bytes(),
                 up_bytes: up.row_bytes(),
                 down_bytes,
@@ -97,6 +107,39 @@ pub fn order_by_score(scores: &[Vec<f32>]) -> Vec<Vec<u32>> {
             order
         })
         .collect()
+}
+
+/// [`order_by_score`] for layers whose neurons are read in groups (down
+/// tiles: `groups[l]` consecutive ids share blocks): whole groups by
+/// descending mean score (ties by id), ids ascending inside a group, so a
+/// group stays one contiguous read.
+pub fn order_groups_by_score(scores: &[Vec<f32>], groups: &[usize]) -> Vec<Vec<u32>> {
+    scores
+        .iter()
+        .zip(groups)
+        .map(|(row, &g)| {
+            let g = g.max(1);
+            let means: Vec<f32> = row.chunks(g).map(|c| c.iter().sum::<f32>() / c.len() as f32).collect();
+            order_by_score(std::slice::from_ref(&means))[0]
+                .iter()
+                .flat_map(|&grp| (grp as usize * g..((grp as usize + 1) * g).min(row.len())).map(|i| i as u32))
+                .collect()
+        })
+        .collect()
+}
+
+/// Per layer, the neurons that are read together when the down matrix is
+/// stored as `down` (1 for columns, the down type's block for tiles).
+pub fn neuron_groups(gguf_path: &Path, down: DownType) -> Result<Vec<usize>> {
+    let g = GgufFile::open(gguf_path)?;
+    let c = Config::from_gguf(&g)?;
+    Ok(bundle_layouts(&g, &c, down)?
+        .iter()
+        .map(|l| match l.down_layout {
+            DownLayout::Columns | DownLayout::Matrix => 1,
+            DownLayout::Tiles => l.down_type.block_size(),
+        })
+        .collect())
 }
 
 fn ffn_name(l: usize, part: &str) -> String {
@@ -285,7 +328,8 @@ fn write_file(g: &GgufFile, tmp_path: &Path, header: &mut Header, resident: &[u8
     bar.set_style(
         ProgressStyle::with_template("pack {bar:30} {pos}/{len} layers, ETA {eta}").expect("static template"),
     );
-    let mut down_t = vec![0f32; n_embd * n_ff];
+    let mut down_t = Vec::new();
+    let mut down_tiles = Vec::new();
     let mut row = vec![0f32; n_ff];
     let mut bundle = Vec::new();
     for l in 0..header.layers.len() {
@@ -296,15 +340,31 @@ fn write_file(g: &GgufFile, tmp_path: &Path, header: &mut Header, resident: &[u8
         let up = g.matrix(&ffn_name(l, "up"), n_ff, n_embd)?;
         let down_name = ffn_name(l, "down");
         let down = g.matrix(&down_name, n_embd, n_ff)?;
-        // Transpose the down matrix: column i becomes a contiguous run.
-        for r in 0..n_embd {
-            dequantize_row(down.ty, down.row(r), &mut row).map_err(|e| RuntimeError::Tensor {
-                path: g.path().to_path_buf(),
-                name: down_name.clone(),
-                problem: e.to_string(),
-            })?;
-            for (i, &v) in row.iter().enumerate() {
-                down_t[i * n_embd + r] = v;
+        let tensor_error = |e: leanstream_kernels::KernelError| RuntimeError::Tensor {
+            path: g.path().to_path_buf(),
+            name: down_name.clone(),
+            problem: e.to_string(),
+        };
+        let group = layout.down_type.block_size();
+        match layout.down_layout {
+            // Transpose the down matrix: column i becomes a contiguous run.
+            DownLayout::Columns => {
+                down_t.resize(n_embd * n_ff, 0.0);
+                for r in 0..n_embd {
+                    dequantize_row(down.ty, down.row(r), &mut row).map_err(tensor_error)?;
+                    for (i, &v) in row.iter().enumerate() {
+                        down_t[i * n_embd + r] = v;
+                    }
+                }
+            }
+            // Cut the source blocks into one tile per group of neurons.
+            DownLayout::Tiles | DownLayout::Matrix => {
+                let tile = tiles::tile_bytes(down.ty, n_embd).map_err(tensor_error)?;
+                let mut cut = vec![0u8; n_ff / group * tile];
+                for (grp, t) in cut.chunks_exact_mut(tile).enumerate() {
+                    tiles::tile_of(down.ty, n_embd, n_ff, down.data, grp, t).map_err(tensor_error)?;
+                }
+                down_tiles = cut;
             }
         }
         let mut hasher = Sha256::new();
@@ -315,7 +375,14 @@ fn write_file(g: &GgufFile, tmp_path: &Path, header: &mut Header, resident: &[u8
             let (ub, db) = rest.split_at_mut(layout.up_bytes);
             gb.copy_from_slice(gate.row(i));
             ub.copy_from_slice(up.row(i));
-            quantize_row(layout.down_type, &down_t[i * n_embd..(i + 1) * n_embd], db)?;
+            match layout.down_layout {
+                DownLayout::Columns => quantize_row(layout.down_type, &down_t[i * n_embd..(i + 1) * n_embd], db)?,
+                DownLayout::Tiles | DownLayout::Matrix => {
+                    let tile = down_tiles.len() / (n_ff / group);
+                    let t = &down_tiles[i / group * tile..(i / group + 1) * tile];
+                    tiles::tile_part(down.ty, n_embd, t, i % group, db).map_err(tensor_error)?;
+                }
+            }
             hasher.update(&bundle);
             w.write_all(&bundle).map_err(io)?;
         }

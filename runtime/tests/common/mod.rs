@@ -33,7 +33,7 @@ pub fn greedy_flash(
     prompt: &[u32],
     n: usize,
 ) -> leanstream_runtime::Result<Run> {
-    let mut st = fm.model.new_state(prompt.len() + n + 1, 8, 1);
+    let mut st = fm.model.new_state(prompt.len() + n + 1, prompt.len().max(8), 1);
     let (mut toks, mut logits) = (Vec::new(), Vec::new());
     fm.forward(&mut st, engine, prompt, 0, prompt.len() - 1..prompt.len())?;
     for pos in prompt.len()..prompt.len() + n {

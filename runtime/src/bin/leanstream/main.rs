@@ -115,9 +115,13 @@ enum Cmd {
         /// Output .lsflash path.
         #[arg(short = 'o', long = "out")]
         out: PathBuf,
-        /// Type of the stored down columns: q8_0 or f16.
-        #[arg(long, default_value = "q8_0")]
-        down: leanstream_runtime::flash::DownType,
+        /// How the down matrices are stored: source (the model's own blocks,
+        /// exact, fewest bytes, read 32 or 256 neurons at a time), q8_0 or f16
+        /// (per-neuron columns: sparse policies read neuron by neuron).
+        /// Default: source, or q8_0 with sparsity thresholds (--calibrate,
+        /// --calibration), which are for sparse policies.
+        #[arg(long)]
+        down: Option<leanstream_runtime::flash::DownType>,
         /// Neuron placement, JSON {"layers": [[neuron ids...], ...]} (default: identity).
         #[arg(long)]
         placement: Option<PathBuf>,
@@ -432,7 +436,7 @@ impl ThresholdSource {
 fn pack(
     model: &str,
     out: &Path,
-    down: flash::DownType,
+    down: Option<flash::DownType>,
     placement: Option<&Path>,
     thresholds: &ThresholdSource,
     hot_first: bool,
@@ -440,11 +444,17 @@ fn pack(
     let path = resolve_model(model)?;
     let mut placement = placement.map(flash::pack::load_placement).transpose()?;
     let (sparsity, neuron_scores) = thresholds.levels(&path)?;
+    let down = down.unwrap_or(if sparsity.is_empty() {
+        flash::DownType::Source
+    } else {
+        flash::DownType::Q8_0
+    });
     if hot_first {
         if neuron_scores.is_empty() {
             bail!("--hot-first orders neurons by calibrated score: pass --calibrate TEXT or a --calibration file with scores");
         }
-        placement = Some(flash::pack::order_by_score(&neuron_scores));
+        let groups = flash::pack::neuron_groups(&path, down)?;
+        placement = Some(flash::pack::order_groups_by_score(&neuron_scores, &groups));
     }
     let opts = flash::PackOptions {
         down,
@@ -455,7 +465,7 @@ fn pack(
     };
     let r = flash::pack(&path, out, &opts)?;
     eprintln!(
-        "packed {} -> {}: {:.1} MiB ({:.1} MiB resident, {:.1} MiB bundles) in {:.1} s",
+        "packed {} -> {} (down: {down}): {:.1} MiB ({:.1} MiB resident, {:.1} MiB bundles) in {:.1} s",
         path.display(),
         r.path.display(),
         r.file_len as f64 / (1 << 20) as f64,
