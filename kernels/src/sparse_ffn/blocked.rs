@@ -28,6 +28,8 @@ const ROW_TILE: usize = 4;
 const TOKEN_TILE: usize = 8;
 /// Most weight rows handed to a kernel together for one activation row.
 const DECODE_ROW_TILE: usize = 8;
+/// Fewest: bundle rows are strided, and two streams hide more latency.
+const STRIDED_DECODE_LANES: usize = 2;
 
 /// The FFN inputs of `n` token rows, converted for the gate and up rows' dot
 /// types (checked once against the format).
@@ -180,7 +182,10 @@ impl KernelUser for StridedDots<'_> {
             // One row: the kernel's rows come from separate stretches of the
             // run, so memory sees a few long streams (as `matmul` decodes).
             let a = [cast_blocks::<A>(self.acts.row(0), "FFN input row")?];
-            let lanes = kernel.decode_rows().clamp(1, DECODE_ROW_TILE);
+            // At least two streams even where a contiguous matrix prefers
+            // one: rows strided by the bundle size gain from the overlap
+            // (Q5_0 gate/up of Gemma 3: 1.1x per token).
+            let lanes = kernel.decode_rows().clamp(STRIDED_DECODE_LANES, DECODE_ROW_TILE);
             let lane_len = self.count / lanes;
             let mut w_refs: [&[W]; DECODE_ROW_TILE] = [&[]; DECODE_ROW_TILE];
             let mut tmp = [0f32; DECODE_ROW_TILE];

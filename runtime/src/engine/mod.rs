@@ -147,7 +147,8 @@ impl FlashModel {
             Policy::Dense => self.ffn_bytes(),
             Policy::DenseStream | Policy::Oracle => Streamer::overhead_bytes(self),
             Policy::GateFirst => {
-                let scratch = max_batch as u64 * (n_ff * 4 + n_ff.div_ceil(64) * 8);
+                // Per row its gate values and candidate bitmap, and the union.
+                let scratch = (max_batch as u64 + 1) * (n_ff * 4 + n_ff.div_ceil(64) * 8);
                 Streamer::overhead_bytes(self) + self.gate_rows_bytes() + scratch
             }
         }

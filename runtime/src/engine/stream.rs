@@ -323,7 +323,7 @@ impl Streamer {
             signal: Mutex::new(0),
             arrived: Condvar::new(),
         });
-        let cfg = IoConfig::default();
+        let cfg = Self::io_config(m);
         let engine = match backend {
             None => IoEngine::open(f.path(), cfg)?,
             Some(make) => {
@@ -392,8 +392,17 @@ impl Streamer {
     pub fn overhead_bytes(m: &FlashModel) -> u64 {
         let shape = CacheShape::from_flash(&m.flash);
         let max_bb = shape.bundle_bytes.iter().copied().max().unwrap_or(0);
-        let cfg = IoConfig::default();
+        let cfg = Self::io_config(m);
         (2 * m.flash.n_ff() * max_bb + cfg.pool_buffers * cfg.max_read_bytes) as u64
+    }
+
+    /// The I/O settings for `m`'s layer size.
+    fn io_config(m: &FlashModel) -> IoConfig {
+        let layer = (0..m.flash.n_layer())
+            .map(|l| m.flash.layer_extent(l).1)
+            .max()
+            .unwrap_or(0);
+        IoConfig::for_layer_bytes(layer)
     }
 
     pub fn budget_bytes(&self) -> u64 {

@@ -108,9 +108,19 @@ pub struct RunState {
 
 impl RunState {
     pub fn new(c: &Config, ctx: usize, max_batch: usize, max_logit_rows: usize) -> Self {
+        Self::sized(c, ctx, max_batch, max_logit_rows, true)
+    }
+
+    /// [`new`](Self::new), without the FFN's buffers when `ffn` is false (a
+    /// model whose FFN a hook computes: the flash engine keeps its own).
+    pub fn sized(c: &Config, ctx: usize, max_batch: usize, max_logit_rows: usize, ffn: bool) -> Self {
         let b = max_batch.max(1);
-        let widest = c.n_embd.max(c.q_dim()).max(c.n_ff);
-        let score_len = SCORE_SCRATCH.max(ctx.div_ceil(LANES) * LANES);
+        let ff = if ffn { c.n_ff } else { 0 };
+        let widest = c.n_embd.max(c.q_dim()).max(ff);
+        // One wave holds every (token, head) pair of a batch when that is
+        // smaller than the bound: a short context needs little scratch.
+        let ctx_padded = ctx.div_ceil(LANES) * LANES;
+        let score_len = SCORE_SCRATCH.min(b * c.n_head * ctx_padded).max(ctx_padded);
         Self {
             ctx,
             max_batch: b,
@@ -122,8 +132,8 @@ impl RunState {
             v: vec![0.0; b * c.kv_dim()],
             att: vec![0.0; b * c.q_dim()],
             proj: vec![0.0; b * c.n_embd],
-            gate: vec![0.0; b * c.n_ff],
-            up: vec![0.0; b * c.n_ff],
+            gate: vec![0.0; b * ff],
+            up: vec![0.0; b * ff],
             q16: vec![f16::ZERO; b * c.q_dim()],
             scores: vec![0.0; score_len],
             probs: vec![f16::ZERO; score_len],

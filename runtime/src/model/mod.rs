@@ -72,7 +72,10 @@ impl Model {
 
     /// Run state for up to `ctx` positions, `max_batch` tokens per forward
     /// call and `max_logit_rows` rows of logits per projection.
+    /// Without FFN matrices (a `.lsflash` model's resident part), the state
+    /// has no FFN buffers.
     pub fn new_state(&self, ctx: usize, max_batch: usize, max_logit_rows: usize) -> RunState {
-        RunState::new(&self.config, ctx, max_batch, max_logit_rows)
+        let has_ffn = self.weights.layers.iter().any(|l| l.ffn_gate.is_some());
+        RunState::sized(&self.config, ctx, max_batch, max_logit_rows, has_ffn)
     }
 }

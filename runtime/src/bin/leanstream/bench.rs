@@ -122,7 +122,9 @@ pub fn run(a: BenchArgs) -> Result<()> {
     let t0 = Instant::now();
     let state_tokens = a.prompt_tokens.max(a.gen_tokens).max(1);
     let settings = a.flash.settings()?;
-    let (mut loaded, mut st) = Session::open(&path, &settings, |m| Ok(m.new_state(state_tokens, 512, 1)))?;
+    let (mut loaded, mut st) = Session::open(&path, &settings, |m| {
+        Ok(m.new_state(state_tokens, a.prompt_tokens.clamp(1, 512), 1))
+    })?;
     if a.llama_bench.is_some() && matches!(loaded, Session::Flash(..)) {
         bail!("--llama-bench needs a GGUF model, not a .lsflash file");
     }

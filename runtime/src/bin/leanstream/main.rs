@@ -517,7 +517,9 @@ fn run(
     let (mut loaded, mut st) = Session::open(&path, &settings, |model| {
         let ids = prompt_ids(model).map_err(|e| leanstream_runtime::RuntimeError::Invalid(format!("{e:#}")))?;
         let ctx = ctx.unwrap_or(ids.len() + n + 1).min(model.config.context_length);
-        Ok(model.new_state(ctx, 512, 1))
+        // Batches as large as the prompt (up to 512): a longer one is split
+        // there anyway, and a shorter prompt needs no room for one.
+        Ok(model.new_state(ctx, ids.len().clamp(1, 512), 1))
     })?;
     let ids = prompt_ids(loaded.model())?;
     // The oracle replays a first, silent run of the same generation.

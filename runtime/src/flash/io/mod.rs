@@ -95,6 +95,25 @@ impl Default for IoConfig {
     }
 }
 
+impl IoConfig {
+    /// The defaults, with reads (and so pool buffers) no larger than a
+    /// share of two layers of `layer_bytes`: the pool never holds much more
+    /// than the two stages it fills, so a small model's floor stays small.
+    pub fn for_layer_bytes(layer_bytes: u64) -> Self {
+        let d = Self::default();
+        let share = (2 * layer_bytes / d.pool_buffers as u64).max(1);
+        let read = (1u64 << share.ilog2()).clamp(MIN_POOL_READ as u64, d.max_read_bytes as u64);
+        Self {
+            max_read_bytes: read as usize,
+            ..d
+        }
+    }
+}
+
+/// Smallest read [`IoConfig::for_layer_bytes`] picks: below it request
+/// overhead starts to cost bandwidth on common SSDs.
+const MIN_POOL_READ: usize = 128 * 1024;
+
 /// Counters since the engine was opened.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct IoStats {
