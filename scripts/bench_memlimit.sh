@@ -10,7 +10,9 @@
 # it was not charged for. Needs root (cgroup v1 or v2 memory controller).
 #
 # Usage: scripts/bench_memlimit.sh MODEL LIMIT_MIB... (MODEL: smollm2, gemma3 or a .gguf)
-# Env: GEN (32), POLICY (oracle), SPARSITY (0.5), SLACK_MIB (16).
+# Env: GEN (32), POLICY (oracle), SPARSITY (0.5), SLACK_MIB (16), PACK_ARGS
+#      (default: a calibration on data/text/apache-2.0.txt, --hot-first), TAG
+#      (names the packed file, reused while it exists; default memlimit).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 export CARGO_TARGET_DIR=${CARGO_TARGET_DIR:-$HOME/.cache/leanstream/target}
@@ -22,8 +24,9 @@ ls=$CARGO_TARGET_DIR/release/leanstream
 llama=$(scripts/llama_cpp.sh)/llama-bench
 gguf=$("$ls" fetch "$model" 2>/dev/null || echo "$model")
 name=$(basename "$gguf" .gguf)
-flash=$home/flash/$name.lsflash
-[ -f "$flash" ] || "$ls" pack --model "$gguf" -o "$flash" --calibrate data/text/apache-2.0.txt --hot-first >&2
+flash=$home/flash/$name.${TAG:-memlimit}.lsflash
+# shellcheck disable=SC2086
+[ -f "$flash" ] || "$ls" pack --model "$gguf" -o "$flash" ${PACK_ARGS---calibrate data/text/apache-2.0.txt --hot-first} >&2
 
 evict() { python3 -c 'import os,sys
 for p in sys.argv[1:]:

@@ -25,24 +25,10 @@ pub fn parse_duration(s: &str) -> Result<std::time::Duration> {
     Ok(std::time::Duration::from_secs_f64(secs))
 }
 
-/// Parses a byte size: `4096`, `4k`, `4KiB`, `128K`, `4m`, `2g` (binary multiples).
+/// Parses a byte size: `4096`, `4k`, `4KiB`, `128K`, `4m`, `2g` (binary
+/// multiples; `kB`, `MB`, `GB` are decimal), with the runtime's size parser.
 pub fn parse_size(s: &str) -> Result<u64> {
-    let t = s.trim().to_ascii_lowercase();
-    let split = t.find(|c: char| !c.is_ascii_digit()).unwrap_or(t.len());
-    let (num, unit) = t.split_at(split);
-    let v: u64 = num
-        .parse()
-        .map_err(|_| ProfileError::Invalid(format!("size {s:?}: expected e.g. 4k, 128k, 4m")))?;
-    let mult: u64 = match unit.trim_end_matches("ib").trim_end_matches('b') {
-        "" => 1,
-        "k" => 1 << 10,
-        "m" => 1 << 20,
-        "g" => 1 << 30,
-        "t" => 1 << 40,
-        u => return Err(ProfileError::Invalid(format!("size {s:?}: unknown unit {u:?}"))),
-    };
-    v.checked_mul(mult)
-        .ok_or_else(|| ProfileError::Invalid(format!("size {s:?} overflows")))
+    leanstream_runtime::cache::parse_bytes(s).map_err(|e| ProfileError::Invalid(format!("size {s:?}: {e}")))
 }
 
 /// Comma-separated list parsed with `f`.

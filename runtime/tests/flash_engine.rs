@@ -112,18 +112,25 @@ fn check_policies(fm: &FlashModel, prompt: &[u32], n: usize, budgets: &[&str]) -
     reference
 }
 
+/// A tiny synthetic model of weight type `ty`, and (when `reversed`) a
+/// placement that stores every layer's neurons in reverse order.
+fn tiny_model(name: &str, ty: GgmlType, reversed: bool) -> (PathBuf, Option<Vec<Vec<u32>>>) {
+    let mut spec = SyntheticSpec::tiny("llama");
+    spec.weight_type = ty;
+    let src = dir().join(format!("{name}.gguf"));
+    std::fs::write(&src, spec.build().unwrap().to_bytes()).unwrap();
+    let placement = reversed.then(|| {
+        (0..spec.n_layer)
+            .map(|_| (0..spec.n_ff as u32).rev().collect())
+            .collect()
+    });
+    (src, placement)
+}
+
 #[test]
 fn synthetic_policies_agree_bit_for_bit() {
     for (name, ty, reversed) in [("q4_0", GgmlType::Q4_0, false), ("q8_0_rev", GgmlType::Q8_0, true)] {
-        let mut spec = SyntheticSpec::tiny("llama");
-        spec.weight_type = ty;
-        let src = dir().join(format!("{name}.gguf"));
-        std::fs::write(&src, spec.build().unwrap().to_bytes()).unwrap();
-        let placement = reversed.then(|| {
-            (0..spec.n_layer)
-                .map(|_| (0..spec.n_ff as u32).rev().collect())
-                .collect()
-        });
+        let (src, placement) = tiny_model(name, ty, reversed);
         let fm = FlashModel::open(pack_to(&src, name, placement)).unwrap();
         let prompt = [1u32, 20, 33, 47, 5];
         let reference = check_policies(&fm, &prompt, 8, &["0%", "25%", "100%"]);
@@ -172,16 +179,8 @@ fn check_exact(fm: &FlashModel, gguf: &Run, prompt: &[u32], n: usize) {
 #[test]
 fn source_down_tiles_give_the_gguf_engine_bit_for_bit() {
     for (name, ty, reversed) in [("src_q4_0", GgmlType::Q4_0, true), ("src_q8_0", GgmlType::Q8_0, false)] {
-        let mut spec = SyntheticSpec::tiny("llama");
-        spec.weight_type = ty;
-        let src = dir().join(format!("{name}.gguf"));
-        std::fs::write(&src, spec.build().unwrap().to_bytes()).unwrap();
         // A placement that is not the identity: groups are found by neuron id.
-        let placement = reversed.then(|| {
-            (0..spec.n_layer)
-                .map(|_| (0..spec.n_ff as u32).rev().collect())
-                .collect()
-        });
+        let (src, placement) = tiny_model(name, ty, reversed);
         let fm = FlashModel::open(pack_down(&src, name, placement, DownType::Source)).unwrap();
         let prompt = [1u32, 20, 33, 47, 5, 9, 11, 2, 40, 7];
         let gguf = greedy_gguf(&Model::load(&src).unwrap(), &prompt, 8);

@@ -46,47 +46,7 @@ impl FfnBudget {
             }
             return Ok(Self::Percent(p));
         }
-        let split = t
-            .find(|c: char| !(c.is_ascii_digit() || c == '.' || c == '_'))
-            .unwrap_or(t.len());
-        let (num, unit) = (&t[..split], t[split..].trim());
-        if num.is_empty() {
-            return Err(BudgetError::BadNumber(s.into()));
-        }
-        let mult: u64 = match unit.to_ascii_lowercase().as_str() {
-            "" | "b" => 1,
-            "k" | "ki" | "kib" => 1 << 10,
-            "m" | "mi" | "mib" => 1 << 20,
-            "g" | "gi" | "gib" => 1 << 30,
-            "t" | "ti" | "tib" => 1 << 40,
-            "kb" => 1_000,
-            "mb" => 1_000_000,
-            "gb" => 1_000_000_000,
-            "tb" => 1_000_000_000_000,
-            _ => {
-                return Err(BudgetError::UnknownUnit {
-                    input: s.into(),
-                    unit: unit.into(),
-                })
-            }
-        };
-        let digits: String = num.chars().filter(|&c| c != '_').collect();
-        if digits.contains('.') {
-            let v = parse_number(&digits).ok_or_else(|| BudgetError::BadNumber(s.into()))?;
-            let bytes = v * mult as f64;
-            if bytes >= u64::MAX as f64 {
-                return Err(BudgetError::Overflow(s.into()));
-            }
-            Ok(Self::Bytes(bytes as u64))
-        } else {
-            if digits.is_empty() || !digits.bytes().all(|b| b.is_ascii_digit()) {
-                return Err(BudgetError::BadNumber(s.into()));
-            }
-            let v: u64 = digits.parse().map_err(|_| BudgetError::Overflow(s.into()))?;
-            v.checked_mul(mult)
-                .map(Self::Bytes)
-                .ok_or_else(|| BudgetError::Overflow(s.into()))
-        }
+        parse_bytes(t).map(Self::Bytes)
     }
 
     /// The budget in bytes for a model whose FFN weights take
@@ -104,6 +64,56 @@ impl FfnBudget {
                 }
             }
         }
+    }
+}
+
+/// A byte count: digits (`_` allowed, a decimal point too) and an optional
+/// unit, binary (`k`, `KiB`, `m`, `MiB`, `g`, `GiB`, `t`, `TiB`) or decimal
+/// (`kB`, `MB`, `GB`, `TB`). The one parser of sizes (budgets, the profiler's
+/// file sizes).
+pub fn parse_bytes(s: &str) -> Result<u64, BudgetError> {
+    let t = s.trim();
+    if t.is_empty() {
+        return Err(BudgetError::Empty);
+    }
+    let split = t
+        .find(|c: char| !(c.is_ascii_digit() || c == '.' || c == '_'))
+        .unwrap_or(t.len());
+    let (num, unit) = (&t[..split], t[split..].trim());
+    if num.is_empty() {
+        return Err(BudgetError::BadNumber(s.into()));
+    }
+    let mult: u64 = match unit.to_ascii_lowercase().as_str() {
+        "" | "b" => 1,
+        "k" | "ki" | "kib" => 1 << 10,
+        "m" | "mi" | "mib" => 1 << 20,
+        "g" | "gi" | "gib" => 1 << 30,
+        "t" | "ti" | "tib" => 1 << 40,
+        "kb" => 1_000,
+        "mb" => 1_000_000,
+        "gb" => 1_000_000_000,
+        "tb" => 1_000_000_000_000,
+        _ => {
+            return Err(BudgetError::UnknownUnit {
+                input: s.into(),
+                unit: unit.into(),
+            })
+        }
+    };
+    let digits: String = num.chars().filter(|&c| c != '_').collect();
+    if digits.contains('.') {
+        let v = parse_number(&digits).ok_or_else(|| BudgetError::BadNumber(s.into()))?;
+        let bytes = v * mult as f64;
+        if bytes >= u64::MAX as f64 {
+            return Err(BudgetError::Overflow(s.into()));
+        }
+        Ok(bytes as u64)
+    } else {
+        if digits.is_empty() || !digits.bytes().all(|b| b.is_ascii_digit()) {
+            return Err(BudgetError::BadNumber(s.into()));
+        }
+        let v: u64 = digits.parse().map_err(|_| BudgetError::Overflow(s.into()))?;
+        v.checked_mul(mult).ok_or_else(|| BudgetError::Overflow(s.into()))
     }
 }
 

@@ -40,7 +40,7 @@ mod memory;
 mod slab;
 mod window;
 
-pub use budget::{BudgetError, FfnBudget};
+pub use budget::{parse_bytes, BudgetError, FfnBudget};
 pub use hot::{NeuronFreq, StaticHot};
 pub use lru::Lru;
 pub use memory::{fmt_bytes, peak_rss_bytes, MemoryReport};
