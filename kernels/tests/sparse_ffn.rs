@@ -510,6 +510,15 @@ fn blocked_kernels_equal_per_neuron_stages_and_their_scalar_twins() {
                             );
                         }
                     }
+                    // The same neurons as two matrices (gate rows, then up rows): the same bits.
+                    let (gb, ub) = (f.gate_bytes(), f.up_bytes());
+                    let gates: Vec<u8> = all.chunks_exact(bb).flat_map(|b| &b[..gb]).copied().collect();
+                    let ups: Vec<u8> = all.chunks_exact(bb).flat_map(|b| &b[gb..gb + ub]).copied().collect();
+                    let (gates, ups) = (Aligned::from_bytes(&gates), Aligned::from_bytes(&ups));
+                    let mut split = vec![0.0f32; N_FF * n];
+                    run_activations_split(&f, &rows, act, gates.as_ref(), ups.as_ref(), &mut split, &mut scratch)
+                        .unwrap();
+                    assert_eq!(bits(&split), bits(&fast), "{gate_ty}/{up_ty} n={n}: split rows");
                     // The scalar twin follows GGML's generic formulas: equal to rounding.
                     for (a, b) in fast.iter().zip(&slow) {
                         assert!((a - b).abs() <= 1e-3 * (1.0 + a.abs()), "{gate_ty}/{up_ty}: {a} vs {b}");

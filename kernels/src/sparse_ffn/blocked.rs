@@ -105,6 +105,32 @@ pub fn run_activations_scalar(
     activations_on(format, rows, act, run, out, scratch, Path::Scalar)
 }
 
+/// Stage 1 over the same neurons' gate rows and up rows held apart, each
+/// back to back (a resident layer laid out as the source's two matrices):
+/// the same values as [`run_activations`] over their bundles.
+pub fn run_activations_split(
+    format: &BundleFormat,
+    rows: &FfnRows,
+    act: FfnActivation,
+    gate_rows: &[u8],
+    up_rows: &[u8],
+    out: &mut [f32],
+    scratch: &mut [f32],
+) -> Result<(), KernelError> {
+    let (gb, ub) = (format.gate_bytes(), format.up_bytes());
+    let count = gate_rows.len() / gb.max(1);
+    if gb == 0 || ub == 0 || gate_rows.len() != count * gb || up_rows.len() != count * ub {
+        return Err(KernelError::ByteLength {
+            what: "gate and up rows of a split run",
+            expected: count * (gb + ub),
+            got: gate_rows.len() + up_rows.len(),
+        });
+    }
+    let gate = (gate_rows, 0, gb);
+    let up = (up_rows, 0, ub);
+    stage1_on(format, rows, act, gate, up, count, out, scratch, Path::Fastest)
+}
+
 fn activations_on(
     format: &BundleFormat,
     rows: &FfnRows,
@@ -122,7 +148,25 @@ fn activations_on(
             got: run.len(),
         });
     }
-    let (count, n) = (run.len() / bb, rows.n());
+    let count = run.len() / bb;
+    let (gate, up) = ((run, 0, bb), (run, format.gate_bytes(), bb));
+    stage1_on(format, rows, act, gate, up, count, out, scratch, path)
+}
+
+/// Gate rows at `gate.1 + j * gate.2` in `gate.0`, up rows likewise.
+#[allow(clippy::too_many_arguments)]
+fn stage1_on(
+    format: &BundleFormat,
+    rows: &FfnRows,
+    act: FfnActivation,
+    gate: (&[u8], usize, usize),
+    up: (&[u8], usize, usize),
+    count: usize,
+    out: &mut [f32],
+    scratch: &mut [f32],
+    path: Path,
+) -> Result<(), KernelError> {
+    let n = rows.n();
     let values = count * n;
     if out.len() < values || scratch.len() < values {
         return Err(KernelError::Length {
@@ -132,20 +176,20 @@ fn activations_on(
         });
     }
     let gate = StridedDots {
-        run,
-        offset: 0,
+        run: gate.0,
+        offset: gate.1,
         row_bytes: format.gate_bytes(),
-        stride: bb,
+        stride: gate.2,
         count,
         acts: rows.gate,
         out: &mut out[..values],
     };
     with_kernel(format.gate_ty, path, gate)??;
     let up = StridedDots {
-        run,
-        offset: format.gate_bytes(),
+        run: up.0,
+        offset: up.1,
         row_bytes: format.up_bytes(),
-        stride: bb,
+        stride: up.2,
         count,
         acts: rows.up,
         out: &mut scratch[..values],

@@ -45,7 +45,7 @@
 mod blocked;
 pub mod tiles;
 
-pub use blocked::{run_activations, run_activations_scalar, run_down, run_down_scalar, FfnRows};
+pub use blocked::{run_activations, run_activations_scalar, run_activations_split, run_down, run_down_scalar, FfnRows};
 pub use tiles::DownTiles;
 
 /// A type the dot kernels take as weights (the activation-only types are not).

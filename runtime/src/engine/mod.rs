@@ -289,9 +289,13 @@ impl FlashModel {
                 &mut bytemuck::cast_slice_mut(&mut m)[..len],
                 true,
             )?;
-            let rows = f.resident().bundle_bytes();
-            let stripped: Vec<u8> = all.chunks_exact(bb).flat_map(|b| &b[..rows]).copied().collect();
-            *all = stripped;
+            // The gate rows, then the up rows: the source's two matrices.
+            let (gb, ub) = (f.gate_bytes(), f.up_bytes());
+            let mut split = Vec::with_capacity(n_ff * (gb + ub));
+            all.chunks_exact(bb).for_each(|b| split.extend_from_slice(&b[..gb]));
+            all.chunks_exact(bb)
+                .for_each(|b| split.extend_from_slice(&b[gb..gb + ub]));
+            *all = split;
             down.push(m);
             down_len.push(len);
         }

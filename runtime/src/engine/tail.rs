@@ -12,7 +12,7 @@
 use std::time::Instant;
 
 use leanstream_kernels::sparse_ffn::{
-    run_activations, run_down, BundleFormat, DownLayout, DownTiles, FfnActivation, FfnRows,
+    run_activations, run_activations_split, run_down, BundleFormat, DownLayout, DownTiles, FfnActivation, FfnRows,
 };
 use leanstream_kernels::ActBuffer;
 use rayon::prelude::*;
@@ -44,8 +44,9 @@ pub enum Source {
 
 /// Every bundle in memory.
 pub struct Resident {
-    /// Per layer, all bundles in neuron order (without down parts where
-    /// the down matrix is held whole).
+    /// Per layer, all bundles in neuron order; where the down matrix is
+    /// held whole, the gate rows and then the up rows instead (the source's
+    /// two matrices: each stage-1 pass streams one of them).
     pub bundles: Vec<Vec<u8>>,
     /// Per layer with down tiles in the file, its down matrix gathered once
     /// (the source's row-major bytes, u64-backed for block alignment; its
@@ -68,6 +69,51 @@ impl Resident {
     fn down(&self, l: usize) -> Option<&[u8]> {
         let m = self.down.get(l).filter(|m| !m.is_empty())?;
         Some(&bytemuck::cast_slice::<u64, u8>(m)[..self.down_len[l]])
+    }
+}
+
+/// Stage-1 input: whole bundles back to back, or the same neurons' gate
+/// rows and up rows held apart.
+#[derive(Clone, Copy)]
+enum Rows<'a> {
+    Bundles(&'a [u8]),
+    Split { gate: &'a [u8], up: &'a [u8] },
+}
+
+impl<'a> Rows<'a> {
+    fn count(&self, f: &BundleFormat) -> usize {
+        match self {
+            Self::Bundles(b) => b.len() / f.bundle_bytes().max(1),
+            Self::Split { gate, .. } => gate.len() / f.gate_bytes().max(1),
+        }
+    }
+
+    /// Neurons `i..j` of the run.
+    fn slice(&self, f: &BundleFormat, i: usize, j: usize) -> Rows<'a> {
+        match *self {
+            Self::Bundles(b) => Self::Bundles(&b[i * f.bundle_bytes()..j * f.bundle_bytes()]),
+            Self::Split { gate, up } => {
+                let (gb, ub) = (f.gate_bytes(), f.up_bytes());
+                Self::Split {
+                    gate: &gate[i * gb..j * gb],
+                    up: &up[i * ub..j * ub],
+                }
+            }
+        }
+    }
+
+    fn activations(
+        &self,
+        f: &BundleFormat,
+        rows: &FfnRows,
+        act: FfnActivation,
+        out: &mut [f32],
+        scratch: &mut [f32],
+    ) -> std::result::Result<(), leanstream_kernels::KernelError> {
+        match *self {
+            Self::Bundles(b) => run_activations(f, rows, act, b, out, scratch),
+            Self::Split { gate, up } => run_activations_split(f, rows, act, gate, up, out, scratch),
+        }
     }
 }
 
@@ -199,6 +245,19 @@ impl Tail {
         match source {
             Source::Resident(resident) => {
                 let all = &resident.bundles[l];
+                let split = f.down_layout == DownLayout::Matrix;
+                let (gb, ub, n_ff) = (f.gate_bytes(), f.up_bytes(), self.n_ff);
+                let rows = |i: usize, j: usize| {
+                    if split {
+                        let up = n_ff * gb;
+                        Rows::Split {
+                            gate: &all[i * gb..j * gb],
+                            up: &all[up + i * ub..up + j * ub],
+                        }
+                    } else {
+                        Rows::Bundles(&all[i * bb..j * bb])
+                    }
+                };
                 // Maximal runs of wanted neurons (in id order, as stored).
                 let mut i = 0;
                 while i < self.n_ff {
@@ -207,21 +266,23 @@ impl Tail {
                         continue;
                     }
                     let j = (i..self.n_ff).find(|&j| !wanted(j)).unwrap_or(self.n_ff);
+                    self.stage1(f, rows(i, j), |k| (i + k) as u32, n, select, record.as_deref_mut())?;
+                    i = j;
+                }
+                // Split layers take their down from the matrix, not from bundles.
+                let bundle = |i: usize| if split { &[][..] } else { &all[i * bb..(i + 1) * bb] };
+                self.finish(f, n, out, want, bundle, resident.down(l))?;
+            }
+            Source::Stream(s) => {
+                for &i in s.hits(l)? {
                     self.stage1(
                         f,
-                        &all[i * bb..j * bb],
-                        |k| (i + k) as u32,
+                        Rows::Bundles(s.cached(l, i)),
+                        |_| i as u32,
                         n,
                         select,
                         record.as_deref_mut(),
                     )?;
-                    i = j;
-                }
-                self.finish(f, n, out, want, |i| &all[i * bb..(i + 1) * bb], resident.down(l))?;
-            }
-            Source::Stream(s) => {
-                for &i in s.hits(l)? {
-                    self.stage1(f, s.cached(l, i), |_| i as u32, n, select, record.as_deref_mut())?;
                 }
                 while let Some(LandedRun {
                     bytes,
@@ -240,7 +301,8 @@ impl Tail {
                             .find(|&q| !requested[neurons[q] as usize])
                             .unwrap_or(neurons.len());
                         let ids = &neurons[p..q];
-                        self.stage1(f, &bytes[p * bb..q * bb], |k| ids[k], n, select, record.as_deref_mut())?;
+                        let run = Rows::Bundles(&bytes[p * bb..q * bb]);
+                        self.stage1(f, run, |k| ids[k], n, select, record.as_deref_mut())?;
                         p = q;
                     }
                 }
@@ -258,13 +320,13 @@ impl Tail {
     fn stage1(
         &mut self,
         f: &BundleFormat,
-        run: &[u8],
+        run: Rows,
         id: impl Fn(usize) -> u32,
         n: usize,
         select: Select,
         mut record: Option<&mut [u64]>,
     ) -> Result<()> {
-        let (bb, act, words, n_ff) = (f.bundle_bytes(), self.act, self.words(), self.n_ff);
+        let (act, words, n_ff) = (self.act, self.words(), self.n_ff);
         let up_acts = if f.up_ty.vec_dot_type() == f.gate_ty.vec_dot_type() {
             &self.gate_acts
         } else {
@@ -272,17 +334,24 @@ impl Tail {
         };
         let rows = FfnRows::new(f, &self.gate_acts, up_acts)?;
         let piece = Self::piece(self.rows);
-        for (c, chunk) in run.chunks(piece * bb).enumerate() {
-            let count = chunk.len() / bb;
+        let total = run.count(f);
+        for (c, start) in (0..total).step_by(piece).enumerate() {
+            let count = piece.min(total - start);
+            let chunk = run.slice(f, start, start + count);
             let vals = &mut self.piece[..count * n];
             let scratch = &mut self.scratch[..count * n];
             if count > TASK {
                 vals.par_chunks_mut(TASK * n)
                     .zip(scratch.par_chunks_mut(TASK * n))
-                    .zip(chunk.par_chunks(TASK * bb))
-                    .try_for_each(|((v, s), b)| run_activations(f, &rows, act, b, v, s))?;
+                    .enumerate()
+                    .try_for_each(|(t, (v, s))| {
+                        let k = t * TASK;
+                        chunk
+                            .slice(f, k, (k + TASK).min(count))
+                            .activations(f, &rows, act, v, s)
+                    })?;
             } else {
-                run_activations(f, &rows, act, chunk, vals, scratch)?;
+                chunk.activations(f, &rows, act, vals, scratch)?;
             }
             for k in 0..count {
                 let i = id(c * piece + k) as usize;
