@@ -255,11 +255,7 @@ fn run_matmul(w: &QMatrix, acts: &ActBuffer, out: &mut [f32], path: Path, parall
     }
     let job = Product { w, acts, out, parallel };
     if w.ty == GgmlType::Q4K && repack::q4k_is_repacked(w.rows) {
-        let kernel = Q4kRepacked {
-            simd: path == Path::Fastest && has_avx2(),
-            gemm_rows: repack::gemm_rows(acts.n()),
-        };
-        return job.run_tiles::<BlockQ4K, BlockQ8K, _>(kernel);
+        return job.run_tiles::<BlockQ4K, BlockQ8K, _>(Q4kRepacked::new(path, acts.n()));
     }
     if uses_tiled_kquant(w.ty, w.rows, acts.n()) {
         return with_tiled_kernel(w.ty, path, job)?;
@@ -288,7 +284,7 @@ pub fn uses_tiled_kquant(ty: GgmlType, rows: usize, n: usize) -> bool {
 }
 
 /// What the row loops need from a kernel.
-trait Tiles<W, A>: Copy + Send + Sync {
+pub(crate) trait Tiles<W, A>: Copy + Send + Sync {
     /// Weight rows worth handing over together for one activation row.
     fn decode_rows(&self) -> usize;
     /// Activation rows `[0, split)` and `[split, n)` never share a call.
@@ -315,11 +311,21 @@ impl<W: Sync, A: Sync> Tiles<W, A> for Kernel<W, A> {
 
 /// Q4_K in llama.cpp's repacked arithmetic ([`crate::repack`]).
 #[derive(Clone, Copy)]
-struct Q4kRepacked {
+pub(crate) struct Q4kRepacked {
     /// The AVX2 kernels (only set after `has_avx2()` said yes), else scalar.
     simd: bool,
     /// Activation rows before this go through the gemm, the rest the gemv.
     gemm_rows: usize,
+}
+
+impl Q4kRepacked {
+    /// The kernel `matmul` takes on `path` for `n` activation rows.
+    pub(crate) fn new(path: Path, n: usize) -> Self {
+        Self {
+            simd: path == Path::Fastest && has_avx2(),
+            gemm_rows: repack::gemm_rows(n),
+        }
+    }
 }
 
 impl Tiles<BlockQ4K, BlockQ8K> for Q4kRepacked {

@@ -593,3 +593,53 @@ fn blocked_kernels_reject_bad_runs_and_ids() {
         "a missing bundle is an error"
     );
 }
+
+/// With the matrix's row count, stage 1 computes as the dense path's matmul
+/// does, repacked Q4_K (rows a multiple of 8) and the tiled K-quant products
+/// (8+ activation rows) included: bit for bit its gate and up products.
+#[test]
+fn blocked_stage1_as_a_matrix_equals_the_dense_matmul() {
+    let mut rng = Rng::new(43);
+    let n_ff = 208;
+    for (gate_ty, up_ty) in [(GgmlType::Q4K, GgmlType::Q4K), (GgmlType::Q6K, GgmlType::Q5K)] {
+        let layer = Layer::new(gate_ty, up_ty, GgmlType::Q8_0, COLS, n_ff, &mut rng);
+        let f = layer.format;
+        for n in [1usize, 3, 9, 12] {
+            let x: Vec<f32> = (0..n * COLS).map(|_| rng.unit()).collect();
+            let (gate_acts, up_acts) = (rows_for(gate_ty, &x, n), rows_for(up_ty, &x, n));
+            let rows = FfnRows::new(&f, &gate_acts, &up_acts).unwrap().as_matrix_of(n_ff);
+            let mut fast = vec![0.0f32; n_ff * n];
+            let mut scratch = vec![0.0f32; n_ff * n];
+            let bb = f.bundle_bytes();
+            // Uneven runs: the arithmetic does not depend on where a run starts.
+            for (lo, hi) in [(0, 5), (5, 100), (100, n_ff)] {
+                let run = &layer.bundles.as_ref()[lo * bb..hi * bb];
+                run_activations(
+                    &f,
+                    &rows,
+                    FfnActivation::Silu,
+                    run,
+                    &mut fast[lo * n..hi * n],
+                    &mut scratch,
+                )
+                .unwrap();
+            }
+            let mut g = vec![0.0f32; n * n_ff];
+            let mut u = vec![0.0f32; n * n_ff];
+            let gm = QMatrix::new(gate_ty, n_ff, COLS, layer.gate.as_ref()).unwrap();
+            let um = QMatrix::new(up_ty, n_ff, COLS, layer.up.as_ref()).unwrap();
+            matmul(&gm, &gate_acts, &mut g).unwrap();
+            matmul(&um, &up_acts, &mut u).unwrap();
+            ops::swiglu(&mut g, &u);
+            for t in 0..n {
+                for i in 0..n_ff {
+                    assert_eq!(
+                        fast[i * n + t].to_bits(),
+                        g[t * n_ff + i].to_bits(),
+                        "{gate_ty}/{up_ty} n={n} row {t} neuron {i}"
+                    );
+                }
+            }
+        }
+    }
+}

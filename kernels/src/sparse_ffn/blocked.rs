@@ -5,9 +5,11 @@
 //! Everything is checked once per call, not once per neuron: the format, the
 //! input rows, the run's length. The gate and up dots of a run go through the
 //! same tile kernels as [`crate::matmul`] (weight rows × activation rows per
-//! call), and every output is still exactly one vec-dot of one weight row with
-//! one activation row, so [`run_activations`] gives, bit for bit, what
-//! [`super::neuron_activation`] gives bundle by bundle and row by row.
+//! call), and every output is exactly one vec-dot of one weight row with one
+//! activation row, so [`run_activations`] gives, bit for bit, what
+//! [`super::neuron_activation`] gives bundle by bundle and row by row; or,
+//! with [`FfnRows::as_matrix_of`], what `matmul` gives over the layer's
+//! matrices (repacked Q4_K, tiled K-quants), which is the GGUF engine's.
 //! [`run_down`] adds each row's neurons in ascending id order with one fused
 //! multiply-add per element and neuron, as [`super::accumulate_down`] does, so
 //! each output row is bit-identical to it whatever the row count, the split
@@ -17,9 +19,10 @@ use bytemuck::Pod;
 use rayon::prelude::*;
 
 use super::{axpy_scalar_unchecked, BundleFormat, FfnActivation};
-use crate::blocks::cast_blocks;
-use crate::dot::{has_avx2, with_kernel, Kernel, KernelUser, Path};
-use crate::matmul::ActBuffer;
+use crate::blocks::{cast_blocks, BlockQ4K, BlockQ8K};
+use crate::dot::{has_avx2, with_kernel, with_tiled_kernel, Kernel, KernelUser, Path};
+use crate::matmul::{uses_tiled_kquant, ActBuffer, Q4kRepacked, Tiles};
+use crate::repack;
 use crate::{GgmlType, KernelError};
 
 /// Weight rows (bundles) handed to a tile kernel together.
@@ -37,6 +40,8 @@ const STRIDED_DECODE_LANES: usize = 2;
 pub struct FfnRows<'a> {
     gate: &'a ActBuffer,
     up: &'a ActBuffer,
+    /// Rows of the gate and up matrices the dots stand for (0: none).
+    matrix_rows: usize,
 }
 
 impl<'a> FfnRows<'a> {
@@ -70,7 +75,23 @@ impl<'a> FfnRows<'a> {
                 got: up.n(),
             });
         }
-        Ok(Self { gate, up })
+        Ok(Self {
+            gate,
+            up,
+            matrix_rows: 0,
+        })
+    }
+
+    /// Computes as the dense path's `matmul` over gate and up matrices of
+    /// `n_ff` rows does (repacked Q4_K where `n_ff` is a multiple of 8, the
+    /// tiled K-quant products for 8+ rows): the same bits as the GGUF
+    /// engine. Without it every output is one vec-dot, as
+    /// [`super::neuron_activation`] computes it.
+    pub fn as_matrix_of(self, n_ff: usize) -> Self {
+        Self {
+            matrix_rows: n_ff,
+            ..self
+        }
     }
 
     /// Token rows.
@@ -184,7 +205,7 @@ fn stage1_on(
         acts: rows.gate,
         out: &mut out[..values],
     };
-    with_kernel(format.gate_ty, path, gate)??;
+    like_matmul(format.gate_ty, rows.matrix_rows, path, gate)?;
     let up = StridedDots {
         run: up.0,
         offset: up.1,
@@ -194,11 +215,24 @@ fn stage1_on(
         acts: rows.up,
         out: &mut scratch[..values],
     };
-    with_kernel(format.up_ty, path, up)??;
+    like_matmul(format.up_ty, rows.matrix_rows, path, up)?;
     for (g, &u) in out[..values].iter_mut().zip(&scratch[..values]) {
         *g = act.apply(*g, u);
     }
     Ok(())
+}
+
+/// The dots of `job` in the arithmetic `matmul` uses for a matrix of
+/// `matrix_rows` rows of `ty` (0: one vec-dot per output, always).
+fn like_matmul(ty: GgmlType, matrix_rows: usize, path: Path, job: StridedDots) -> Result<(), KernelError> {
+    let n = job.acts.n();
+    if matrix_rows > 0 && ty == GgmlType::Q4K && repack::q4k_is_repacked(matrix_rows) {
+        return job.strided::<BlockQ4K, BlockQ8K, _>(Q4kRepacked::new(path, n));
+    }
+    if matrix_rows > 0 && uses_tiled_kquant(ty, matrix_rows, n) {
+        return with_tiled_kernel(ty, path, job)?;
+    }
+    with_kernel(ty, path, job)?
 }
 
 /// `out[j * n + t] = dot(row j, activation row t)` for `count` weight rows of
@@ -217,6 +251,12 @@ impl KernelUser for StridedDots<'_> {
     type Output = Result<(), KernelError>;
 
     fn run<W: Pod + Sync, A: Pod + Sync>(self, kernel: Kernel<W, A>) -> Self::Output {
+        self.strided(kernel)
+    }
+}
+
+impl StridedDots<'_> {
+    fn strided<W: Pod + Sync, A: Pod + Sync, K: Tiles<W, A>>(self, kernel: K) -> Result<(), KernelError> {
         let n = self.acts.n();
         let row = |j: usize| -> Result<&[W], KernelError> {
             let start = self.offset + j * self.stride;
@@ -237,20 +277,25 @@ impl KernelUser for StridedDots<'_> {
                 for (lane, w) in w_refs[..lanes].iter_mut().enumerate() {
                     *w = row(lane * lane_len + k)?;
                 }
-                kernel.dot(&w_refs[..lanes], &a, &mut tmp[..lanes]);
+                kernel.dot(&w_refs[..lanes], &a, 0, &mut tmp[..lanes]);
                 for (lane, &v) in tmp[..lanes].iter().enumerate() {
                     self.out[lane * lane_len + k] = v;
                 }
             }
             for j in lanes * lane_len..self.count {
-                kernel.dot(&[row(j)?], &a, &mut tmp[..1]);
+                kernel.dot(&[row(j)?], &a, 0, &mut tmp[..1]);
                 self.out[j] = tmp[0];
             }
             return Ok(());
         }
         let mut tmp = [0f32; ROW_TILE * TOKEN_TILE];
-        for t0 in (0..n).step_by(TOKEN_TILE) {
-            let tn = TOKEN_TILE.min(n - t0);
+        // Token tiles never straddle the kernel's split (repacked Q4_K's gemm rows).
+        let split = kernel.token_split().min(n);
+        let tiles = (0..split)
+            .step_by(TOKEN_TILE)
+            .map(|t0| (t0, TOKEN_TILE.min(split - t0)))
+            .chain((split..n).step_by(TOKEN_TILE).map(|t0| (t0, TOKEN_TILE.min(n - t0))));
+        for (t0, tn) in tiles {
             let mut a_refs: [&[A]; TOKEN_TILE] = [&[]; TOKEN_TILE];
             for (t, r) in a_refs[..tn].iter_mut().enumerate() {
                 *r = cast_blocks::<A>(self.acts.row(t0 + t), "FFN input row")?;
@@ -261,7 +306,7 @@ impl KernelUser for StridedDots<'_> {
                 for (k, w) in w_refs[..rn].iter_mut().enumerate() {
                     *w = row(j0 + k)?;
                 }
-                kernel.dot(&w_refs[..rn], &a_refs[..tn], &mut tmp[..rn * tn]);
+                kernel.dot(&w_refs[..rn], &a_refs[..tn], t0, &mut tmp[..rn * tn]);
                 for k in 0..rn {
                     let dst = (j0 + k) * n + t0;
                     self.out[dst..dst + tn].copy_from_slice(&tmp[k * tn..(k + 1) * tn]);

@@ -332,7 +332,7 @@ impl Tail {
         } else {
             &self.up_acts
         };
-        let rows = FfnRows::new(f, &self.gate_acts, up_acts)?;
+        let rows = FfnRows::new(f, &self.gate_acts, up_acts)?.as_matrix_of(n_ff);
         let piece = Self::piece(self.rows);
         let total = run.count(f);
         for (c, start) in (0..total).step_by(piece).enumerate() {
