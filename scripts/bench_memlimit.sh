@@ -10,7 +10,8 @@
 # it was not charged for. Needs root (cgroup v1 or v2 memory controller).
 #
 # Usage: scripts/bench_memlimit.sh MODEL LIMIT_MIB... (MODEL: smollm2, gemma3 or a .gguf)
-# Env: GEN (32), POLICY (oracle), SPARSITY (0.5), SLACK_MIB (16), PACK_ARGS
+# Env: GEN (32), POLICY (oracle; a comma list gives a column each), SPARSITY
+#      (0.5), SLACK_MIB (16), LLAMA_ARGS (extra llama-bench flags), PACK_ARGS
 #      (default: a calibration on data/text/apache-2.0.txt, --hot-first), TAG
 #      (names the packed file, reused while it exists; default memlimit).
 set -euo pipefail
@@ -60,24 +61,37 @@ try:
     print(v)
 except Exception: print(0)' "$1"; }
 
-printf '| limit MiB | llama.cpp tok/s (cgroup peak MiB) | LeanStream dense GGUF | LeanStream %s %s .lsflash | best / llama.cpp |\n|---|---|---|---|---|\n' "$policy" "$sparsity"
+IFS=, read -r -a policies <<<"$policy"
+{
+  printf '| limit MiB | llama.cpp tok/s (cgroup peak MiB) | LeanStream dense GGUF |'
+  for p in "${policies[@]}"; do printf ' LeanStream %s %s .lsflash |' "$p" "$sparsity"; done
+  printf ' best / llama.cpp |\n|---|---|---|'
+  for _ in "${policies[@]}"; do printf -- '---|'; done
+  printf -- '---|\n'
+}
 for limit in "$@"; do
   evict "$gguf" "$flash"
-  theirs=$(in_cgroup "$limit" timeout 1800 "$llama" -m "$gguf" -p 0 -n "$gen" -r 1 -t "$(nproc)" -o json 2>/dev/null || true)
+  # shellcheck disable=SC2086
+  theirs=$(in_cgroup "$limit" timeout 1800 "$llama" -m "$gguf" -p 0 -n "$gen" -r 1 -t "$(nproc)" ${LLAMA_ARGS:-} -o json 2>/dev/null || true)
   evict "$gguf" "$flash"
   dense=$(in_cgroup "$limit" timeout 1800 "$ls" bench --model "$gguf" --prompt-tokens 0 --gen-tokens "$gen" --reps 1 2>/dev/null || true)
-  evict "$gguf" "$flash"
-  ours=$(in_cgroup "$limit" "$ls" bench --model "$flash" --policy "$policy" --sparsity "$sparsity" \
-    --mem-budget "$((limit - slack))MiB" --prompt-tokens 0 --gen-tokens "$gen" --reps 1 2>/dev/null || true)
-  python3 - "$limit" \
-    "$(printf '%s\n' "$theirs" | speed_of 0.avg_ts)" "$(printf '%s\n' "$theirs" | sed -n 's/^PEAK //p')" \
-    "$(printf '%s\n' "$dense" | speed_of decode_tok_s)" "$(printf '%s\n' "$dense" | sed -n 's/^PEAK //p')" \
-    "$(printf '%s\n' "$ours" | speed_of decode_tok_s)" "$(printf '%s\n' "$ours" | sed -n 's/^PEAK //p')" <<'PY'
+  cells=("$(printf '%s\n' "$theirs" | speed_of 0.avg_ts)" "$(printf '%s\n' "$theirs" | sed -n 's/^PEAK //p')"
+    "$(printf '%s\n' "$dense" | speed_of decode_tok_s)" "$(printf '%s\n' "$dense" | sed -n 's/^PEAK //p')")
+  for p in "${policies[@]}"; do
+    evict "$gguf" "$flash"
+    ours=$(in_cgroup "$limit" timeout 1800 "$ls" bench --model "$flash" --policy "$p" --sparsity "$sparsity" \
+      --mem-budget "$((limit - slack))MiB" --prompt-tokens 0 --gen-tokens "$gen" --reps 1 2>/dev/null || true)
+    cells+=("$(printf '%s\n' "$ours" | speed_of decode_tok_s)" "$(printf '%s\n' "$ours" | sed -n 's/^PEAK //p')")
+  done
+  python3 - "$limit" "${cells[@]}" <<'PY'
 import sys
-l, ts, tp, ds, dp, fs, fp = sys.argv[1], *map(float, (x or 0 for x in sys.argv[2:]))
-best = max(ds, fs)
-ratio = f"{best / ts:.2f}" if ts > 0 else "llama.cpp failed"
+l, v = sys.argv[1], [float(x or 0) for x in sys.argv[2:]]
 m = 1 << 20
-print(f"| {l} | {ts:.2f} ({tp / m:.0f}) | {ds:.2f} ({dp / m:.0f}) | {fs:.2f} ({fp / m:.0f}) | {ratio} |")
+ts, tp = v[0], v[1]
+speeds = v[2::2]
+best = max(speeds)
+ratio = f"{best / ts:.2f}" if ts > 0 else "llama.cpp failed"
+cols = " | ".join(f"{s:.2f} ({p / m:.0f})" for s, p in zip(v[2::2], v[3::2]))
+print(f"| {l} | {ts:.2f} ({tp / m:.0f}) | {cols} | {ratio} |")
 PY
 done

@@ -13,6 +13,7 @@ pub mod gguf;
 pub mod model;
 pub mod perplexity;
 pub mod predict;
+pub mod progress;
 pub mod session;
 pub mod sparsity;
 pub mod synthetic;

@@ -3,7 +3,6 @@
 //! one), each chunk is evaluated from an empty cache, and only the second
 //! half of each chunk is scored.
 
-use indicatif::{ProgressBar, ProgressStyle};
 use serde::Serialize;
 
 use crate::model::{DenseFfn, LayerHook, Model};
@@ -80,14 +79,10 @@ pub fn perplexity_with(
     let n_chunks = (tokens.len() / ctx).min(max_chunks.unwrap_or(usize::MAX));
     let first = ctx / 2;
     let mut st = model.new_state(ctx, ctx.min(512), LOGIT_ROWS);
-    let bar = if progress {
-        ProgressBar::new(n_chunks as u64)
-    } else {
-        ProgressBar::hidden()
-    };
-    bar.set_style(
-        ProgressStyle::with_template("perplexity {bar:30} {pos}/{len} chunks, ETA {eta} {msg}")
-            .expect("static template"),
+    let bar = crate::progress::bar(
+        n_chunks as u64,
+        progress,
+        "perplexity {bar:30} {pos}/{len} chunks, ETA {eta} {msg}",
     );
 
     let (mut nll, mut nll2, mut count_scored) = (0.0f64, 0.0f64, 0usize);

@@ -253,19 +253,50 @@ impl Calibration {
     }
 }
 
+/// How much of a calibration text to run, and whether to show progress.
+#[derive(Debug, Clone, Copy)]
+pub struct CalibrationRun {
+    /// Context of each window (each runs from position 0).
+    pub ctx: usize,
+    /// Stop after this many tokens of the text (the cost is a dense prefill
+    /// of the tokens run, so this bounds it at 7B scale).
+    pub max_tokens: Option<usize>,
+    pub progress: bool,
+}
+
+impl CalibrationRun {
+    /// All of the text in windows of `ctx`, no progress bar.
+    pub fn windows_of(ctx: usize) -> Self {
+        Self {
+            ctx,
+            max_tokens: None,
+            progress: false,
+        }
+    }
+}
+
 /// Runs `text` through the dense model in windows of `ctx` tokens and returns
 /// thresholds for each of `sparsities` and each neuron's mean |activation|.
 pub fn calibrate(model: &Model, text: &str, ctx: usize, sparsities: &[f32]) -> Result<Calibrated> {
-    let tokens = model.tokenizer.encode(text, true, false);
+    calibrate_run(model, text, CalibrationRun::windows_of(ctx), sparsities)
+}
+
+/// `calibrate` with a token limit and progress.
+pub fn calibrate_run(model: &Model, text: &str, run: CalibrationRun, sparsities: &[f32]) -> Result<Calibrated> {
+    let mut tokens = model.tokenizer.encode(text, true, false);
     if tokens.len() < 2 {
         return Err(RuntimeError::Invalid("calibration text is too short".into()));
     }
-    let windows: Vec<&[u32]> = tokens.chunks(ctx).collect();
-    calibrate_windows(model, &windows, sparsities)
+    if run.ctx == 0 {
+        return Err(RuntimeError::Invalid("calibration context 0".into()));
+    }
+    tokens.truncate(run.max_tokens.unwrap_or(usize::MAX).max(2));
+    let windows: Vec<&[u32]> = tokens.chunks(run.ctx).collect();
+    calibrate_windows(model, &windows, sparsities, run.progress)
 }
 
 /// `calibrate` over token windows already cut (each runs from position 0).
-pub fn calibrate_windows(model: &Model, windows: &[&[u32]], sparsities: &[f32]) -> Result<Calibrated> {
+pub fn calibrate_windows(model: &Model, windows: &[&[u32]], sparsities: &[f32], progress: bool) -> Result<Calibrated> {
     if let Some(bad) = sparsities.iter().find(|s| !(0.0..1.0).contains(*s)) {
         return Err(RuntimeError::Invalid(format!("sparsity {bad} outside [0, 1)")));
     }
@@ -276,9 +307,17 @@ pub fn calibrate_windows(model: &Model, windows: &[&[u32]], sparsities: &[f32]) 
     let n_layer = model.config.n_layer;
     let mut st = model.new_state(ctx, ctx.min(512), 1);
     let mut cal = Calibrator::new(n_layer, model.config.n_ff);
+    let total: usize = windows.iter().map(|w| w.len()).sum();
+    let bar = crate::progress::bar(
+        total as u64,
+        progress,
+        "calibrate {bar:30} {pos}/{len} tokens, {per_sec}, ETA {eta}",
+    );
     for window in windows {
         ingest_with(model, &mut st, window, 0, &mut cal)?;
+        bar.inc(window.len() as u64);
     }
+    bar.finish_and_clear();
     let Calibrator {
         full,
         gate,
@@ -307,7 +346,7 @@ pub fn calibrate_windows(model: &Model, windows: &[&[u32]], sparsities: &[f32]) 
     Ok(Calibrated {
         levels,
         neuron_scores,
-        tokens: windows.iter().map(|w| w.len()).sum(),
+        tokens: total,
     })
 }
 

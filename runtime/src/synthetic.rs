@@ -11,7 +11,7 @@ use std::io::Write;
 use std::path::{Path, PathBuf};
 use std::time::Instant;
 
-use indicatif::{ProgressBar, ProgressStyle};
+use indicatif::ProgressBar;
 use leanstream_kernels::quantize::{quantize_row, quantize_row_q4_0};
 use leanstream_kernels::GgmlType;
 use rayon::prelude::*;
@@ -191,14 +191,10 @@ impl SyntheticSpec {
         let t0 = Instant::now();
         let descs = self.tensor_descs()?;
         let total: u64 = descs.iter().map(|d| d.size.div_ceil(32) * 32).sum();
-        let bar = if progress {
-            ProgressBar::new(total)
-        } else {
-            ProgressBar::hidden()
-        };
-        bar.set_style(
-            ProgressStyle::with_template("synthetic {bar:30} {bytes}/{total_bytes} {binary_bytes_per_sec}, ETA {eta}")
-                .expect("static template"),
+        let bar = crate::progress::bar(
+            total,
+            progress,
+            "synthetic {bar:30} {bytes}/{total_bytes} {binary_bytes_per_sec}, ETA {eta}",
         );
         let mut tmp = path.as_os_str().to_owned();
         tmp.push(".tmp");

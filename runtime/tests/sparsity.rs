@@ -6,7 +6,7 @@ use std::path::PathBuf;
 
 use leanstream_runtime::model::Model;
 use leanstream_runtime::perplexity::{perplexity, perplexity_with};
-use leanstream_runtime::sparsity::{calibrate, Sparsifier};
+use leanstream_runtime::sparsity::{calibrate, calibrate_run, CalibrationRun, Sparsifier};
 use leanstream_runtime::synthetic::SyntheticSpec;
 
 /// Each test writes its own file: tests run in parallel.
@@ -21,6 +21,29 @@ fn model(name: &str) -> Model {
 fn text() -> String {
     let p = concat!(env!("CARGO_MANIFEST_DIR"), "/../data/text/apache-2.0.txt");
     std::fs::read_to_string(p).unwrap()[..3000].to_string()
+}
+
+/// A token limit runs the first tokens of the text only: the same windows
+/// as calibrating on those tokens alone.
+#[test]
+fn calibration_stops_at_its_token_limit() {
+    let model = model("calibrate_limit.gguf");
+    let text = text();
+    let run = CalibrationRun {
+        ctx: 64,
+        max_tokens: Some(200),
+        progress: false,
+    };
+    let limited = calibrate_run(&model, &text, run, &[0.5]).unwrap();
+    assert_eq!(limited.tokens, 200);
+    let tokens = model.tokenizer.encode(&text, true, false);
+    let windows: Vec<&[u32]> = tokens[..200].chunks(64).collect();
+    let same = leanstream_runtime::sparsity::calibrate_windows(&model, &windows, &[0.5], false).unwrap();
+    assert_eq!(limited.levels, same.levels);
+    assert_eq!(limited.neuron_scores, same.neuron_scores);
+    let all = calibrate(&model, &text, 64, &[0.5]).unwrap();
+    assert!(all.tokens > 1000);
+    assert_ne!(all.neuron_scores, limited.neuron_scores);
 }
 
 #[test]

@@ -20,7 +20,7 @@
 
 use std::path::Path;
 
-use indicatif::{ProgressBar, ProgressStyle};
+use indicatif::ProgressBar;
 use leanstream_profiler::activations::read::{Rows, Trace};
 use leanstream_profiler::activations::Array;
 use leanstream_runtime::flash::format::check_permutation;
@@ -398,13 +398,10 @@ fn two_opt(order: &mut [u32], d: &[u32], n: usize, max_passes: usize) {
 }
 
 fn bar(len: u64, show: bool, msg: &str) -> ProgressBar {
-    if !show {
-        return ProgressBar::hidden();
-    }
-    let pb = ProgressBar::new(len);
-    pb.set_style(
-        ProgressStyle::with_template("{msg} {bar:40} {pos}/{len} layers [{elapsed_precise}, eta {eta}]")
-            .unwrap_or_else(|_| ProgressStyle::default_bar()),
+    let pb = leanstream_runtime::progress::bar(
+        len,
+        show,
+        "{msg} {bar:40} {pos}/{len} layers [{elapsed_precise}, eta {eta}]",
     );
     pb.set_message(msg.to_string());
     pb

@@ -1,7 +1,6 @@
 //! Controller synthesis: every grid state solved in parallel, compiled into a
 //! [`ControlTable`].
 
-use indicatif::{ProgressBar, ProgressStyle};
 use leanstream_runtime::control::{Axis, AxisKind, ControlState, ControlTable, Provenance};
 use rayon::prelude::*;
 use serde::Serialize;
@@ -106,15 +105,7 @@ fn solve_instance(cfg: &SynthConfig, inst: &Instance) -> Result<usize> {
 pub fn synthesize(cfg: &SynthConfig, fitted: &Fitted, progress: bool) -> Result<ControlTable> {
     let (env, axes) = env_for(cfg, fitted)?;
     let n: usize = axes.iter().map(Axis::bins).product();
-    let pb = if progress {
-        let pb = ProgressBar::new(n as u64);
-        if let Ok(st) = ProgressStyle::with_template("{bar:40} {pos}/{len} states  {elapsed} eta {eta}") {
-            pb.set_style(st);
-        }
-        pb
-    } else {
-        ProgressBar::hidden()
-    };
+    let pb = leanstream_runtime::progress::bar(n as u64, progress, "{bar:40} {pos}/{len} states  {elapsed} eta {eta}");
     let codes = (0..n)
         .into_par_iter()
         .map(|i| {

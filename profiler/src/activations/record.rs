@@ -7,7 +7,6 @@ use std::path::{Path, PathBuf};
 use std::sync::atomic::Ordering;
 
 use half::f16;
-use indicatif::{ProgressBar, ProgressStyle};
 use leanstream_runtime::fetch::sha256_file;
 use leanstream_runtime::model::{FfnBy, LayerAt, LayerHook, Model};
 use leanstream_runtime::sparsity::calibrate_windows;
@@ -272,7 +271,7 @@ pub fn record(opts: &RecordOptions) -> Result<Manifest> {
             "calibrating on {} training tokens ...",
             windows.iter().map(|w| w.len()).sum::<usize>()
         );
-        let cal = calibrate_windows(&model, &windows, &LEVELS)?;
+        let cal = calibrate_windows(&model, &windows, &LEVELS, opts.progress)?;
         let scores: Vec<f32> = cal.neuron_scores.concat();
         npy::write_f32(&scores_path, &[n_layer, f], &scores)?;
         let hot = hot_mask(&cal.neuron_scores, opts.hot_fraction);
@@ -293,14 +292,10 @@ pub fn record(opts: &RecordOptions) -> Result<Manifest> {
 
     let total: usize = manifest.splits.iter().map(|s| s.planned_tokens).sum();
     let done: usize = manifest.splits.iter().map(Split::recorded_tokens).sum();
-    let bar = if opts.progress {
-        ProgressBar::new(total as u64)
-    } else {
-        ProgressBar::hidden()
-    };
-    bar.set_style(
-        ProgressStyle::with_template("activations {bar:30} {pos}/{len} tokens, {per_sec}, ETA {eta} {msg}")
-            .expect("static template"),
+    let bar = leanstream_runtime::progress::bar(
+        total as u64,
+        opts.progress,
+        "activations {bar:30} {pos}/{len} tokens, {per_sec}, ETA {eta} {msg}",
     );
     bar.set_position(done as u64);
     let mut st = model.new_state(opts.ctx, opts.ctx, 1);

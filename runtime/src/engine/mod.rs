@@ -24,6 +24,7 @@ pub mod trace;
 
 use std::os::unix::fs::FileExt;
 use std::path::Path;
+use std::sync::Arc;
 
 use leanstream_kernels::sparse_ffn::{tiles, BundleFormat, DownLayout};
 
@@ -35,7 +36,7 @@ use crate::{Result, RuntimeError};
 
 pub use policy::Policy;
 use policy::{FfnPolicy, LayerCall};
-pub use stream::{CachePolicy, LandedRun, Streamer, Want};
+pub use stream::{CachePolicy, HeldPrefix, LandedRun, Streamer, Want};
 use tail::{Resident, Source, Tail};
 pub use trace::{ActiveTrace, TraceCursor};
 
@@ -94,11 +95,7 @@ impl FlashModel {
             .expect("a freshly opened file has its resident image");
         let model = Model::from_gguf_without_ffn(gguf)?;
         let formats = (0..flash.n_layer())
-            .map(|l| {
-                let b = flash.layout(l);
-                BundleFormat::new(b.gate_type, b.up_type, b.down_type, b.down_layout, model.config.n_embd)
-                    .map_err(RuntimeError::from)
-            })
+            .map(|l| flash.layout(l).format(model.config.n_embd))
             .collect::<Result<Vec<_>>>()?;
         Ok(Self { flash, model, formats })
     }
@@ -177,6 +174,7 @@ impl FlashModel {
             )));
         }
         let (c, words) = (&self.model.config, self.flash.n_ff().div_ceil(64));
+        let mut held = None;
         let (policy, recorder): (Box<dyn FfnPolicy>, _) = match (o.policy, o.trace, o.record) {
             (Policy::Oracle, Some(t), false) if t.n_ff() == self.flash.n_ff() => {
                 (Box::new(policy::Oracle::new(TraceCursor::new(t), words)), None)
@@ -196,14 +194,17 @@ impl FlashModel {
                 };
                 (policy, recorder)
             }
-            (Policy::GateFirst, None, false) => (
-                Box::new(policy::GateFirst::new(
-                    self.read_gate_rows()?,
-                    self.formats.clone(),
-                    c.n_embd,
-                )) as Box<dyn FfnPolicy>,
-                None,
-            ),
+            (Policy::GateFirst, None, false) => {
+                let rows = Arc::new(self.read_gate_rows()?);
+                held = Some(HeldPrefix {
+                    rows: Arc::clone(&rows),
+                    bytes: (0..n_layer).map(|l| self.flash.layout(l).gate_bytes).collect(),
+                });
+                (
+                    Box::new(policy::GateFirst::new(rows, self.formats.clone(), c.n_embd)) as Box<dyn FfnPolicy>,
+                    None,
+                )
+            }
             (p, _, _) => {
                 return Err(RuntimeError::Invalid(format!(
                     "policy {p} neither records nor replays an active-set trace"
@@ -215,16 +216,13 @@ impl FlashModel {
                 let (resident, formats) = self.read_all()?;
                 (Source::Resident(resident), formats)
             }
-            _ => (
-                Source::Stream(Box::new(Streamer::new(
-                    self,
-                    o.cache_bytes,
-                    o.cache_policy,
-                    o.merge_gap_bytes,
-                    backend,
-                )?)),
-                self.formats.clone(),
-            ),
+            _ => {
+                let mut s = Streamer::new(self, o.cache_bytes, o.cache_policy, o.merge_gap_bytes, backend)?;
+                if let Some(h) = held {
+                    s.hold_prefix(h)?;
+                }
+                (Source::Stream(Box::new(s)), self.formats.clone())
+            }
         };
         Ok(FlashEngine {
             plan: policy,

@@ -19,7 +19,7 @@ use std::collections::VecDeque;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Condvar, Mutex};
 
-use super::trace::{bit_is_set, set_bit};
+use super::trace::{bit_is_set, groups_touched, set_bit};
 use super::{EngineStats, FlashModel};
 use crate::cache::{CacheShape, EvictionPolicy, Lru, NeuronCache, NeuronFreq, SlidingWindow, StaticHot};
 use crate::flash::io::{ArrivalLog, Delivery, IoConfig, IoEngine, IoWorker, Request, Sink};
@@ -121,6 +121,19 @@ impl StagingBuf {
     }
 }
 
+impl StagingBuf {
+    /// Writes `src` at `at`.
+    ///
+    /// # Safety
+    /// No read has been asked to land on these bytes in the stage's current
+    /// use (so the I/O thread does not write them) and compute does not read
+    /// them before this returns.
+    unsafe fn write(&self, at: usize, src: &[u8]) {
+        assert!(at + src.len() <= self.len(), "staging range");
+        std::ptr::copy_nonoverlapping(src.as_ptr(), self.ptr.add(at), src.len());
+    }
+}
+
 impl Drop for StagingBuf {
     fn drop(&mut self) {
         // SAFETY: allocated in `new` with this layout.
@@ -206,8 +219,19 @@ struct Stage {
     taken: usize,
 }
 
+/// Each layer's leading bundle part that a policy holds in memory (the
+/// gate rows of `gate-first`), so reads start after it and compute fills
+/// it in from here: per layer, the parts of every neuron in id order.
+#[derive(Clone)]
+pub struct HeldPrefix {
+    pub rows: Arc<Vec<Vec<u8>>>,
+    /// Per layer, the bytes of each neuron's part.
+    pub bytes: Vec<usize>,
+}
+
 pub struct Streamer {
     io: IoWorker,
+    held: Option<HeldPrefix>,
     landings: Arc<Landings>,
     cache: NeuronCache,
     budget: u64,
@@ -359,6 +383,7 @@ impl Streamer {
             merge_gap_bytes,
             bytes_needed: 0,
             io,
+            held: None,
             landings,
             cache,
             budget,
@@ -376,6 +401,24 @@ impl Streamer {
             seq: 0,
             wait_ns: 0,
         })
+    }
+
+    /// From now on reads skip the part of each bundle that `held` has (a
+    /// run's first bundle is then completed from it when it lands; the
+    /// bundles inside a run are read whole, which is cheaper than a request
+    /// per bundle).
+    pub fn hold_prefix(&mut self, held: HeldPrefix) -> Result<()> {
+        let n = self.bundle_bytes.len();
+        let fits = held.rows.len() == n
+            && held.bytes.len() == n
+            && (0..n).all(|l| held.bytes[l] < self.bundle_bytes[l] && held.rows[l].len() == held.bytes[l] * self.n_ff);
+        if !fits {
+            return Err(RuntimeError::Invalid(
+                "held bundle prefixes do not match the file's layers".into(),
+            ));
+        }
+        self.held = Some(held);
+        Ok(())
     }
 
     /// Whether reads bypass the page cache (O_DIRECT).
@@ -460,10 +503,8 @@ impl Streamer {
         if let (Want::Set(bits), true) = (want, g > 1) {
             let mut grouped = std::mem::take(&mut self.grouped);
             grouped.fill(0);
-            for grp in 0..self.n_ff / g {
-                if (grp * g..(grp + 1) * g).any(|i| bit_is_set(bits, i)) {
-                    (grp * g..(grp + 1) * g).for_each(|i| set_bit(&mut grouped, i));
-                }
+            for grp in groups_touched(bits, self.n_ff, g) {
+                (grp * g..(grp + 1) * g).for_each(|i| set_bit(&mut grouped, i));
             }
             let r = self.request_exact(l, Want::Set(&grouped));
             self.grouped = grouped;
@@ -490,7 +531,7 @@ impl Streamer {
         s.taken = 0;
         s.pinned.clear();
         s.runs.clear();
-        let bb = self.bundle_bytes[l];
+        let (bb, skip) = (self.bundle_bytes[l], self.held.as_ref().map_or(0, |h| h.bytes[l]));
         let rule = RunRule::new(bb, self.max_run_bytes, self.merge_gap_bytes);
         for (p, &i) in self.placement[l].iter().enumerate() {
             let i = i as usize;
@@ -504,18 +545,18 @@ impl Streamer {
                 continue;
             }
             s.requested[i] = true;
-            self.bytes_needed += bb as u64;
+            self.bytes_needed += (bb - skip) as u64;
             rule.push(&mut s.runs, p);
         }
         let (base, seq) = (self.layer_offset[l], self.seq);
         self.io.read(s.runs.iter().enumerate().map(|(r, &(p0, n))| {
             let req = Request {
                 id: Self::request_id(k, r),
-                offset: base + (p0 * bb) as u64,
-                len: (n * bb) as u32,
+                offset: base + (p0 * bb + skip) as u64,
+                len: (n * bb - skip) as u32,
                 priority: seq,
             };
-            (req, (p0 * bb) as u64)
+            (req, (p0 * bb + skip) as u64)
         }));
         self.queue.push_back(k);
         Ok(())
@@ -634,6 +675,12 @@ impl Streamer {
         s.taken += 1;
         let (p0, n) = s.runs[r];
         let bb = self.bundle_bytes[l];
+        if let Some(h) = &self.held {
+            let (hb, i) = (h.bytes[l], self.placement[l][p0] as usize);
+            // SAFETY: the run's read starts after this prefix, so no read
+            // lands on it, and compute takes the run only below.
+            unsafe { landing.buf.write(p0 * bb, &h.rows[l][i * hb..(i + 1) * hb]) };
+        }
         let neurons = &self.placement[l][p0..p0 + n];
         for &i in neurons {
             if s.requested[i as usize] {

@@ -403,10 +403,9 @@ impl Tail {
                 let n_groups = self.n_ff / g;
                 match want {
                     None => self.ids.extend(0..n_groups as u32),
-                    Some(w) => self.ids.extend(
-                        (0..n_groups as u32)
-                            .filter(|&grp| (grp as usize * g..(grp as usize + 1) * g).any(|i| bit_is_set(w, i))),
-                    ),
+                    Some(w) => self
+                        .ids
+                        .extend(super::trace::groups_touched(w, self.n_ff, g).map(|grp| grp as u32)),
                 }
                 self.down_tiles.run(f, &self.ids, a, self.n_ff, bundle, y)?;
             }

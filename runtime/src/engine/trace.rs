@@ -183,6 +183,12 @@ pub fn set_bits(bits: &[u64]) -> impl Iterator<Item = usize> + '_ {
     })
 }
 
+/// The groups of `g` consecutive neurons (of `n_ff`) with a bit set in
+/// `bits`: where neurons share down tiles, a wanted neuron brings its group.
+pub fn groups_touched(bits: &[u64], n_ff: usize, g: usize) -> impl Iterator<Item = usize> + '_ {
+    (0..n_ff / g).filter(move |grp| (grp * g..(grp + 1) * g).any(|i| bit_is_set(bits, i)))
+}
+
 #[inline]
 pub fn bit_is_set(bits: &[u64], i: usize) -> bool {
     bits[i / 64] & (1 << (i % 64)) != 0

@@ -69,7 +69,7 @@ use std::io::Read;
 use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
 
-use leanstream_kernels::sparse_ffn::{tiles, DownLayout};
+use leanstream_kernels::sparse_ffn::{tiles, BundleFormat, DownLayout};
 use leanstream_kernels::GgmlType;
 use sha2::{Digest, Sha256};
 
@@ -185,6 +185,17 @@ pub struct BundleLayout {
 }
 
 impl BundleLayout {
+    /// The kernels' view of this bundle for a model of width `n_embd`.
+    pub fn format(&self, n_embd: usize) -> Result<BundleFormat> {
+        Ok(BundleFormat::new(
+            self.gate_type,
+            self.up_type,
+            self.down_type,
+            self.down_layout,
+            n_embd,
+        )?)
+    }
+
     /// Bytes of a whole bundle.
     pub fn bundle_bytes(&self) -> usize {
         self.gate_bytes + self.up_bytes + self.down_bytes

@@ -12,7 +12,6 @@ use std::os::unix::io::AsRawFd;
 use std::path::{Path, PathBuf};
 use std::time::Instant;
 
-use indicatif::{ProgressBar, ProgressStyle};
 use leanstream_kernels::dequant::dequantize_row;
 use leanstream_kernels::quantize::quantize_row;
 use leanstream_kernels::sparse_ffn::{tiles, DownLayout};
@@ -133,13 +132,10 @@ pub fn order_groups_by_score(scores: &[Vec<f32>], groups: &[usize]) -> Vec<Vec<u
 pub fn neuron_groups(gguf_path: &Path, down: DownType) -> Result<Vec<usize>> {
     let g = GgufFile::open(gguf_path)?;
     let c = Config::from_gguf(&g)?;
-    Ok(bundle_layouts(&g, &c, down)?
+    bundle_layouts(&g, &c, down)?
         .iter()
-        .map(|l| match l.down_layout {
-            DownLayout::Columns | DownLayout::Matrix => 1,
-            DownLayout::Tiles => l.down_type.block_size(),
-        })
-        .collect())
+        .map(|l| Ok(l.format(c.n_embd)?.group()))
+        .collect()
 }
 
 fn ffn_name(l: usize, part: &str) -> String {
@@ -320,13 +316,10 @@ fn write_file(g: &GgufFile, tmp_path: &Path, header: &mut Header, resident: &[u8
     at += resident.len() as u64;
 
     let (n_embd, n_ff) = (header.n_embd as usize, header.n_ff as usize);
-    let bar = if progress {
-        ProgressBar::new(header.layers.len() as u64)
-    } else {
-        ProgressBar::hidden()
-    };
-    bar.set_style(
-        ProgressStyle::with_template("pack {bar:30} {pos}/{len} layers, ETA {eta}").expect("static template"),
+    let bar = crate::progress::bar(
+        header.layers.len() as u64,
+        progress,
+        "pack {bar:30} {pos}/{len} layers, ETA {eta}",
     );
     let mut down_t = Vec::new();
     let mut down_tiles = Vec::new();

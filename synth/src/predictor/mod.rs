@@ -13,7 +13,6 @@ pub mod hashing;
 pub mod lowrank;
 mod numeric;
 
-use indicatif::{ProgressBar, ProgressStyle};
 use leanstream_profiler::activations::read::Trace;
 use leanstream_profiler::activations::Array;
 use leanstream_runtime::predict::{Predictor, PredictorConfig, PredictorLayer};
@@ -170,13 +169,10 @@ pub fn train(trace: &Trace, o: &TrainOptions) -> Result<Trained> {
     hcfg.validate(std::path::Path::new("<training settings>"))?;
     let rank = equal_size_rank(dm, n_ff, o.group, hcfg.layer_bytes());
     let lcfg = PredictorConfig::low_rank(dm, n_ff, o.group, n_layer, rank);
-    let bar = if o.progress {
-        ProgressBar::new(n_layer as u64)
-    } else {
-        ProgressBar::hidden()
-    };
-    bar.set_style(
-        ProgressStyle::with_template("predictor {bar:30} {pos}/{len} layers, ETA {eta}").expect("static template"),
+    let bar = leanstream_runtime::progress::bar(
+        n_layer as u64,
+        o.progress,
+        "predictor {bar:30} {pos}/{len} layers, ETA {eta}",
     );
     let outs: Vec<LayerOut> = (0..n_layer)
         .into_par_iter()

@@ -15,7 +15,7 @@ use leanstream_runtime::generate::{generate_with, ChatTemplate, Sampler, Sampler
 use leanstream_runtime::model::{DenseFfn, LayerHook, Model};
 use leanstream_runtime::perplexity::perplexity_with;
 use leanstream_runtime::session::{Session, StreamSettings};
-use leanstream_runtime::sparsity::{calibrate, Calibration, Sparsifier};
+use leanstream_runtime::sparsity::{calibrate_run, Calibration, CalibrationRun, Sparsifier};
 use leanstream_runtime::synthetic;
 use leanstream_runtime::tokenizer::StreamDecoder;
 
@@ -102,6 +102,9 @@ enum Cmd {
         sparsity: Vec<f32>,
         #[arg(long, default_value_t = 256)]
         ctx: usize,
+        /// Run at most this many tokens of the text (calibration costs a dense prefill of them).
+        #[arg(long)]
+        max_tokens: Option<usize>,
         #[arg(short = 'o', long)]
         output: PathBuf,
     },
@@ -134,6 +137,10 @@ enum Cmd {
         /// Context of the calibration windows.
         #[arg(long, default_value_t = 256)]
         calib_ctx: usize,
+        /// Calibrate on at most this many tokens of the text (the cost is a
+        /// dense prefill of them: ~4 minutes for 2k tokens at 7B on 2 cores).
+        #[arg(long, default_value_t = 4096)]
+        calib_tokens: usize,
         /// Store the thresholds of a calibration file (from `leanstream calibrate`).
         #[arg(long)]
         calibration: Option<PathBuf>,
@@ -158,6 +165,26 @@ enum Cmd {
         /// Override the layer count (for quick tests).
         #[arg(long)]
         layers: Option<usize>,
+    },
+    /// The flash I/O engine's read throughput at one request size and queue depth (JSON).
+    BenchIo {
+        /// Any file (an .lsflash file, a GGUF).
+        #[arg(long)]
+        file: PathBuf,
+        /// Bytes per request (a multiple of 4 KiB).
+        #[arg(long, default_value = "4KiB")]
+        bs: String,
+        /// Requests outstanding at once.
+        #[arg(long, default_value_t = 32)]
+        depth: usize,
+        #[arg(long, default_value_t = 5.0)]
+        seconds: f64,
+        /// Read front to back instead of at random aligned offsets.
+        #[arg(long)]
+        sequential: bool,
+        /// auto, uring or pread.
+        #[arg(long, default_value = "auto")]
+        backend: leanstream_runtime::flash::io::BackendKind,
     },
     /// Download a known model into the cache and print its path.
     Fetch {
@@ -313,11 +340,17 @@ fn real_main(cli: Cli) -> Result<()> {
             file,
             sparsity,
             ctx,
+            max_tokens,
             output,
         } => {
             let model = load(&model_arg)?;
             let text = std::fs::read_to_string(&file).with_context(|| format!("reading {}", file.display()))?;
-            let c = calibrate(&model, &text, ctx, &sparsity)?;
+            let run = CalibrationRun {
+                ctx,
+                max_tokens,
+                progress: std::io::stderr().is_terminal(),
+            };
+            let c = calibrate_run(&model, &text, run, &sparsity)?;
             let tokens = c.tokens;
             let cal = Calibration {
                 model: model.gguf.path().display().to_string(),
@@ -344,13 +377,18 @@ fn real_main(cli: Cli) -> Result<()> {
             calibrate,
             sparsities,
             calib_ctx,
+            calib_tokens,
             calibration,
             hot_first,
         } => {
             let thresholds = ThresholdSource {
                 text: calibrate,
                 sparsities,
-                ctx: calib_ctx,
+                run: CalibrationRun {
+                    ctx: calib_ctx,
+                    max_tokens: Some(calib_tokens),
+                    progress: std::io::stderr().is_terminal(),
+                },
                 file: calibration,
             };
             pack(&model, &out, down, placement.as_deref(), &thresholds, hot_first)
@@ -378,6 +416,27 @@ fn real_main(cli: Cli) -> Result<()> {
             );
             Ok(())
         }
+        Cmd::BenchIo {
+            file,
+            bs,
+            depth,
+            seconds,
+            sequential,
+            backend,
+        } => {
+            let request_bytes = leanstream_runtime::cache::parse_bytes(&bs).with_context(|| format!("--bs {bs}"))?;
+            let b = leanstream_runtime::flash::io::ReadBench {
+                request_bytes: request_bytes as usize,
+                depth,
+                duration: std::time::Duration::from_secs_f64(seconds.max(0.0)),
+                sequential,
+                backend,
+                seed: 1,
+            };
+            let r = leanstream_runtime::flash::io::read_benchmark(&file, &b)?;
+            println!("{}", serde_json::to_string_pretty(&r)?);
+            Ok(())
+        }
         Cmd::Fetch { name } => {
             let m = fetch::known_model(&name).with_context(|| {
                 let names: Vec<_> = fetch::KNOWN_MODELS.iter().map(|m| m.name).collect();
@@ -394,7 +453,7 @@ fn real_main(cli: Cli) -> Result<()> {
 struct ThresholdSource {
     text: Option<PathBuf>,
     sparsities: Vec<f32>,
-    ctx: usize,
+    run: CalibrationRun,
     file: Option<PathBuf>,
 }
 
@@ -407,7 +466,7 @@ impl ThresholdSource {
                 let text =
                     std::fs::read_to_string(text_path).with_context(|| format!("reading {}", text_path.display()))?;
                 let t = Instant::now();
-                let c = calibrate(&model, &text, self.ctx, &self.sparsities)?;
+                let c = calibrate_run(&model, &text, self.run, &self.sparsities)?;
                 eprintln!(
                     "calibrated {} sparsity levels on {} tokens of {} in {:.1} s",
                     c.levels.len(),

@@ -1,11 +1,13 @@
 //! `gate-first`: the gate rows stay resident; after attention the exact
 //! `|act(g)|` of every neuron decides which bundles to read, then compute
-//! takes them as they land. No cross-layer overlap: the cost of precise
-//! decisions.
+//! takes them as they land. Reads skip the gate rows it holds (the streamer
+//! fills them in, [`HeldPrefix`](crate::engine::stream::HeldPrefix)). No
+//! cross-layer overlap: the cost of precise decisions.
 
 use leanstream_kernels::sparse_ffn::{gate_dot, BundleFormat, FfnInput};
 use leanstream_kernels::ActBuffer;
 use rayon::prelude::*;
+use std::sync::Arc;
 
 use super::{streamer, FfnPolicy, LayerCall, Plan, Policy};
 use crate::engine::stream::Want;
@@ -18,7 +20,7 @@ const TASK: usize = 128;
 
 pub(crate) struct GateFirst {
     /// Per layer, the gate rows in neuron order.
-    gate_rows: Vec<Vec<u8>>,
+    gate_rows: Arc<Vec<Vec<u8>>>,
     formats: Vec<BundleFormat>,
     /// The rows converted for the gate and up dot types (`FfnInput` wants both).
     gate_acts: ActBuffer,
@@ -33,7 +35,7 @@ pub(crate) struct GateFirst {
 }
 
 impl GateFirst {
-    pub(crate) fn new(gate_rows: Vec<Vec<u8>>, formats: Vec<BundleFormat>, n_embd: usize) -> Self {
+    pub(crate) fn new(gate_rows: Arc<Vec<Vec<u8>>>, formats: Vec<BundleFormat>, n_embd: usize) -> Self {
         Self {
             gate_rows,
             formats,

@@ -13,6 +13,7 @@
 //! [`FaultyBackend`] wraps either to inject errors and short reads in tests.
 
 mod backend;
+mod bench;
 mod pool;
 mod pread;
 mod request;
@@ -29,6 +30,7 @@ use std::sync::atomic::{AtomicBool, AtomicU8, Ordering};
 use std::sync::Arc;
 
 pub use backend::{Backend, Fault, FaultyBackend, ReadOp, ReadResult};
+pub use bench::{read_benchmark, ReadBench, ReadBenchReport};
 pub use pool::Completed;
 pub use pread::PreadBackend;
 pub use request::Request;
@@ -50,6 +52,18 @@ pub enum BackendKind {
     Uring,
     /// The pread thread pool.
     Pread,
+}
+
+impl std::str::FromStr for BackendKind {
+    type Err = String;
+    fn from_str(s: &str) -> std::result::Result<Self, String> {
+        match s {
+            "auto" => Ok(Self::Auto),
+            "uring" | "io_uring" => Ok(Self::Uring),
+            "pread" => Ok(Self::Pread),
+            other => Err(format!("unknown I/O backend '{other}' (expected auto, uring or pread)")),
+        }
+    }
 }
 
 /// Engine settings.
