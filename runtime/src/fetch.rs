@@ -82,6 +82,34 @@ pub fn local_model_path(name: &str) -> Option<PathBuf> {
     }
 }
 
+/// Set to 1 on an offline machine: tests that need a reference model then
+/// skip (printing SKIPPED) instead of failing when it is missing.
+pub const ALLOW_MISSING_MODELS: &str = "LEANSTREAM_ALLOW_MISSING_MODELS";
+
+/// A reference model for the tests: its path when the file is there. When
+/// it is not, an error naming where it was looked for, unless
+/// [`ALLOW_MISSING_MODELS`] is 1: then a printed SKIPPED line and `None`.
+pub fn reference_model(name: &str) -> Result<Option<PathBuf>> {
+    let path = local_model_path(name).ok_or_else(|| {
+        RuntimeError::Invalid(format!("unknown reference model '{name}' (expected smollm2 or gemma3)"))
+    })?;
+    if path.is_file() {
+        return Ok(Some(path));
+    }
+    let how = format!(
+        "{name} model not found at {} (run `leanstream fetch {name}` or set LEANSTREAM_{})",
+        path.display(),
+        name.to_uppercase()
+    );
+    if std::env::var(ALLOW_MISSING_MODELS).is_ok_and(|v| v == "1") {
+        eprintln!("SKIPPED: {how}; {ALLOW_MISSING_MODELS}=1");
+        return Ok(None);
+    }
+    Err(RuntimeError::Invalid(format!(
+        "{how}; set {ALLOW_MISSING_MODELS}=1 to skip the tests that need it"
+    )))
+}
+
 /// A `--model` argument: a known model's name (fetched on first use) or a path.
 pub fn resolve_model(arg: &str) -> Result<PathBuf> {
     match known_model(arg) {

@@ -173,20 +173,52 @@ fn missing_file_names_it() {
 #[test]
 fn lookup_picks_the_bin_of_each_axis() {
     let t = sample();
-    for idx in 0..t.n_states() {
-        // The cell's center maps back to the cell.
-        let s = state_at(&t.axes, idx);
-        assert_eq!(t.state_index(&s), idx);
-        assert_eq!(*t.lookup(&s), t.codebook[t.codes[idx] as usize]);
+    // Indices worked out by hand from the axes of `sample`: bins 3, 2, 3, 2,
+    // 3 with thresholds halfway between centers (queued 5e4, 2e5; missing
+    // 3e5; bandwidth 5.5e8, 1.5e9; compute 75; position 0.4, 0.775). A value
+    // on a threshold belongs to the bin above it; below the first
+    // threshold, NaN and beyond the last clamp to the edge bins.
+    let cases = [
+        // bins (2, 1, 0, 0, 2): 2e5 sits on a threshold.
+        (
+            ControlState {
+                queued_bytes: 2e5,
+                missing_bytes: 5e5,
+                read_bw_bytes_s: 5e8,
+                compute_ns_per_neuron: 10.0,
+                layer_position: 0.99,
+            },
+            92,
+        ),
+        // bins (0, 1, 0, 1, 2): out of range and NaN.
+        (
+            ControlState {
+                queued_bytes: -1.0,
+                missing_bytes: 1e12,
+                read_bw_bytes_s: f64::NAN,
+                compute_ns_per_neuron: 1e9,
+                layer_position: 2.0,
+            },
+            23,
+        ),
+        // bins (2, 0, 2, 0, 0).
+        (
+            ControlState {
+                queued_bytes: 3e5,
+                missing_bytes: 0.0,
+                read_bw_bytes_s: 2e9,
+                compute_ns_per_neuron: 50.0,
+                layer_position: 0.1,
+            },
+            84,
+        ),
+    ];
+    for (s, want) in cases {
+        assert_eq!(t.state_index(&s), want, "{s:?}");
+        assert_eq!(*t.lookup(&s), t.codebook[want * 7 % 5], "{s:?}");
     }
-    // Out of range values clamp to the edge bins.
-    let s = ControlState {
-        queued_bytes: -1.0,
-        missing_bytes: 1e12,
-        read_bw_bytes_s: f64::NAN,
-        compute_ns_per_neuron: 1e9,
-        layer_position: 2.0,
-    };
-    let i = t.state_index(&s);
-    assert!(i < t.n_states());
+    // Each cell's center maps back to the cell.
+    for idx in 0..t.n_states() {
+        assert_eq!(t.state_index(&state_at(&t.axes, idx)), idx);
+    }
 }

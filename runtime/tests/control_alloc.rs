@@ -42,15 +42,15 @@ fn lookup_does_not_allocate() {
         provenance: Provenance::default(),
         codes: (0..4usize.pow(5)).map(|i| (i % 3) as u8).collect(),
         axes,
-        codebook: vec![
-            Action {
+        // Distinct depths, so the sum below depends on which actions were found.
+        codebook: (0..3)
+            .map(|i| Action {
                 stages: 1,
-                queue_depth: 4,
+                queue_depth: 4 << i,
                 prefetch_breadth: 1.0,
                 deadline_factor: 2.0,
-            };
-            3
-        ],
+            })
+            .collect(),
     };
     let states: Vec<ControlState> = (0..64)
         .map(|i| ControlState {
@@ -61,12 +61,20 @@ fn lookup_does_not_allocate() {
             layer_position: i as f64 / 64.0,
         })
         .collect();
+    let want: u32 = states
+        .iter()
+        .map(|s| table.codebook[table.codes[table.state_index(s)] as usize].queue_depth as u32)
+        .sum();
     let before = ALLOCS.load(Ordering::SeqCst);
     let mut acc = 0u32;
     for s in &states {
         acc += table.lookup(std::hint::black_box(s)).queue_depth as u32;
     }
     let after = ALLOCS.load(Ordering::SeqCst);
-    assert_eq!(acc, 4 * 64);
+    assert_eq!(acc, want);
+    assert!(
+        acc != 4 * 64 && acc != 16 * 64,
+        "the states cover more than one action: {acc}"
+    );
     assert_eq!(after, before, "lookup allocated");
 }

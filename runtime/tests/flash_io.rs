@@ -9,7 +9,8 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 
 use leanstream_runtime::flash::io::{
-    make_backend, BackendKind, Fault, FaultyBackend, IoConfig, IoEngine, ReadyFlags, Request, UringBackend,
+    make_backend, read_benchmark, BackendKind, Fault, FaultyBackend, IoConfig, IoEngine, ReadBench, ReadyFlags,
+    Request, UringBackend,
 };
 
 /// The byte at file offset `i`.
@@ -292,7 +293,9 @@ fn ready_flags_hand_bundles_to_another_thread() {
             std::thread::spawn(move || {
                 let mut seen = vec![false; N as usize];
                 let mut count = 0;
-                while count < N && !stop.load(Ordering::Relaxed) {
+                // A lost hand-off fails the test instead of hanging it.
+                let deadline = std::time::Instant::now() + std::time::Duration::from_secs(60);
+                while count < N && !stop.load(Ordering::Relaxed) && std::time::Instant::now() < deadline {
                     for id in 0..N {
                         if published.take(id) {
                             assert!(!seen[id as usize], "bundle {id} seen twice");
@@ -338,7 +341,12 @@ fn ready_flags_hand_bundles_to_another_thread() {
                 })
                 .unwrap();
         }
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(60);
         while !engine.is_idle() {
+            if std::time::Instant::now() > deadline {
+                stop.store(true, Ordering::Relaxed);
+                panic!("{kind:?}: reads still outstanding after 60 s: a hand-off was lost");
+            }
             // With every buffer held by the consumer, poll returns at once:
             // wait for it to release some.
             if engine.poll(true).unwrap() == 0 {
@@ -352,8 +360,7 @@ fn ready_flags_hand_bundles_to_another_thread() {
             }
         }
         let count = consumer.join().unwrap();
-        stop.store(true, Ordering::Relaxed);
-        assert_eq!(count, N);
+        assert_eq!(count, N, "{kind:?}: bundles handed over");
         assert!(engine.stats().reads_issued < N as u64, "neighbouring bundles coalesce");
     }
 }
@@ -444,6 +451,28 @@ fn short_reads_are_completed() {
     }
 }
 
+/// Whether an aligned O_DIRECT read of `path` succeeds, probed apart from the engine.
+fn direct_read_works_here(path: &Path) -> bool {
+    use std::os::fd::AsRawFd;
+    use std::os::unix::fs::OpenOptionsExt;
+    let Ok(f) = std::fs::OpenOptions::new()
+        .read(true)
+        .custom_flags(libc::O_DIRECT)
+        .open(path)
+    else {
+        return false;
+    };
+    let layout = std::alloc::Layout::from_size_align(4096, 4096).unwrap();
+    // SAFETY: a 4096-byte, 4096-aligned buffer, freed below.
+    let buf = unsafe { std::alloc::alloc(layout) };
+    assert!(!buf.is_null());
+    // SAFETY: buf is valid for 4096 bytes.
+    let n = unsafe { libc::pread(f.as_raw_fd(), buf.cast(), 4096, 0) };
+    // SAFETY: allocated above with this layout.
+    unsafe { std::alloc::dealloc(buf, layout) };
+    n == 4096
+}
+
 #[test]
 fn o_direct_falls_back_to_buffered_where_refused() {
     let len = 1 << 20;
@@ -453,9 +482,12 @@ fn o_direct_falls_back_to_buffered_where_refused() {
     }
     for (dir, what) in places {
         let path = make_file(&dir, "direct.bin", len);
+        let direct_works = direct_read_works_here(&path);
         for kind in backends() {
             let mut engine = IoEngine::open(&path, cfg(kind)).unwrap();
             eprintln!("{what}: O_DIRECT {} ({})", engine.is_direct(), engine.backend_name());
+            // O_DIRECT exactly where the filesystem takes it, buffered elsewhere.
+            assert_eq!(engine.is_direct(), direct_works, "{what}");
             let reqs = far_apart(8);
             for r in &reqs {
                 engine.enqueue(*r).unwrap();
@@ -497,49 +529,46 @@ fn bad_requests_are_refused() {
     assert!(engine.wait_next().unwrap().is_none());
 }
 
-/// `cargo test --test flash_io -- --ignored --nocapture throughput`
+/// The read benchmark (`leanstream bench-io`) keeps its depth of whole
+/// requests going and counts what it read; bad settings are refused.
 #[test]
-#[ignore]
-fn throughput_128k_random_depth8() {
-    let len: u64 = 256 << 20;
-    let path = tmp_file("throughput.bin", len);
-    let n = 2048u32;
-    let mut rng = Lcg(11);
-    let reqs: Vec<Request> = (0..n)
-        .map(|id| Request {
-            id,
-            offset: (rng.next() % (len / 131072)) * 131072,
-            len: 131072,
-            priority: id,
-        })
-        .collect();
+fn read_benchmark_counts_whole_requests() {
+    let path = tmp_file("bench.bin", 4 << 20);
     for kind in backends() {
-        let mut engine = IoEngine::open(
-            &path,
-            IoConfig {
-                max_in_flight: 8,
-                pool_buffers: 16,
-                max_gap: 0,
-                max_read_bytes: 131072,
-                ..cfg(kind)
-            },
-        )
-        .unwrap();
-        let t = std::time::Instant::now();
-        for r in &reqs {
-            engine.enqueue(*r).unwrap();
+        for sequential in [false, true] {
+            let b = ReadBench {
+                request_bytes: 8192,
+                depth: 4,
+                duration: std::time::Duration::from_millis(50),
+                sequential,
+                backend: kind,
+                seed: 7,
+            };
+            let r = read_benchmark(&path, &b).unwrap();
+            assert!(r.reads > 0, "{r:?}");
+            assert_eq!(r.bytes, r.reads * 8192, "{r:?}");
+            assert!(r.bytes_per_s > 0.0 && r.iops > 0.0, "{r:?}");
         }
-        let mut bytes = 0;
-        while let Some(r) = engine.wait_next().unwrap() {
-            bytes += r.unwrap().data().len();
-        }
-        let s = t.elapsed().as_secs_f64();
-        eprintln!(
-            "{} (O_DIRECT {}): {:.0} MiB/s, {:.0} reads/s",
-            engine.backend_name(),
-            engine.is_direct(),
-            bytes as f64 / s / (1 << 20) as f64,
-            n as f64 / s
-        );
     }
+    let bad = ReadBench {
+        request_bytes: 1000,
+        depth: 4,
+        duration: std::time::Duration::from_millis(10),
+        sequential: false,
+        backend: BackendKind::Pread,
+        seed: 1,
+    };
+    let e = read_benchmark(&path, &bad).unwrap_err().to_string();
+    assert!(e.contains("1000") && e.contains("4096"), "{e}");
+    let small = tmp_file("bench_small.bin", 4096);
+    let e = read_benchmark(
+        &small,
+        &ReadBench {
+            request_bytes: 8192,
+            ..bad
+        },
+    )
+    .unwrap_err()
+    .to_string();
+    assert!(e.contains("bench_small.bin"), "{e}");
 }

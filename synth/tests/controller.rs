@@ -192,4 +192,23 @@ fn simulator_reports_every_policy() {
         assert!(r.mean_cost.is_finite() && r.mean_cost > 0.0 && r.p99_layer_us > 0.0);
         assert!((0.0..=1.0).contains(&r.skipped_mass), "{r:?}");
     }
+    // A table that always answers action k is the fixed policy k: the best
+    // of those is exactly the reported best fixed action, and the actions
+    // differ in cost (else the comparison could not tell policies apart).
+    let fixed: Vec<f64> = (0..t.codebook.len())
+        .map(|k| {
+            let mut c = t.clone();
+            c.codes.fill(k as u8);
+            compare(&c, &cfg, &f, &sim, false).unwrap()[0].mean_cost
+        })
+        .collect();
+    let best = fixed.iter().copied().fold(f64::INFINITY, f64::min);
+    assert_eq!(rows[1].mean_cost, best, "{fixed:?}");
+    assert!(fixed.iter().any(|&c| c > best), "{fixed:?}");
+    // The same seed gives the same report.
+    let again = compare(&t, &cfg, &f, &sim, true).unwrap();
+    assert_eq!(
+        again.iter().map(|r| r.mean_cost).collect::<Vec<_>>(),
+        rows.iter().map(|r| r.mean_cost).collect::<Vec<_>>()
+    );
 }

@@ -189,21 +189,37 @@ fn cli_controller_inspect_simulate_bench() {
         "simulate", "--json", "--tokens", "3", "--table", &t, "--traces", &traces,
     ];
     a.extend(small);
-    let v: serde_json::Value = serde_json::from_str(&run(&a)).unwrap();
+    let out = run(&a);
+    let v: serde_json::Value = serde_json::from_str(&out).unwrap();
     let rows = v.as_array().unwrap();
-    assert_eq!(rows.len(), 4);
+    let names: Vec<&str> = rows.iter().map(|r| r["policy"].as_str().unwrap()).collect();
+    assert_eq!(names.len(), 4, "{names:?}");
+    assert!(
+        names[0] == "table" && names[1].starts_with("best_fixed") && names[2..] == ["greedy", "online_mpc"],
+        "{names:?}"
+    );
     for r in rows {
-        for k in [
-            "policy",
-            "mean_cost",
-            "mean_layer_us",
-            "p99_layer_us",
-            "skipped_mass",
-            "wasted_bytes",
-        ] {
-            assert!(r.get(k).is_some(), "{k} missing in {r}");
+        for k in ["mean_cost", "mean_layer_us", "p99_layer_us"] {
+            assert!(r[k].as_f64().is_some_and(|v| v.is_finite() && v > 0.0), "{k} in {r}");
         }
+        let skipped = r["skipped_mass"].as_f64().unwrap();
+        assert!((0.0..=1.0).contains(&skipped), "{r}");
+        assert!(r["wasted_bytes"].as_f64().is_some_and(|v| v >= 0.0), "{r}");
+        assert!(
+            r["mean_layer_us"].as_f64() <= r["p99_layer_us"].as_f64().map(|p| p * 1.0001),
+            "{r}"
+        );
     }
+    // Deterministic for the default seed: a second run gives the same
+    // report, except the measured decision time.
+    let untimed = |text: &str| {
+        let mut v: serde_json::Value = serde_json::from_str(text).unwrap();
+        for r in v.as_array_mut().unwrap() {
+            r.as_object_mut().unwrap().remove("decide_us");
+        }
+        v
+    };
+    assert_eq!(untimed(&run(&a)), untimed(&out), "simulate is not reproducible");
     let b: serde_json::Value = serde_json::from_str(&run(&["bench", &t, "--lookups", "1000"])).unwrap();
     assert!(b["ns_per_lookup"].as_f64().unwrap() > 0.0);
     // A corrupt table is refused with its name.

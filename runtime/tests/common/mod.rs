@@ -5,22 +5,11 @@
 use std::path::PathBuf;
 
 /// Path of a reference model ("smollm2" or "gemma3"): `$LEANSTREAM_SMOLLM2` /
-/// `$LEANSTREAM_GEMMA3` when set, else the `leanstream fetch` cache under
-/// `$LEANSTREAM_HOME` (default `~/.cache/leanstream`). When the file is not
-/// there, prints a visible SKIPPED line and returns `None`.
+/// `$LEANSTREAM_GEMMA3` when set, else the `leanstream fetch` cache. A
+/// missing model fails the test unless `LEANSTREAM_ALLOW_MISSING_MODELS=1`
+/// (then a SKIPPED line and `None`).
 pub fn model_path(name: &str) -> Option<PathBuf> {
-    let path = leanstream_runtime::fetch::local_model_path(name)
-        .unwrap_or_else(|| panic!("unknown reference model '{name}' (expected smollm2 or gemma3)"));
-    if path.is_file() {
-        Some(path)
-    } else {
-        eprintln!(
-            "SKIPPED: {name} model not found at {} (set LEANSTREAM_{} or run `leanstream fetch {name}`)",
-            path.display(),
-            name.to_uppercase()
-        );
-        None
-    }
+    leanstream_runtime::fetch::reference_model(name).unwrap_or_else(|e| panic!("{e}"))
 }
 
 /// Greedy tokens and the logits before each.

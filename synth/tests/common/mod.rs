@@ -19,19 +19,10 @@ pub fn repo() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("..")
 }
 
-/// SmolLM2 from `$LEANSTREAM_SMOLLM2` or the fetch cache; `None` (with a
-/// printed SKIPPED line) when absent.
+/// SmolLM2 from `$LEANSTREAM_SMOLLM2` or the fetch cache; a missing model
+/// fails the test unless `LEANSTREAM_ALLOW_MISSING_MODELS=1` (then `None`).
 pub fn smollm2() -> Option<PathBuf> {
-    let path = leanstream_runtime::fetch::local_model_path("smollm2")?;
-    if path.is_file() {
-        Some(path)
-    } else {
-        eprintln!(
-            "SKIPPED: SmolLM2 not found at {} (set LEANSTREAM_SMOLLM2 or run `leanstream fetch smollm2`)",
-            path.display()
-        );
-        None
-    }
+    leanstream_runtime::fetch::reference_model("smollm2").unwrap_or_else(|e| panic!("{e}"))
 }
 
 pub fn record_trace(model: &Path, dir: &Path) -> Trace {
