@@ -36,7 +36,7 @@ use crate::{Result, RuntimeError};
 
 pub use policy::Policy;
 use policy::{FfnPolicy, LayerCall};
-pub use stream::{CachePolicy, HeldPrefix, LandedRun, Streamer, Want};
+pub use stream::{CachePolicy, LandedRun, Streamer, Want};
 use tail::{Resident, Source, Tail};
 pub use trace::{ActiveTrace, TraceCursor};
 
@@ -196,10 +196,7 @@ impl FlashModel {
             }
             (Policy::GateFirst, None, false) => {
                 let rows = Arc::new(self.read_gate_rows()?);
-                held = Some(HeldPrefix {
-                    rows: Arc::clone(&rows),
-                    bytes: (0..n_layer).map(|l| self.flash.layout(l).gate_bytes).collect(),
-                });
+                held = Some(Arc::clone(&rows));
                 (
                     Box::new(policy::GateFirst::new(rows, self.formats.clone(), c.n_embd)) as Box<dyn FfnPolicy>,
                     None,

@@ -119,9 +119,7 @@ impl StagingBuf {
         // SAFETY: in bounds; no writer touches a published range.
         unsafe { std::slice::from_raw_parts(self.ptr.add(range.start), range.len()) }
     }
-}
 
-impl StagingBuf {
     /// Writes `src` at `at`.
     ///
     /// # Safety
@@ -221,12 +219,12 @@ struct Stage {
 
 /// Each layer's leading bundle part that a policy holds in memory (the
 /// gate rows of `gate-first`), so reads start after it and compute fills
-/// it in from here: per layer, the parts of every neuron in id order.
-#[derive(Clone)]
-pub struct HeldPrefix {
-    pub rows: Arc<Vec<Vec<u8>>>,
-    /// Per layer, the bytes of each neuron's part.
-    pub bytes: Vec<usize>,
+/// it in from here.
+struct HeldPrefix {
+    /// Per layer, the parts of every neuron in id order.
+    rows: Arc<Vec<Vec<u8>>>,
+    /// Per layer, the bytes of one neuron's part (`rows[l].len() / n_ff`).
+    bytes: Vec<usize>,
 }
 
 pub struct Streamer {
@@ -403,21 +401,24 @@ impl Streamer {
         })
     }
 
-    /// From now on reads skip the part of each bundle that `held` has (a
-    /// run's first bundle is then completed from it when it lands; the
-    /// bundles inside a run are read whole, which is cheaper than a request
-    /// per bundle).
-    pub fn hold_prefix(&mut self, held: HeldPrefix) -> Result<()> {
+    /// From now on reads skip the leading part of each bundle that `rows`
+    /// holds (per layer, every neuron's part in id order). A run's first
+    /// bundle is then completed from it when it lands; the bundles inside a
+    /// run are read whole, which is cheaper than a request per bundle.
+    pub fn hold_prefix(&mut self, rows: Arc<Vec<Vec<u8>>>) -> Result<()> {
         let n = self.bundle_bytes.len();
-        let fits = held.rows.len() == n
-            && held.bytes.len() == n
-            && (0..n).all(|l| held.bytes[l] < self.bundle_bytes[l] && held.rows[l].len() == held.bytes[l] * self.n_ff);
+        let fits = rows.len() == n
+            && (0..n).all(|l| {
+                let len = rows[l].len();
+                len.is_multiple_of(self.n_ff) && len / self.n_ff < self.bundle_bytes[l]
+            });
         if !fits {
             return Err(RuntimeError::Invalid(
                 "held bundle prefixes do not match the file's layers".into(),
             ));
         }
-        self.held = Some(held);
+        let bytes = rows.iter().map(|r| r.len() / self.n_ff).collect();
+        self.held = Some(HeldPrefix { rows, bytes });
         Ok(())
     }
 

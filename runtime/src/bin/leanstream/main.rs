@@ -428,7 +428,8 @@ fn real_main(cli: Cli) -> Result<()> {
             let b = leanstream_runtime::flash::io::ReadBench {
                 request_bytes: request_bytes as usize,
                 depth,
-                duration: std::time::Duration::from_secs_f64(seconds.max(0.0)),
+                duration: std::time::Duration::try_from_secs_f64(seconds)
+                    .map_err(|_| anyhow::anyhow!("--seconds {seconds}: not a duration"))?,
                 sequential,
                 backend,
                 seed: 1,

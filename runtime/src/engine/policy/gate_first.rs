@@ -1,7 +1,7 @@
 //! `gate-first`: the gate rows stay resident; after attention the exact
 //! `|act(g)|` of every neuron decides which bundles to read, then compute
 //! takes them as they land. Reads skip the gate rows it holds (the streamer
-//! fills them in, [`HeldPrefix`](crate::engine::stream::HeldPrefix)). No
+//! fills them in, [`Streamer::hold_prefix`](crate::engine::Streamer::hold_prefix)). No
 //! cross-layer overlap: the cost of precise decisions.
 
 use leanstream_kernels::sparse_ffn::{gate_dot, BundleFormat, FfnInput};

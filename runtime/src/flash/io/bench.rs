@@ -12,6 +12,7 @@ use std::time::{Duration, Instant};
 use serde::Serialize;
 
 use super::{BackendKind, IoConfig, IoEngine, Request};
+use crate::generate::sampler::Rng;
 use crate::{Result, RuntimeError};
 
 /// What to measure.
@@ -74,8 +75,8 @@ pub fn read_benchmark(path: &Path, b: &ReadBench) -> Result<ReadBenchReport> {
             b.request_bytes
         )));
     }
-    // xorshift64*: a fixed sequence for a seed, no dependency.
-    let mut state = b.seed | 1;
+    // A fixed sequence of offsets for a seed.
+    let mut rng = Rng::new(b.seed);
     let mut next_slot = 0u64;
     let mut offset = move || {
         let slot = if b.sequential {
@@ -83,10 +84,7 @@ pub fn read_benchmark(path: &Path, b: &ReadBench) -> Result<ReadBenchReport> {
             next_slot = (next_slot + 1) % slots;
             s
         } else {
-            state ^= state >> 12;
-            state ^= state << 25;
-            state ^= state >> 27;
-            state.wrapping_mul(0x2545_f491_4f6c_dd1d) % slots
+            rng.next_u64() % slots
         };
         slot * b.request_bytes as u64
     };
