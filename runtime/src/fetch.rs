@@ -224,7 +224,7 @@ fn download_and_assemble(m: &KnownModel, work: &Path, dest: &Path) -> Result<()>
     Ok(())
 }
 
-fn hex(bytes: &[u8]) -> String {
+pub(crate) fn hex(bytes: &[u8]) -> String {
     bytes.iter().map(|b| format!("{b:02x}")).collect()
 }
 

@@ -2,7 +2,7 @@
 //! `.lsflash` model with its FFN engine sized to a memory budget. The CLI,
 //! the benchmarks, the tests and a server open models through this one type.
 
-use std::path::Path;
+use std::path::{Path, PathBuf};
 
 use crate::cache::{fmt_bytes, FfnBudget};
 use crate::engine::{
@@ -26,6 +26,11 @@ pub struct StreamSettings {
     pub cache_policy: Option<CachePolicy>,
     /// Default [`DEFAULT_MERGE_GAP`].
     pub merge_gap: Option<usize>,
+    /// `speculate`'s predictor (default: the one beside the model).
+    pub predictor: Option<PathBuf>,
+    /// `speculate`'s controller: a table file or `fixed:K=..,b=..,d=..,q=..`
+    /// (default: the table beside the model, else the built-in one).
+    pub controller: Option<String>,
 }
 
 impl StreamSettings {
@@ -75,7 +80,18 @@ impl StreamSettings {
         trace: Option<ActiveTrace>,
         record: bool,
     ) -> Result<FlashEngine> {
-        let trace_bytes = trace.as_ref().map_or(0, |t| t.bytes());
+        let speculation = match policy {
+            Policy::Speculate => Some(crate::artifacts::speculation(
+                fm,
+                fm.flash.path(),
+                self.predictor.as_deref(),
+                self.controller.as_deref(),
+            )?),
+            _ => None,
+        };
+        // The predictor's weights are memory like the cache's.
+        let predictor_bytes = speculation.as_ref().map_or(0, |s| s.predictor.weight_bytes() as u64);
+        let trace_bytes = trace.as_ref().map_or(0, |t| t.bytes()) + predictor_bytes;
         let has_scores = !fm.flash.header().neuron_scores.is_empty();
         fm.engine_with(EngineOptions {
             policy,
@@ -87,6 +103,7 @@ impl StreamSettings {
             level: fm.sparsity_level(self.sparsity)?,
             record,
             trace,
+            speculation,
         })
     }
 }
@@ -127,8 +144,8 @@ impl Session {
         }
         if settings.is_set() {
             return Err(RuntimeError::Invalid(format!(
-                "--policy, --ffn-budget, --mem-budget, --sparsity, --cache-policy and --merge-gap apply to \
-                 .lsflash models; {} is not one",
+                "--policy, --ffn-budget, --mem-budget, --sparsity, --cache-policy, --merge-gap, --predictor and \
+                 --controller apply to .lsflash models; {} is not one",
                 path.display()
             )));
         }

@@ -153,6 +153,7 @@ fn check_exact(fm: &FlashModel, gguf: &Run, prompt: &[u32], n: usize) {
         level: SparsityLevel::dense(fm.flash.n_layer()),
         record,
         trace,
+        speculation: None,
     };
     let mut dense = fm.engine_with(opts(Policy::Dense, 1.0, true, None)).unwrap();
     let run = greedy_flash(fm, &mut dense, prompt, n);
@@ -301,6 +302,7 @@ fn scattered(fm: &FlashModel, share: f64) -> EngineOptions {
         level: SparsityLevel::dense(fm.flash.n_layer()),
         record: false,
         trace: None,
+        speculation: None,
     }
 }
 

@@ -68,6 +68,7 @@ fn engine_cached(
         level: fm.sparsity_level(sparsity).unwrap(),
         record: trace.is_none() && matches!(policy, Policy::Dense | Policy::DenseStream),
         trace,
+        speculation: None,
     })
     .unwrap()
 }

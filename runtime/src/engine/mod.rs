@@ -17,6 +17,7 @@
 //! order ([`tail`]), so policies that keep the same neurons give
 //! bit-identical logits, whatever order the bundles arrive in.
 
+pub mod controller;
 pub mod policy;
 mod stream;
 mod tail;
@@ -32,7 +33,9 @@ use crate::cache::{CacheShape, FfnBudget, MemoryReport};
 use crate::flash::format::{LsFlash, SparsityLevel};
 use crate::flash::io::{Backend, IoConfig};
 use crate::model::{FfnBy, LayerAt, LayerHook, Model, RunState};
+use crate::predict::Predictor;
 use crate::{Result, RuntimeError};
+pub use controller::{Controller, Decisions};
 
 pub use policy::Policy;
 use policy::{FfnPolicy, LayerCall};
@@ -63,6 +66,17 @@ pub struct EngineOptions {
     pub record: bool,
     /// The recorded run an `oracle` engine replays.
     pub trace: Option<ActiveTrace>,
+    /// What drives `speculate`: its predictor and controller.
+    pub speculation: Option<Speculation>,
+}
+
+/// The artifacts of a `speculate` engine.
+#[derive(Debug, Clone)]
+pub struct Speculation {
+    pub predictor: Arc<Predictor>,
+    /// Where the predictor came from (for errors and reports).
+    pub predictor_name: String,
+    pub controller: Controller,
 }
 
 /// Makes the I/O backend of a streaming engine from its settings.
@@ -116,6 +130,7 @@ impl FlashModel {
             level: SparsityLevel::dense(self.flash.n_layer()),
             record: false,
             trace: None,
+            speculation: None,
         })
     }
 
@@ -143,6 +158,13 @@ impl FlashModel {
         tail + match policy {
             Policy::Dense => self.ffn_bytes(),
             Policy::DenseStream | Policy::Oracle => Streamer::overhead_bytes(self),
+            Policy::Speculate => {
+                // Per row its group scores, the urgency and rank scratch, and
+                // two rows of residual and estimate (the predictor's own
+                // weights are counted where it is loaded).
+                let scratch = max_batch as u64 * (n_ff * 4 + 2 * self.model.config.n_embd as u64 * 4) + n_ff * 8;
+                Streamer::overhead_bytes(self) + scratch
+            }
             Policy::GateFirst => {
                 // Per row its gate values and candidate bitmap, and the union.
                 let scratch = (max_batch as u64 + 1) * (n_ff * 4 + n_ff.div_ceil(64) * 8);
@@ -202,6 +224,32 @@ impl FlashModel {
                     None,
                 )
             }
+            (Policy::Speculate, None, false) => {
+                let sp = o.speculation.clone().ok_or_else(|| {
+                    RuntimeError::Invalid(format!(
+                        "{}: the speculate policy needs a predictor (--predictor FILE, or a .lspred beside the model)",
+                        self.flash.path().display()
+                    ))
+                })?;
+                let shape = policy::Shape {
+                    n_layer,
+                    n_embd: c.n_embd,
+                    n_ff: c.n_ff,
+                    post_ffn_norm: self.model.has_ffn_post_norm(),
+                };
+                let bundle_bytes = (0..n_layer).map(|l| self.flash.layout(l).bundle_bytes()).collect();
+                (
+                    Box::new(policy::Speculate::new(
+                        sp.predictor,
+                        sp.predictor_name,
+                        sp.controller,
+                        shape,
+                        bundle_bytes,
+                        o.level.sparsity,
+                    )?) as Box<dyn FfnPolicy>,
+                    None,
+                )
+            }
             (p, _, _) => {
                 return Err(RuntimeError::Invalid(format!(
                     "policy {p} neither records nor replays an active-set trace"
@@ -230,6 +278,7 @@ impl FlashModel {
             recorder,
             n_layer,
             tokens: 0,
+            pending: None,
         })
     }
 
@@ -360,6 +409,9 @@ pub struct EngineStats {
     pub io_wait_seconds: f64,
     /// Time the I/O thread had at least one read in flight.
     pub io_busy_seconds: f64,
+    /// Bundles requested for a layer that had not landed by its deadline
+    /// (skipped, not waited for).
+    pub late_skipped: u64,
 }
 
 impl EngineStats {
@@ -401,6 +453,9 @@ pub struct FlashEngine {
     recorder: Option<ActiveTrace>,
     n_layer: usize,
     tokens: u64,
+    /// An error of a hook that cannot return one (`layer_input`), returned
+    /// by the layer's FFN call.
+    pending: Option<RuntimeError>,
 }
 
 impl FlashEngine {
@@ -467,10 +522,27 @@ impl FlashEngine {
     pub fn replayed_calls(&self) -> Option<usize> {
         self.plan.replayed_calls()
     }
+
+    /// What the policy decided so far (`speculate`: the controller, the
+    /// actions taken and the refinements).
+    pub fn decisions(&self) -> Option<Decisions> {
+        self.plan.decisions()
+    }
 }
 
 impl LayerHook for FlashEngine {
-    fn ffn(&mut self, at: &LayerAt, _resid: &[f32], xb: &[f32], out: &mut [f32]) -> Result<FfnBy> {
+    fn layer_input(&mut self, at: &LayerAt, x: &[f32]) {
+        if self.pending.is_none() {
+            if let Err(e) = self.plan.layer_input(at.layer, x, at.n(), &mut self.source) {
+                self.pending = Some(e);
+            }
+        }
+    }
+
+    fn ffn(&mut self, at: &LayerAt, resid: &[f32], xb: &[f32], out: &mut [f32]) -> Result<FfnBy> {
+        if let Some(e) = self.pending.take() {
+            return Err(e);
+        }
         let (layer, n) = (at.layer, at.n());
         if layer == 0 {
             self.tokens += n as u64;
@@ -480,14 +552,15 @@ impl LayerHook for FlashEngine {
             layer,
             n_layer: self.n_layer,
             xb,
+            resid,
             n,
             threshold: self.level.full[layer],
             gate_threshold: self.level.gate[layer],
         };
         let plan = self.plan.plan(&call, &mut self.source, &self.tail)?;
         let record = self.recorder.as_mut().map(|t| t.begin_call(layer, n));
-        self.tail
-            .run(&f, layer, xb, n, out, &mut self.source, plan.select, plan.want, record)?;
+        self.tail.run(&f, layer, xb, n, out, &mut self.source, plan, record)?;
+        self.plan.finished(layer, &self.tail);
         if let Source::Stream(s) = &mut self.source {
             s.finish(layer, layer + 1 == self.n_layer);
         }

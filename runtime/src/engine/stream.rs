@@ -213,8 +213,30 @@ struct Stage {
     runs: Vec<(usize, usize)>,
     /// Neurons served by the cache, pinned while this stage is live.
     pinned: Vec<usize>,
+    /// The stage sequence number its reads' priorities start from.
+    seq: u32,
     /// Arrivals taken from the log so far.
     taken: usize,
+    /// By flash position: 1 + the run whose read covers it, or 0.
+    covered: Vec<u32>,
+    /// By run: [`RUN_QUEUED`], [`RUN_TAKEN`] or [`RUN_CANCELLED`].
+    run_state: Vec<u8>,
+    /// Neurons marked requested (the stage's expected arrivals).
+    requested_count: usize,
+    /// The deadline passed: reads still out were cancelled, and what lands
+    /// later is not taken.
+    expired: bool,
+}
+
+const RUN_QUEUED: u8 = 0;
+const RUN_TAKEN: u8 = 1;
+const RUN_CANCELLED: u8 = 2;
+
+impl Stage {
+    /// Bundles of the layer this stage will have: cache hits and requests.
+    fn expected(&self) -> usize {
+        self.pinned.len() + self.requested_count
+    }
 }
 
 /// Each layer's leading bundle part that a policy holds in memory (the
@@ -252,6 +274,10 @@ pub struct Streamer {
     merge_gap_bytes: usize,
     /// Bytes of needed bundles (what `bytes_requested` would be without merging).
     bytes_needed: u64,
+    /// Runs of an extension being built (reused).
+    extension: Vec<(usize, usize)>,
+    /// Requested bundles that had not landed by their layer's deadline.
+    late_skipped: u64,
     stages: [Stage; 2],
     /// Stages requested and not yet finished, oldest first.
     queue: VecDeque<usize>,
@@ -362,7 +388,12 @@ impl Streamer {
             want: vec![0; n_ff.div_ceil(64)],
             runs: Vec::with_capacity(n_ff),
             pinned: Vec::with_capacity(n_ff),
+            seq: 0,
             taken: 0,
+            covered: vec![0; n_ff],
+            run_state: Vec::with_capacity(n_ff),
+            requested_count: 0,
+            expired: false,
         };
         let placement: Vec<Vec<u32>> = (0..n_layer)
             .map(|l| (0..n_ff).map(|p| f.neuron_at(l, p) as u32).collect())
@@ -393,6 +424,8 @@ impl Streamer {
             bundle_bytes: shape.bundle_bytes,
             group: m.formats.iter().map(|f| f.group()).collect(),
             grouped: vec![0; n_ff.div_ceil(64)],
+            extension: Vec::with_capacity(n_ff),
+            late_skipped: 0,
             stages: [stage(), stage()],
             queue: VecDeque::with_capacity(2),
             next_stage: 0,
@@ -474,8 +507,14 @@ impl Streamer {
             cache_misses: c.misses,
             io_wait_seconds: self.wait_ns as f64 * 1e-9,
             io_busy_seconds: self.io.busy_seconds(),
+            late_skipped: self.late_skipped,
             ..EngineStats::default()
         }
+    }
+
+    /// Time compute has spent blocked on arrivals.
+    pub fn wait_seconds(&self) -> f64 {
+        self.wait_ns as f64 * 1e-9
     }
 
     /// Sets the reads and bytes in flight at once (0 bytes: no byte limit).
@@ -499,7 +538,12 @@ impl Streamer {
     /// This keeps the request count of scattered sparse sets low (the I/O
     /// engine then coalesces neighbouring requests within its own limits).
     /// Where neurons share down tiles, a wanted neuron brings its group.
-    fn request(&mut self, l: usize, want: Want) -> Result<()> {
+    fn request(&mut self, l: usize, want: Want, urgency: Option<&[u16]>) -> Result<()> {
+        self.with_groups(l, want, |s, want| s.request_exact(l, want, urgency))
+    }
+
+    /// Runs `f` with `want` widened to whole groups where neurons share down tiles.
+    fn with_groups(&mut self, l: usize, want: Want, f: impl FnOnce(&mut Self, Want) -> Result<()>) -> Result<()> {
         let g = self.group[l];
         if let (Want::Set(bits), true) = (want, g > 1) {
             let mut grouped = std::mem::take(&mut self.grouped);
@@ -507,14 +551,21 @@ impl Streamer {
             for grp in groups_touched(bits, self.n_ff, g) {
                 (grp * g..(grp + 1) * g).for_each(|i| set_bit(&mut grouped, i));
             }
-            let r = self.request_exact(l, Want::Set(&grouped));
+            let r = f(self, Want::Set(&grouped));
             self.grouped = grouped;
             return r;
         }
-        self.request_exact(l, want)
+        f(self, want)
     }
 
-    fn request_exact(&mut self, l: usize, want: Want) -> Result<()> {
+    /// The I/O priority of a run of stage sequence `seq` whose most urgent
+    /// neuron has `urgency` (0 first): a later stage never overtakes an
+    /// earlier one (except once per 65,536 stages, when the sequence wraps).
+    fn priority(seq: u32, urgency: u16) -> u32 {
+        (seq & 0xFFFF) << 16 | urgency as u32
+    }
+
+    fn request_exact(&mut self, l: usize, want: Want, urgency: Option<&[u16]>) -> Result<()> {
         let k = self.next_stage;
         self.next_stage ^= 1;
         self.seq = self.seq.wrapping_add(1);
@@ -532,6 +583,11 @@ impl Streamer {
         s.taken = 0;
         s.pinned.clear();
         s.runs.clear();
+        s.run_state.clear();
+        s.covered.fill(0);
+        s.requested_count = 0;
+        s.expired = false;
+        s.seq = self.seq;
         let (bb, skip) = (self.bundle_bytes[l], self.held.as_ref().map_or(0, |h| h.bytes[l]));
         let rule = RunRule::new(bb, self.max_run_bytes, self.merge_gap_bytes);
         for (p, &i) in self.placement[l].iter().enumerate() {
@@ -546,20 +602,188 @@ impl Streamer {
                 continue;
             }
             s.requested[i] = true;
+            s.requested_count += 1;
             self.bytes_needed += (bb - skip) as u64;
             rule.push(&mut s.runs, p);
         }
-        let (base, seq) = (self.layer_offset[l], self.seq);
-        self.io.read(s.runs.iter().enumerate().map(|(r, &(p0, n))| {
+        self.queue.push_back(k);
+        self.submit_runs(k, 0, urgency);
+        Ok(())
+    }
+
+    /// Marks runs `first..` of stage `k` as covering their positions and
+    /// hands them to the I/O thread, each at the priority of its most urgent
+    /// requested neuron.
+    fn submit_runs(&mut self, k: usize, first: usize, urgency: Option<&[u16]>) {
+        let s = &mut self.stages[k];
+        let l = s.layer;
+        let (bb, skip) = (self.bundle_bytes[l], self.held.as_ref().map_or(0, |h| h.bytes[l]));
+        let order = &self.placement[l];
+        for (r, &(p0, n)) in s.runs.iter().enumerate().skip(first) {
+            s.covered[p0..p0 + n].fill(r as u32 + 1);
+        }
+        s.run_state.resize(s.runs.len(), RUN_QUEUED);
+        let (base, seq, requested) = (self.layer_offset[l], s.seq, &s.requested);
+        let urgent = |p0: usize, n: usize| {
+            urgency.map_or(0, |u| {
+                order[p0..p0 + n]
+                    .iter()
+                    .filter(|&&i| requested[i as usize])
+                    .map(|&i| u[i as usize])
+                    .min()
+                    .unwrap_or(u16::MAX)
+            })
+        };
+        self.io.read(s.runs.iter().enumerate().skip(first).map(|(r, &(p0, n))| {
             let req = Request {
                 id: Self::request_id(k, r),
                 offset: base + (p0 * bb + skip) as u64,
                 len: (n * bb - skip) as u32,
-                priority: seq,
+                priority: Self::priority(seq, urgent(p0, n)),
             };
             (req, (p0 * bb + skip) as u64)
         }));
-        self.queue.push_back(k);
+    }
+
+    /// The queued stage of layer `l`, if any.
+    fn stage_of(&self, l: usize) -> Option<usize> {
+        self.queue.iter().copied().find(|&k| self.stages[k].layer == l)
+    }
+
+    /// Adds `want` to the queued stage of layer `l` (nothing if none is
+    /// queued): new cache hits are pinned, new misses requested at their
+    /// `urgency`. A neuron whose position an earlier read of the stage
+    /// covers rides on that read if it has not landed yet, and is left out
+    /// if it has (or if that read was cancelled): two reads never write the
+    /// same staging bytes.
+    pub fn extend(&mut self, l: usize, want: Want, urgency: Option<&[u16]>) -> Result<()> {
+        let Some(k) = self.stage_of(l) else { return Ok(()) };
+        self.with_groups(l, want, |st, want| {
+            st.extend_exact(k, want, urgency);
+            Ok(())
+        })
+    }
+
+    fn extend_exact(&mut self, k: usize, want: Want, urgency: Option<&[u16]>) {
+        let s = &mut self.stages[k];
+        let l = s.layer;
+        let (bb, skip) = (self.bundle_bytes[l], self.held.as_ref().map_or(0, |h| h.bytes[l]));
+        let rule = RunRule::new(bb, self.max_run_bytes, self.merge_gap_bytes);
+        let mut runs = std::mem::take(&mut self.extension);
+        runs.clear();
+        for (p, &i) in self.placement[l].iter().enumerate() {
+            let i = i as usize;
+            if !want.contains(i) || bit_is_set(&s.want, i) || s.expired {
+                continue;
+            }
+            if s.covered[p] != 0 {
+                let r = s.covered[p] as usize - 1;
+                if s.run_state[r] == RUN_QUEUED && !s.requested[i] {
+                    set_bit(&mut s.want, i);
+                    s.requested[i] = true;
+                    s.requested_count += 1;
+                    self.bytes_needed += (bb - skip) as u64;
+                }
+                continue;
+            }
+            set_bit(&mut s.want, i);
+            if self.cache.lookup(l, i).is_some() {
+                self.cache.pin(l, i);
+                s.pinned.push(i);
+                continue;
+            }
+            s.requested[i] = true;
+            s.requested_count += 1;
+            self.bytes_needed += (bb - skip) as u64;
+            // Merge only across positions no earlier read covers.
+            let joins = runs
+                .last()
+                .is_some_and(|&(p0, n): &(usize, usize)| s.covered[p0 + n..p].iter().all(|&c| c == 0));
+            if !joins {
+                runs.push((p, 1));
+            } else {
+                rule.push(&mut runs, p);
+            }
+        }
+        let first = s.runs.len();
+        s.runs.extend_from_slice(&runs);
+        self.extension = runs;
+        if self.stages[k].runs.len() > first {
+            self.submit_runs(k, first, urgency);
+        }
+    }
+
+    /// Cancels the reads of layer `l`'s queued stage not yet submitted whose
+    /// requested neurons all lie outside `keep` (a refined prediction).
+    /// Returns the reads asked to cancel (one already submitted still lands).
+    pub fn cancel_outside(&mut self, l: usize, keep: &[u64]) -> usize {
+        let Some(k) = self.stage_of(l) else { return 0 };
+        let s = &mut self.stages[k];
+        let order = &self.placement[l];
+        let mut ids = Vec::new();
+        for (r, &(p0, n)) in s.runs.iter().enumerate() {
+            if s.run_state[r] != RUN_QUEUED {
+                continue;
+            }
+            let needed = order[p0..p0 + n]
+                .iter()
+                .any(|&i| s.requested[i as usize] && bit_is_set(keep, i as usize));
+            if !needed {
+                s.run_state[r] = RUN_CANCELLED;
+                ids.push(Self::request_id(k, r));
+            }
+        }
+        let n = ids.len();
+        self.io.cancel(ids);
+        n
+    }
+
+    /// Bundle bytes the queued stage of layer `l` has asked to read (cancelled reads excluded).
+    pub fn queued_bytes(&self, l: usize) -> u64 {
+        let Some(k) = self.stage_of(l) else { return 0 };
+        let s = &self.stages[k];
+        let bb = self.bundle_bytes[l] as u64;
+        s.runs
+            .iter()
+            .zip(&s.run_state)
+            .filter(|(_, &st)| st != RUN_CANCELLED)
+            .map(|(&(_, n), _)| n as u64 * bb)
+            .sum()
+    }
+
+    /// Whether neuron `i` of layer `l` is wanted by its queued stage.
+    pub fn is_wanted(&self, l: usize, i: usize) -> bool {
+        self.stage_of(l).is_some_and(|k| bit_is_set(&self.stages[k].want, i))
+    }
+
+    /// Layer `l`'s bundles available so far (cache hits and taken arrivals)
+    /// and those it expects in all.
+    pub fn progress(&self, l: usize) -> Result<(usize, usize)> {
+        let s = &self.stages[self.front(l)?];
+        let taken = s.staged.iter().filter(|&&b| b).count();
+        Ok((s.pinned.len() + taken, s.expected()))
+    }
+
+    /// Whether every bundle layer `l`'s stage wanted is available (no read
+    /// failed, was cancelled or missed the deadline).
+    pub fn complete(&self, l: usize) -> Result<bool> {
+        let s = &self.stages[self.front(l)?];
+        Ok(!s.expired && s.run_state.iter().all(|&st| st == RUN_TAKEN))
+    }
+
+    /// Writes into `have` (cleared first) the wanted neurons of layer `l`
+    /// that are available: cache hits and landed requests.
+    pub fn available(&self, l: usize, have: &mut [u64]) -> Result<()> {
+        let s = &self.stages[self.front(l)?];
+        have.fill(0);
+        for &i in &s.pinned {
+            set_bit(have, i);
+        }
+        for (i, &b) in s.staged.iter().enumerate() {
+            if b {
+                set_bit(have, i);
+            }
+        }
         Ok(())
     }
 
@@ -599,17 +823,51 @@ impl Streamer {
         });
         if !covered {
             self.reset()?;
-            self.request(l, want)?;
+            self.request(l, want, None)?;
         }
         Ok(())
     }
 
     /// Requests layer `l` behind the current one, if a stage is free.
     pub fn prefetch(&mut self, l: usize, want: Want) -> Result<()> {
+        self.prefetch_ranked(l, want, None)
+    }
+
+    /// [`prefetch`](Self::prefetch) with each neuron's `urgency` (0 most
+    /// urgent) ordering the reads.
+    pub fn prefetch_ranked(&mut self, l: usize, want: Want, urgency: Option<&[u16]>) -> Result<()> {
         if self.queue.len() < 2 {
-            self.request(l, want)?;
+            self.request(l, want, urgency)?;
         }
         Ok(())
+    }
+
+    /// [`ensure`](Self::ensure) with each neuron's `urgency` ordering the reads.
+    pub fn ensure_ranked(&mut self, l: usize, want: Want, urgency: Option<&[u16]>) -> Result<()> {
+        if !self.is_queued(l) || self.queue.front().is_some_and(|&k| self.stages[k].layer != l) {
+            self.reset()?;
+            self.request(l, want, urgency)?;
+            return Ok(());
+        }
+        self.extend(l, want, urgency)
+    }
+
+    /// Neurons the queued stage of layer `l` wants (0 if none is queued).
+    pub fn wanted_count(&self, l: usize) -> usize {
+        self.stage_of(l)
+            .map_or(0, |k| self.stages[k].want.iter().map(|w| w.count_ones() as usize).sum())
+    }
+
+    /// Neurons of `bits` that layer `l`'s cache does not hold.
+    pub fn uncached_count(&self, l: usize, bits: &[u64]) -> usize {
+        super::trace::set_bits(bits)
+            .filter(|&i| !self.cache.contains(l, i))
+            .count()
+    }
+
+    /// Whether a stage for layer `l` is queued (requested, not finished).
+    pub fn is_queued(&self, l: usize) -> bool {
+        self.stage_of(l).is_some()
     }
 
     /// The oldest stage, which must be layer `l` (see [`ensure`](Self::ensure)).
@@ -635,10 +893,21 @@ impl Streamer {
     /// one has; `None` once every requested run has been taken. A failed
     /// read is its error (naming the file, offset and length).
     pub fn next_run(&mut self, l: usize) -> Result<Option<LandedRun<'_>>> {
+        self.next_run_until(l, None)
+    }
+
+    /// [`next_run`](Self::next_run) that gives up at `deadline`: the reads
+    /// still out are cancelled (those submitted land unused), their bundles
+    /// count as skipped late, and the layer goes on with what it has.
+    pub fn next_run_until(&mut self, l: usize, deadline: Option<std::time::Instant>) -> Result<Option<LandedRun<'_>>> {
         let k = self.front(l)?;
+        if self.stages[k].expired {
+            return Ok(None);
+        }
         let landing = &self.landings.stages[k];
         let total = self.stages[k].runs.len();
         let mut waited: Option<std::time::Instant> = None;
+        let mut late = false;
         let r = loop {
             let taken = self.stages[k].taken;
             // Settled first: the I/O thread logs a run before counting it
@@ -658,22 +927,47 @@ impl Streamer {
             if taken == total || settled == total {
                 break None;
             }
-            waited.get_or_insert_with(std::time::Instant::now);
+            let now = std::time::Instant::now();
+            waited.get_or_insert(now);
+            let mut timeout = std::time::Duration::from_millis(20);
+            if let Some(d) = deadline {
+                if now >= d {
+                    late = true;
+                    break None;
+                }
+                timeout = timeout.min(d - now);
+            }
             let g = lock(&self.landings.signal);
             if self.stages[k].taken == landing.log.len() && landing.settled.load(Ordering::Acquire) < total {
                 let _ = self
                     .landings
                     .arrived
-                    .wait_timeout(g, std::time::Duration::from_millis(20))
+                    .wait_timeout(g, timeout)
                     .unwrap_or_else(|e| e.into_inner());
             }
         };
         if let Some(t) = waited {
             self.wait_ns += t.elapsed().as_nanos() as u64;
         }
-        let Some(r) = r else { return Ok(None) };
+        let Some(r) = r else {
+            let s = &mut self.stages[k];
+            if late {
+                // Missed the deadline: the rest is skipped, not waited for.
+                s.expired = true;
+                let late = s.requested.iter().zip(&s.staged).filter(|(&r, &st)| r && !st).count();
+                self.late_skipped += late as u64;
+                let ids: Vec<u32> = (0..total)
+                    .filter(|&r| s.run_state[r] == RUN_QUEUED)
+                    .map(|r| Self::request_id(k, r))
+                    .collect();
+                self.io.cancel(ids);
+            }
+            return Ok(None);
+        };
         let s = &mut self.stages[k];
         s.taken += 1;
+        // A run asked to cancel after it was submitted lands anyway, and is used.
+        s.run_state[r] = RUN_TAKEN;
         let (p0, n) = s.runs[r];
         let bb = self.bundle_bytes[l];
         if let Some(h) = &self.held {

@@ -36,6 +36,56 @@ pub enum Select<'a> {
     Rows(&'a [u64]),
 }
 
+/// Refinement between the stages of a streamed layer: the tail splits the
+/// layer's expected bundles into `stages()` parts in arrival order and calls
+/// [`refine`](Self::refine) after each part but the last.
+pub(crate) trait StageHook {
+    /// Stages K of this call (1: no refinement).
+    fn stages(&self) -> usize;
+
+    /// Whether [`refine`](Self::refine) wants the partial output (a down
+    /// product over the neurons computed so far).
+    fn wants_partial(&self) -> bool;
+
+    /// After stage `stage` of layer `layer`: `partial` is the FFN output of
+    /// the neurons computed so far, `[n][n_embd]` before any post-norm, where
+    /// asked for and the layout gives it per neuron (down columns).
+    fn refine(&mut self, layer: usize, stage: usize, partial: Option<&[f32]>, streamer: &mut Streamer) -> Result<()>;
+}
+
+/// What the tail computes for a call (a policy's [`plan`](super::policy::FfnPolicy::plan)).
+pub(crate) struct Plan<'p> {
+    pub select: Select<'p>,
+    /// The union of what any row may keep (`None`: every neuron); the reads
+    /// for it have been asked for. A streamed layer computes what its stage
+    /// wanted and has.
+    pub want: Option<&'p [u64]>,
+    /// Streamed reads not landed by then are skipped (`None`: wait for all).
+    pub deadline: Option<Instant>,
+    pub stages: Option<&'p mut dyn StageHook>,
+}
+
+/// Time and work of the last call.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct CallCost {
+    /// Wall time of the call, and of it the time blocked on arrivals.
+    pub seconds: f64,
+    pub wait_seconds: f64,
+    /// Neurons whose stage 1 ran (bundles × rows).
+    pub computed: u64,
+}
+
+impl CallCost {
+    /// Compute time per neuron row, ns (0 without work).
+    pub fn ns_per_neuron(&self) -> f64 {
+        if self.computed == 0 {
+            0.0
+        } else {
+            (self.seconds - self.wait_seconds).max(0.0) * 1e9 / self.computed as f64
+        }
+    }
+}
+
 /// Where a layer's bundles are.
 pub enum Source {
     Resident(Resident),
@@ -132,10 +182,19 @@ pub struct Tail {
     /// Neurons stage 2 visits, ascending (down columns), or the groups (tiles).
     ids: Vec<u32>,
     down_tiles: DownTiles,
+    /// What a streamed layer computes with (its stage's want, less what did not land).
+    have: Vec<u64>,
+    /// Neurons computed since the last refinement, and the partial output.
+    fresh: Vec<u32>,
+    collect: bool,
+    partial: Vec<f32>,
     /// Rows the buffers are sized for (grown on a larger call, then kept).
     rows: usize,
+    pub last: CallCost,
     pub kept: u64,
     pub considered: u64,
+    /// Neuron rows stage 1 ran on.
+    stage1_rows: u64,
     /// Wall time inside FFN calls (waits for bundles included).
     pub seconds: f64,
 }
@@ -153,9 +212,15 @@ impl Tail {
             scratch: Vec::new(),
             ids: Vec::with_capacity(n_ff),
             down_tiles: DownTiles::new(),
+            have: vec![0; n_ff.div_ceil(64)],
+            fresh: Vec::new(),
+            collect: false,
+            partial: Vec::new(),
             rows: 0,
+            last: CallCost::default(),
             kept: 0,
             considered: 0,
+            stage1_rows: 0,
             seconds: 0.0,
         };
         t.reserve(1);
@@ -234,11 +299,21 @@ impl Tail {
         n: usize,
         out: &mut [f32],
         source: &mut Source,
-        select: Select,
-        want: Option<&[u64]>,
+        plan: Plan,
         mut record: Option<&mut [u64]>,
     ) -> Result<()> {
         let start = Instant::now();
+        let Plan {
+            select,
+            want,
+            deadline,
+            mut stages,
+        } = plan;
+        let computed0 = self.stage1_rows;
+        let wait0 = match source {
+            Source::Stream(s) => s.wait_seconds(),
+            Source::Resident(_) => 0.0,
+        };
         self.prepare(f, xb, n)?;
         let bb = f.bundle_bytes();
         let wanted = |i: usize| want.is_none_or(|w| bit_is_set(w, i));
@@ -274,6 +349,17 @@ impl Tail {
                 self.finish(f, n, out, want, bundle, resident.down(l))?;
             }
             Source::Stream(s) => {
+                let k_stages = stages.as_ref().map_or(1, |h| h.stages().max(1));
+                self.collect = k_stages > 1
+                    && f.down_layout == DownLayout::Columns
+                    && stages.as_ref().is_some_and(|h| h.wants_partial());
+                if self.collect {
+                    self.fresh.clear();
+                    self.partial.clear();
+                    self.partial.resize(n * self.n_embd, 0.0);
+                }
+                let expected = s.progress(l)?.1;
+                let (mut done, mut stage) = (0usize, 0usize);
                 for &i in s.hits(l)? {
                     self.stage1(
                         f,
@@ -284,12 +370,24 @@ impl Tail {
                         record.as_deref_mut(),
                     )?;
                 }
-                while let Some(LandedRun {
-                    bytes,
-                    neurons,
-                    requested,
-                }) = s.next_run(l)?
-                {
+                done += s.hits(l)?.len();
+                loop {
+                    // After each of the first K-1 parts of the layer: refine.
+                    while stage + 1 < k_stages && done * k_stages >= expected * (stage + 1) {
+                        if let Some(h) = stages.as_deref_mut() {
+                            let partial = self.partial_output(f, n, s, l)?;
+                            h.refine(l, stage, partial, s)?;
+                        }
+                        stage += 1;
+                    }
+                    let Some(LandedRun {
+                        bytes,
+                        neurons,
+                        requested,
+                    }) = s.next_run_until(l, deadline)?
+                    else {
+                        break;
+                    };
                     // Sub-runs of the neurons asked for (a merged read carries others).
                     let mut p = 0;
                     while p < neurons.len() {
@@ -303,16 +401,87 @@ impl Tail {
                         let ids = &neurons[p..q];
                         let run = Rows::Bundles(&bytes[p * bb..q * bb]);
                         self.stage1(f, run, |k| ids[k], n, select, record.as_deref_mut())?;
+                        done += q - p;
                         p = q;
                     }
                 }
+                self.collect = false;
+                let mut have = std::mem::take(&mut self.have);
+                s.available(l, &mut have)?;
+                if !s.complete(l)? {
+                    self.drop_incomplete(f, n, &mut have);
+                }
+                // A stage asked for more than this call keeps (a wider
+                // prefetch): the product runs over what the call wants.
+                if let Some(w) = want {
+                    have.iter_mut().zip(w).for_each(|(h, w)| *h &= w);
+                }
                 let view = s.view(l)?;
-                self.finish(f, n, out, want, |i| view.bundle(i), None)?;
+                let r = self.finish(f, n, out, Some(&have), |i| view.bundle(i), None);
+                self.have = have;
+                r?;
             }
         }
         self.considered += (n * self.n_ff) as u64;
-        self.seconds += start.elapsed().as_secs_f64();
+        let seconds = start.elapsed().as_secs_f64();
+        self.seconds += seconds;
+        let wait = match source {
+            Source::Stream(s) => s.wait_seconds() - wait0,
+            Source::Resident(_) => 0.0,
+        };
+        self.last = CallCost {
+            seconds,
+            wait_seconds: wait,
+            computed: self.stage1_rows - computed0,
+        };
         Ok(())
+    }
+
+    /// The FFN output of the neurons computed since the last call, added
+    /// to the running partial output (down columns only; `None` otherwise).
+    fn partial_output(&mut self, f: &BundleFormat, n: usize, s: &Streamer, l: usize) -> Result<Option<&[f32]>> {
+        if !self.collect {
+            return Ok(None);
+        }
+        self.fresh.sort_unstable();
+        let view = s.view(l)?;
+        run_down(
+            f,
+            &self.fresh,
+            &self.a[..n * self.n_ff],
+            self.n_ff,
+            |i| view.bundle(i),
+            &mut self.partial[..n * self.n_embd],
+        )?;
+        self.fresh.clear();
+        Ok(Some(&self.partial[..n * self.n_embd]))
+    }
+
+    /// Where reads were skipped or cancelled, a down-tile group can be
+    /// short of neurons: its product needs every member's part, so the whole
+    /// group is dropped (its activations zeroed, its neurons out of `have`).
+    fn drop_incomplete(&mut self, f: &BundleFormat, n: usize, have: &mut [u64]) {
+        if f.down_layout != DownLayout::Tiles {
+            return;
+        }
+        let g = f.group();
+        for grp in 0..self.n_ff / g {
+            let members = grp * g..(grp + 1) * g;
+            let some = members.clone().any(|i| bit_is_set(have, i));
+            if !some || members.clone().all(|i| bit_is_set(have, i)) {
+                continue;
+            }
+            for i in members {
+                have[i / 64] &= !(1u64 << (i % 64));
+                for t in 0..n {
+                    let a = &mut self.a[t * self.n_ff + i];
+                    if *a != 0.0 {
+                        *a = 0.0;
+                        self.kept -= 1;
+                    }
+                }
+            }
+        }
     }
 
     /// Stage 1 over `run` (whole bundles back to back; bundle k is neuron
@@ -353,8 +522,12 @@ impl Tail {
             } else {
                 chunk.activations(f, &rows, act, vals, scratch)?;
             }
+            self.stage1_rows += (count * n) as u64;
             for k in 0..count {
                 let i = id(c * piece + k) as usize;
+                if self.collect {
+                    self.fresh.push(i as u32);
+                }
                 for t in 0..n {
                     let a = vals[k * n + t];
                     let keep = match select {

@@ -32,6 +32,11 @@ impl Model {
         Self::assemble(gguf, config, weights)
     }
 
+    /// Whether the FFN output passes a norm before the residual (Gemma 3).
+    pub fn has_ffn_post_norm(&self) -> bool {
+        self.weights.layers.iter().any(|l| l.ffn_post_norm.is_some())
+    }
+
     /// A model without FFN matrices (e.g. the resident part of a `.lsflash`
     /// file): its forward pass needs a [`LayerHook`] that computes the feed-forward.
     pub fn from_gguf_without_ffn(gguf: GgufFile) -> Result<Self> {

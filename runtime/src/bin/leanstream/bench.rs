@@ -15,7 +15,8 @@ use leanstream_runtime::model::RunState;
 use leanstream_runtime::perplexity::perplexity_with;
 
 use crate::plot;
-use leanstream_runtime::session::Session;
+use leanstream_runtime::engine::Decisions;
+use leanstream_runtime::session::{Session, StreamSettings};
 use serde_json::{json, Value};
 
 #[derive(Args)]
@@ -233,6 +234,9 @@ pub fn run(a: BenchArgs) -> Result<()> {
             "other": mem.other,
             "total": mem.total(),
         });
+        if let Some(d) = engine.decisions() {
+            report["speculate"] = decisions_json(&d, s.late_skipped);
+        }
         report["page_cache_bytes"] = json!(cached);
         report["file_bytes"] = json!(file_len);
     }
@@ -243,7 +247,7 @@ pub fn run(a: BenchArgs) -> Result<()> {
         report["quality"] = quality(
             fm,
             engine.policy(),
-            a.flash.sparsity,
+            &settings,
             cache_bytes,
             file,
             a.quality_ctx,
@@ -276,14 +280,24 @@ pub fn run(a: BenchArgs) -> Result<()> {
 fn quality(
     fm: &FlashModel,
     policy: Policy,
-    sparsity: f32,
+    settings: &StreamSettings,
     cache_bytes: u64,
     file: &PathBuf,
     ctx: usize,
     chunks: usize,
 ) -> Result<Value> {
+    let sparsity = settings.sparsity;
     let text = std::fs::read_to_string(file).with_context(|| format!("reading {}", file.display()))?;
     let eval = |policy: Policy, level: SparsityLevel| -> Result<_> {
+        let speculation = match policy {
+            Policy::Speculate => Some(leanstream_runtime::artifacts::speculation(
+                fm,
+                fm.flash.path(),
+                settings.predictor.as_deref(),
+                settings.controller.as_deref(),
+            )?),
+            _ => None,
+        };
         let mut e = fm.engine_with(EngineOptions {
             policy,
             cache_bytes,
@@ -292,13 +306,17 @@ fn quality(
             level,
             record: false,
             trace: None,
+            speculation,
         })?;
         let p = perplexity_with(&fm.model, &text, ctx, Some(chunks), false, &mut e)?;
         Ok((p, e.stats().skipped_fraction()))
     };
     let (dense, _) = eval(Policy::DenseStream, SparsityLevel::dense(fm.flash.n_layer()))?;
+    // Policies that decide what to read by prediction run themselves; the
+    // others keep what dense-stream keeps at the same thresholds.
     let same_as = match policy {
         Policy::GateFirst => Policy::GateFirst,
+        Policy::Speculate => Policy::Speculate,
         _ => Policy::DenseStream,
     };
     let (ours, skipped) = eval(same_as, fm.sparsity_level(sparsity)?)?;
@@ -444,5 +462,33 @@ fn llama_bench(bin: &PathBuf, model: &PathBuf, p: usize, g: usize, threads: usiz
         prompt_tok_s: speed(true),
         decode_tok_s: speed(false),
         build: rows.first().map_or(Value::Null, |r| r["build_commit"].clone()),
+    })
+}
+
+/// The decisions of a `speculate` run: the controller, a histogram of the
+/// actions taken, refinement counts, and the bundles skipped late.
+pub fn decisions_json(d: &Decisions, late_skipped: u64) -> Value {
+    let actions: Vec<Value> = d
+        .actions
+        .iter()
+        .map(|a| {
+            json!({
+                "code": a.code,
+                "stages": a.action.stages,
+                "queue_depth": a.action.queue_depth,
+                "prefetch_breadth": a.action.prefetch_breadth,
+                "deadline_factor": if a.action.deadline_factor.is_finite() { json!(a.action.deadline_factor) } else { json!("inf") },
+                "layers": a.layers,
+            })
+        })
+        .collect();
+    json!({
+        "controller": d.controller,
+        "predictor": d.predictor,
+        "actions": actions,
+        "refinements": d.refinements,
+        "refine_added_neurons": d.refine_added,
+        "refine_cancelled_reads": d.refine_cancelled,
+        "late_skipped_bundles": late_skipped,
     })
 }

@@ -196,9 +196,18 @@ enum Cmd {
 /// How a `.lsflash` model streams its FFN.
 #[derive(clap::Args, Clone, Default)]
 pub(crate) struct FlashArgs {
-    /// FFN policy of a .lsflash model: dense, dense-stream, oracle or gate-first.
+    /// FFN policy of a .lsflash model: dense, dense-stream, oracle, gate-first or speculate.
     #[arg(long)]
     pub(crate) policy: Option<Policy>,
+    /// speculate: the predictor (.lspred). Default: <model stem>.lspred or
+    /// predictor.lspred beside the model.
+    #[arg(long)]
+    pub(crate) predictor: Option<PathBuf>,
+    /// speculate: a controller table (.lstab) or one action for every layer,
+    /// fixed:K=4,b=1.5,d=8,q=16 (d=inf: no deadline). Default: <model
+    /// stem>.lstab or controller.lstab beside the model, else the built-in table.
+    #[arg(long)]
+    pub(crate) controller: Option<String>,
     /// Neuron cache budget: bytes (512MiB) or a share of the FFN (25%). Default 25%.
     #[arg(long, conflicts_with = "mem_budget")]
     pub(crate) ffn_budget: Option<String>,
@@ -242,6 +251,8 @@ impl FlashArgs {
             sparsity: self.sparsity,
             cache_policy: self.cache_policy,
             merge_gap: bytes("--merge-gap", &self.merge_gap)?.map(|b| b as usize),
+            predictor: self.predictor.clone(),
+            controller: self.controller.clone(),
         })
     }
 }

@@ -14,9 +14,6 @@ impl FfnPolicy for Dense {
     }
 
     fn plan<'p>(&'p mut self, call: &LayerCall<'_>, _source: &mut Source, _tail: &Tail) -> Result<Plan<'p>> {
-        Ok(Plan {
-            select: Select::Threshold(call.threshold),
-            want: None,
-        })
+        Ok(Plan::new(Select::Threshold(call.threshold), None))
     }
 }

@@ -18,9 +18,6 @@ impl FfnPolicy for DenseStream {
         let s = streamer(source)?;
         s.ensure(call.layer, Want::All)?;
         s.prefetch(call.next_layer(), Want::All)?;
-        Ok(Plan {
-            select: Select::Threshold(call.threshold),
-            want: None,
-        })
+        Ok(Plan::new(Select::Threshold(call.threshold), None))
     }
 }

@@ -107,10 +107,7 @@ impl FfnPolicy for GateFirst {
         }
         let s = streamer(source)?;
         s.ensure(call.layer, Want::Set(&self.union))?;
-        Ok(Plan {
-            select: Select::Rows(&self.row_bits[..n * words]),
-            want: Some(&self.union),
-        })
+        Ok(Plan::new(Select::Rows(&self.row_bits[..n * words]), Some(&self.union)))
     }
 
     fn held_bytes(&self) -> u64 {

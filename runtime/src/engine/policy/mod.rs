@@ -8,12 +8,15 @@ mod dense;
 mod dense_stream;
 mod gate_first;
 mod oracle;
+mod speculate;
 
 pub(crate) use dense::Dense;
 pub(crate) use dense_stream::DenseStream;
 pub(crate) use gate_first::GateFirst;
 pub(crate) use oracle::Oracle;
+pub(crate) use speculate::{Shape, Speculate};
 
+pub(crate) use super::tail::Plan;
 use super::tail::{Select, Source, Tail};
 use crate::Result;
 
@@ -28,10 +31,20 @@ pub enum Policy {
     Oracle,
     /// Gate rows resident; after attention `|act(g)|` decides what to read.
     GateFirst,
+    /// Speculate-and-refine: a predictor ranks each layer's neurons ahead of
+    /// time and again as better inputs arrive; a controller sets stages,
+    /// breadth, deadline and queue depth per layer.
+    Speculate,
 }
 
 impl Policy {
-    pub const ALL: [Policy; 4] = [Self::Dense, Self::DenseStream, Self::Oracle, Self::GateFirst];
+    pub const ALL: [Policy; 5] = [
+        Self::Dense,
+        Self::DenseStream,
+        Self::Oracle,
+        Self::GateFirst,
+        Self::Speculate,
+    ];
 
     /// Whether bundles come from flash while the model runs.
     pub fn streams(self) -> bool {
@@ -47,8 +60,9 @@ impl std::str::FromStr for Policy {
             "dense-stream" => Ok(Self::DenseStream),
             "oracle" => Ok(Self::Oracle),
             "gate-first" => Ok(Self::GateFirst),
+            "speculate" => Ok(Self::Speculate),
             other => Err(format!(
-                "unknown policy '{other}' (expected dense, dense-stream, oracle or gate-first)"
+                "unknown policy '{other}' (expected dense, dense-stream, oracle, gate-first or speculate)"
             )),
         }
     }
@@ -61,6 +75,7 @@ impl std::fmt::Display for Policy {
             Self::DenseStream => "dense-stream",
             Self::Oracle => "oracle",
             Self::GateFirst => "gate-first",
+            Self::Speculate => "speculate",
         })
     }
 }
@@ -71,6 +86,9 @@ pub(crate) struct LayerCall<'a> {
     pub n_layer: usize,
     /// The `n` normed FFN input rows, `[n][n_embd]`.
     pub xb: &'a [f32],
+    /// The residual after the layer's attention, `[n][n_embd]` (what a
+    /// look-ahead predictor for the next layer reads).
+    pub resid: &'a [f32],
     pub n: usize,
     /// The layer's thresholds on `|act(g)·u|` and on `|act(g)|` (0: keep all).
     pub threshold: f32,
@@ -84,12 +102,16 @@ impl LayerCall<'_> {
     }
 }
 
-/// What the tail computes for a call.
-pub(crate) struct Plan<'p> {
-    pub select: Select<'p>,
-    /// The union of what any row may keep (`None`: every neuron); the reads
-    /// for it have been asked for.
-    pub want: Option<&'p [u64]>,
+impl<'p> Plan<'p> {
+    /// Keep what `select` says of `want`, waiting for every read, in one stage.
+    pub fn new(select: Select<'p>, want: Option<&'p [u64]>) -> Self {
+        Self {
+            select,
+            want,
+            deadline: None,
+            stages: None,
+        }
+    }
 }
 
 pub(crate) trait FfnPolicy: Send {
@@ -98,6 +120,20 @@ pub(crate) trait FfnPolicy: Send {
     /// Before the tail runs layer `call.layer`: decide what it keeps, ask
     /// `source` for those bundles, and queue reads for what comes next.
     fn plan<'p>(&'p mut self, call: &LayerCall<'_>, source: &mut Source, tail: &Tail) -> Result<Plan<'p>>;
+
+    /// Before layer `layer`'s attention: its input rows `x`, `[n][n_embd]`
+    /// (the earliest moment they are known).
+    fn layer_input(&mut self, _layer: usize, _x: &[f32], _n: usize, _source: &mut Source) -> Result<()> {
+        Ok(())
+    }
+
+    /// After the tail ran layer `layer` (its cost is `tail.last`).
+    fn finished(&mut self, _layer: usize, _tail: &Tail) {}
+
+    /// Counters of the policy's decisions, for reports (`None`: it makes none).
+    fn decisions(&self) -> Option<crate::engine::controller::Decisions> {
+        None
+    }
 
     /// Bytes the policy knows beyond the cache (resident gate rows, a trace).
     fn held_bytes(&self) -> u64 {

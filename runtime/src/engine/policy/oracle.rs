@@ -35,10 +35,7 @@ impl FfnPolicy for Oracle {
         if let Some(next) = self.cursor.peek_next(&mut self.next_union) {
             s.prefetch(next, Want::Set(&self.next_union))?;
         }
-        Ok(Plan {
-            select: Select::Rows(self.cursor.rows(k)),
-            want: Some(self.cursor.union()),
-        })
+        Ok(Plan::new(Select::Rows(self.cursor.rows(k)), Some(self.cursor.union())))
     }
 
     fn held_bytes(&self) -> u64 {

@@ -71,6 +71,8 @@ pub struct FaultyBackend {
     injected: VecDeque<ReadResult>,
     shorten: HashMap<u64, u32>,
     shuffle: Option<Shuffle>,
+    /// Where each submitted read's file offset is appended, in submission order.
+    log: Option<std::sync::Arc<std::sync::Mutex<Vec<u64>>>>,
 }
 
 /// Completions held back and handed out in a seeded random order, each
@@ -101,6 +103,7 @@ impl FaultyBackend {
             injected: VecDeque::new(),
             shorten: HashMap::new(),
             shuffle: None,
+            log: None,
         }
     }
 
@@ -112,6 +115,13 @@ impl FaultyBackend {
             max_delay,
             held: Vec::new(),
         });
+        self
+    }
+
+    /// Also appends each submitted read's file offset to `log` (the order
+    /// the engine issued its reads in).
+    pub fn logging(mut self, log: std::sync::Arc<std::sync::Mutex<Vec<u64>>>) -> Self {
+        self.log = Some(log);
         self
     }
 
@@ -129,6 +139,9 @@ impl Backend for FaultyBackend {
     unsafe fn submit(&mut self, op: ReadOp) -> io::Result<()> {
         let n = self.submitted;
         self.submitted += 1;
+        if let Some(log) = &self.log {
+            log.lock().unwrap_or_else(|e| e.into_inner()).push(op.offset);
+        }
         match self.faults.get(&n) {
             Some(Fault::Errno(errno)) => {
                 self.injected.push_back(ReadResult {

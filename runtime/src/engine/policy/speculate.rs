@@ -1,0 +1,351 @@
+//! `speculate`: LeanStream's speculate-and-refine streaming, driven by a
+//! predictor (`.lspred`) and a controller (`.lstab` or a fixed action).
+//!
+//! Per layer l of a token:
+//! - **control**, before l's attention: the state the table was built on
+//!   (bytes queued for l, bytes of l's predicted need not cached, recent
+//!   read bandwidth, compute ns per neuron, layer position) picks the action
+//!   (stages K, queue depth q, breadth b, deadline factor d); q applies at once;
+//! - **refine** l with its true input, still before attention: the
+//!   predictor's `refine` use ranks l's neurons from the layer input; reads
+//!   for the top `b × need` not yet asked for are added, most likely first,
+//!   and queued reads outside that set are cancelled (layer 0 of a token is
+//!   requested here, from the token embedding);
+//! - **speculate** l+1 when l's FFN starts: the `speculate` use ranks l+1's
+//!   neurons from the residual after l's attention and the top `b × need`
+//!   are queued behind l's reads, while l computes;
+//! - **stages**: l's FFN takes its bundles in arrival order in K parts; after
+//!   each part but the last the partial output updates the estimate of
+//!   l+1's input (residual + partial) and the `refine` use re-ranks l+1's
+//!   reads as above (down-column layouts without a post-FFN norm, where the
+//!   partial output is a cheap sum; otherwise K only splits the wait);
+//! - **deadline**: reads of l not landed `d ×` the expected compute time of
+//!   its bundles after the FFN started are skipped (counted as late) and the
+//!   layer goes on with what it has.
+//!
+//! `need` is the share of neurons the sparsity level keeps, `(1 - s) ×
+//! n_ff`; at sparsity 0 every neuron is needed, every breadth reads them
+//! all, and with no deadline the layer computes what `dense` computes, bit
+//! for bit. Computed neurons are kept by the level's thresholds, as in
+//! `dense`; neurons the predictor missed are not read and so not computed.
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use super::{streamer, FfnPolicy, LayerCall, Plan, Policy};
+use crate::control::{Action, ControlState};
+use crate::engine::controller::{ActionCount, Controller, Decisions, Meter};
+use crate::engine::stream::{Streamer, Want};
+use crate::engine::tail::{Select, Source, StageHook, Tail};
+use crate::engine::trace::set_bit;
+use crate::predict::{top_groups, ComputePath, Predictor, Scratch};
+use crate::{Result, RuntimeError};
+
+/// The model shape the policy needs.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Shape {
+    pub n_layer: usize,
+    pub n_embd: usize,
+    pub n_ff: usize,
+    /// The FFN output passes a norm before the residual (Gemma 3): a
+    /// partial output then says little about the next input.
+    pub post_ffn_norm: bool,
+}
+
+/// Ranks a layer's neurons with the predictor (shared by refinement
+/// inside a layer's stages and by the policy between layers).
+pub(crate) struct Ranker {
+    predictor: Arc<Predictor>,
+    /// Use indices of `speculate` and `refine` (the latter falls back to the former).
+    speculate: usize,
+    refine: usize,
+    path: ComputePath,
+    shape: Shape,
+    /// Neurons a row needs at the operating sparsity.
+    need: usize,
+    scratch: Scratch,
+    /// Per row, the group scores; the order scratch.
+    scores: Vec<f32>,
+    order: Vec<u32>,
+    /// The ranked set (bitmap over neurons) and each neuron's urgency.
+    bits: Vec<u64>,
+    urgency: Vec<u16>,
+    /// The estimated next-layer input rows (residual + partial output).
+    estimate: Vec<f32>,
+    /// The residual of the call in progress, `[n][n_embd]`.
+    resid: Vec<f32>,
+    n: usize,
+    /// The current layer's action.
+    action: Action,
+    refinements: u64,
+    added: u64,
+    cancelled: u64,
+}
+
+impl Ranker {
+    /// Scores layer `layer` for `use_` from `rows` (`n` rows): each row's
+    /// scores into `self.scores`.
+    fn score(&mut self, use_: usize, layer: usize, rows: &[f32], n: usize) -> Result<()> {
+        let (d, g) = (self.shape.n_embd, self.predictor.n_groups());
+        self.scores.resize(n * g, 0.0);
+        for t in 0..n {
+            self.predictor
+                .scores(
+                    use_,
+                    layer,
+                    &rows[t * d..(t + 1) * d],
+                    self.path,
+                    &mut self.scratch,
+                    &mut self.scores[t * g..(t + 1) * g],
+                )
+                .map_err(|e| RuntimeError::Invalid(format!("predictor, layer {layer}: {e}")))?;
+        }
+        Ok(())
+    }
+
+    /// The union over rows of each row's top `breadth × need` neurons into
+    /// `bits`, with urgency by best rank (0 first); `n` rows scored.
+    fn select(&mut self, n: usize, breadth: f32) {
+        let g = self.predictor.n_groups();
+        let group = self.predictor.config.group;
+        let k = ((breadth as f64 * self.need as f64 / group as f64).ceil() as usize).clamp(1, g);
+        self.bits.fill(0);
+        self.urgency.fill(u16::MAX);
+        for t in 0..n {
+            let top = top_groups(&self.scores[t * g..(t + 1) * g], k, &mut self.order);
+            for (rank, &grp) in top.iter().enumerate() {
+                let u = (rank as u64 * u16::MAX as u64 / g as u64) as u16;
+                for i in grp as usize * group..(grp as usize + 1) * group {
+                    set_bit(&mut self.bits, i);
+                    self.urgency[i] = self.urgency[i].min(u);
+                }
+            }
+        }
+    }
+
+    /// Re-ranks layer `layer`'s queued reads from input estimate `rows`:
+    /// adds the new top set, cancels queued reads outside it.
+    fn refine_reads(&mut self, layer: usize, rows: &[f32], n: usize, s: &mut Streamer) -> Result<()> {
+        self.score(self.refine, layer, rows, n)?;
+        self.select(n, self.action.prefetch_breadth);
+        self.apply_refined(layer, s)
+    }
+
+    /// Makes layer `layer`'s queued reads follow the ranked set.
+    fn apply_refined(&mut self, layer: usize, s: &mut Streamer) -> Result<()> {
+        let before = s.wanted_count(layer);
+        s.extend(layer, Want::Set(&self.bits), Some(&self.urgency))?;
+        self.added += (s.wanted_count(layer) - before) as u64;
+        self.cancelled += s.cancel_outside(layer, &self.bits) as u64;
+        self.refinements += 1;
+        Ok(())
+    }
+}
+
+impl StageHook for Ranker {
+    fn stages(&self) -> usize {
+        self.action.stages as usize
+    }
+
+    fn wants_partial(&self) -> bool {
+        !self.shape.post_ffn_norm
+    }
+
+    fn refine(&mut self, layer: usize, _stage: usize, partial: Option<&[f32]>, s: &mut Streamer) -> Result<()> {
+        let (Some(partial), true) = (partial, layer + 1 < self.shape.n_layer) else {
+            return Ok(());
+        };
+        let m = self.n * self.shape.n_embd;
+        let mut est = std::mem::take(&mut self.estimate);
+        est.clear();
+        est.extend(self.resid[..m].iter().zip(&partial[..m]).map(|(r, p)| r + p));
+        let r = self.refine_reads(layer + 1, &est, self.n, s);
+        self.estimate = est;
+        r
+    }
+}
+
+pub(crate) struct Speculate {
+    ranker: Ranker,
+    controller: Controller,
+    predictor_name: String,
+    /// Layers decided with each code of the controller's codebook.
+    counts: Vec<u64>,
+    meter: Meter,
+    bundle_bytes: Vec<usize>,
+}
+
+impl Speculate {
+    pub(crate) fn new(
+        predictor: Arc<Predictor>,
+        predictor_name: String,
+        controller: Controller,
+        shape: Shape,
+        bundle_bytes: Vec<usize>,
+        sparsity: f32,
+    ) -> Result<Self> {
+        let c = &predictor.config;
+        if (c.n_layer, c.d_model, c.n_ff) != (shape.n_layer, shape.n_embd, shape.n_ff) {
+            return Err(RuntimeError::Invalid(format!(
+                "{predictor_name}: predictor made for {} layers × {} × {} FFN, the model has {} × {} × {}",
+                c.n_layer, c.d_model, c.n_ff, shape.n_layer, shape.n_embd, shape.n_ff
+            )));
+        }
+        let speculate = predictor.use_index("speculate").ok_or_else(|| {
+            RuntimeError::Invalid(format!(
+                "{predictor_name}: predictor has no `speculate` use (it has: {})",
+                predictor.uses.join(", ")
+            ))
+        })?;
+        let refine = predictor.use_index("refine").unwrap_or(speculate);
+        let need = (((1.0 - sparsity as f64) * shape.n_ff as f64).round() as usize).clamp(1, shape.n_ff);
+        let n_codes = controller.codebook().len();
+        Ok(Self {
+            ranker: Ranker {
+                scratch: predictor.scratch(),
+                predictor,
+                speculate,
+                refine,
+                path: ComputePath::best(),
+                shape,
+                need,
+                scores: Vec::new(),
+                order: Vec::new(),
+                bits: vec![0; shape.n_ff.div_ceil(64)],
+                urgency: vec![u16::MAX; shape.n_ff],
+                estimate: Vec::new(),
+                resid: Vec::new(),
+                n: 0,
+                action: Controller::DEFAULT_FIXED,
+                refinements: 0,
+                added: 0,
+                cancelled: 0,
+            },
+            controller,
+            predictor_name,
+            counts: vec![0; n_codes],
+            meter: Meter::default(),
+            bundle_bytes,
+        })
+    }
+
+    /// Measures the state of layer `layer` and takes the controller's action.
+    fn decide(&mut self, layer: usize, s: &Streamer) {
+        let st = s.stats();
+        self.meter.observe_io(st.bytes_read, st.io_busy_seconds);
+        let r = &self.ranker;
+        // `bits` holds the breadth-1 set: the predicted need; D is its uncached part.
+        let missing = s.uncached_count(layer, &r.bits) as f64 * self.bundle_bytes[layer] as f64;
+        let state = ControlState {
+            queued_bytes: s.queued_bytes(layer) as f64,
+            missing_bytes: missing,
+            read_bw_bytes_s: self.meter.read_bw(),
+            compute_ns_per_neuron: self.meter.ns_per_neuron().unwrap_or(f64::NAN),
+            layer_position: layer as f64 / r.shape.n_layer as f64,
+        };
+        let (code, action) = self.controller.decide(&state);
+        self.counts[code] += 1;
+        self.ranker.action = action;
+        s.set_depth(action.queue_depth as usize, 0);
+    }
+}
+
+impl FfnPolicy for Speculate {
+    fn kind(&self) -> Policy {
+        Policy::Speculate
+    }
+
+    fn layer_input(&mut self, layer: usize, x: &[f32], n: usize, source: &mut Source) -> Result<()> {
+        let s = streamer(source)?;
+        let r = &mut self.ranker;
+        r.score(r.refine, layer, x, n)?;
+        // The state is measured on the breadth-1 set, then the action's breadth applies.
+        r.select(n, 1.0);
+        self.decide(layer, s);
+        let r = &mut self.ranker;
+        r.select(n, r.action.prefetch_breadth);
+        if s.is_queued(layer) {
+            r.apply_refined(layer, s)
+        } else {
+            s.ensure_ranked(layer, Want::Set(&r.bits), Some(&r.urgency))
+        }
+    }
+
+    fn plan<'p>(&'p mut self, call: &LayerCall<'_>, source: &mut Source, _tail: &Tail) -> Result<Plan<'p>> {
+        let s = streamer(source)?;
+        let (l, n) = (call.layer, call.n);
+        let r = &mut self.ranker;
+        if !s.is_queued(l) {
+            // Not seen before attention (a hook-less caller): rank from the residual.
+            r.score(r.refine, l, call.resid, n)?;
+            r.select(n, r.action.prefetch_breadth);
+            s.ensure_ranked(l, Want::Set(&r.bits), Some(&r.urgency))?;
+        }
+        let m = n * r.shape.n_embd;
+        r.resid.clear();
+        r.resid.extend_from_slice(&call.resid[..m]);
+        r.n = n;
+        // Speculate the next layer of this token (layer 0 of the next one
+        // waits for its embedding).
+        if l + 1 < r.shape.n_layer {
+            r.score(r.speculate, l + 1, call.resid, n)?;
+            r.select(n, r.action.prefetch_breadth);
+            s.prefetch_ranked(l + 1, Want::Set(&r.bits), Some(&r.urgency))?;
+        }
+        let d = r.action.deadline_factor as f64;
+        let deadline = match self.meter.ns_per_neuron() {
+            Some(ns) if d.is_finite() => {
+                let expected = s.progress(l)?.1 * n;
+                Some(Instant::now() + Duration::from_secs_f64(d * ns * expected as f64 * 1e-9))
+            }
+            _ => None,
+        };
+        Ok(Plan {
+            select: Select::Threshold(call.threshold),
+            want: None,
+            deadline,
+            stages: Some(&mut self.ranker),
+        })
+    }
+
+    fn finished(&mut self, _layer: usize, tail: &Tail) {
+        self.meter.observe_compute(tail.last.ns_per_neuron());
+    }
+
+    fn held_bytes(&self) -> u64 {
+        self.ranker.predictor.weight_bytes() as u64
+    }
+
+    fn scratch_bytes(&self) -> u64 {
+        let r = &self.ranker;
+        (self.ranker.predictor.scratch_bytes()
+            + r.scores.capacity() * 4
+            + r.order.capacity() * 4
+            + r.bits.capacity() * 8
+            + r.urgency.capacity() * 2
+            + (r.estimate.capacity() + r.resid.capacity()) * 4) as u64
+    }
+
+    fn decisions(&self) -> Option<Decisions> {
+        let book = self.controller.codebook();
+        let r = &self.ranker;
+        Some(Decisions {
+            controller: self.controller.describe(),
+            predictor: self.predictor_name.clone(),
+            actions: self
+                .counts
+                .iter()
+                .enumerate()
+                .filter(|(_, &c)| c > 0)
+                .map(|(code, &layers)| ActionCount {
+                    action: book[code],
+                    code,
+                    layers,
+                })
+                .collect(),
+            refinements: r.refinements,
+            refine_added: r.added,
+            refine_cancelled: r.cancelled,
+        })
+    }
+}

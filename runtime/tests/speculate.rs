@@ -1,0 +1,357 @@
+//! The `speculate` policy: at sparsity 0 without a deadline it computes what
+//! `dense` computes, bit for bit, whatever the predictor, the stages, the
+//! breadth, the cache or the arrival order; a controller table whose action
+//! depends on the state makes the engine act differently per layer
+//! (counted); refinement adds and cancels reads and the reads go out in
+//! predicted order (the fault-injection backend's request log); a missed
+//! deadline skips bundles instead of waiting; artifacts for another model
+//! are refused by name.
+
+mod common;
+
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use leanstream_kernels::GgmlType;
+use leanstream_runtime::cache::FfnBudget;
+use leanstream_runtime::control::{Action, Axis, AxisKind, ControlTable, Provenance};
+use leanstream_runtime::engine::{
+    BackendFactory, CachePolicy, Controller, EngineOptions, FlashModel, Policy, Speculation,
+};
+use leanstream_runtime::flash::io::{make_backend, Backend, FaultyBackend, IoConfig};
+use leanstream_runtime::flash::{pack, DownType, PackOptions, SparsityLevel};
+use leanstream_runtime::model::Model;
+use leanstream_runtime::predict::{Predictor, PredictorConfig};
+use leanstream_runtime::synthetic::SyntheticSpec;
+
+fn dir() -> PathBuf {
+    let d = PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join("speculate");
+    std::fs::create_dir_all(&d).unwrap();
+    d
+}
+
+fn pack_down(src: &Path, name: &str, placement: Option<Vec<Vec<u32>>>, down: DownType) -> PathBuf {
+    let out = dir().join(format!("{name}.lsflash"));
+    let opts = PackOptions {
+        down,
+        placement,
+        sparsity: Vec::new(),
+        neuron_scores: Vec::new(),
+        progress: false,
+    };
+    pack(src, &out, &opts).unwrap();
+    out
+}
+
+/// A synthetic llama model of `n_layer` layers with `n_ff` neurons, packed
+/// with `down`; with `reversed`, every layer's neurons stored in reverse.
+fn synthetic(name: &str, n_ff: usize, down: DownType, reversed: bool) -> (PathBuf, FlashModel) {
+    let mut spec = SyntheticSpec::tiny("llama");
+    spec.weight_type = GgmlType::Q8_0;
+    (spec.n_embd, spec.n_ff, spec.n_layer) = (256, n_ff, 3);
+    let src = dir().join(format!("{name}.gguf"));
+    std::fs::write(&src, spec.build().unwrap().to_bytes()).unwrap();
+    let placement = reversed.then(|| vec![(0..n_ff as u32).rev().collect(); 3]);
+    let fm = FlashModel::open(pack_down(&src, name, placement, down)).unwrap();
+    (src, fm)
+}
+
+fn hex(b: &[u8]) -> String {
+    b.iter().map(|x| format!("{x:02x}")).collect()
+}
+
+/// A random predictor of `fm`'s shape whose provenance names `fm`'s source model.
+fn predictor_for(fm: &FlashModel, group: usize, seed: u64) -> Predictor {
+    let c = &fm.model.config;
+    let cfg = PredictorConfig::hashing(c.n_embd, c.n_ff, group, c.n_layer, 32, 16, 8, 2);
+    let mut p = Predictor::random(cfg, &["speculate", "refine"], seed).unwrap();
+    p.provenance = serde_json::json!({"model": {"sha256": hex(&fm.flash.header().source_sha256)}}).to_string();
+    p
+}
+
+fn speculation(fm: &FlashModel, controller: Controller, seed: u64) -> Speculation {
+    Speculation {
+        predictor: Arc::new(predictor_for(fm, 1, seed)),
+        predictor_name: "random.lspred".into(),
+        controller,
+    }
+}
+
+fn fixed(spec: &str) -> Controller {
+    Controller::parse_fixed(spec).unwrap()
+}
+
+fn options(fm: &FlashModel, share: f64, level: SparsityLevel, sp: Option<Speculation>) -> EngineOptions {
+    EngineOptions {
+        policy: if sp.is_some() {
+            Policy::Speculate
+        } else {
+            Policy::DenseStream
+        },
+        cache_bytes: (fm.ffn_bytes() as f64 * share) as u64,
+        cache_policy: CachePolicy::Lru,
+        merge_gap_bytes: 0,
+        level,
+        record: false,
+        trace: None,
+        speculation: sp,
+    }
+}
+
+fn shuffled(seed: u64, max_delay: Duration, log: Option<Arc<Mutex<Vec<u64>>>>) -> BackendFactory {
+    Box::new(move |cfg: &IoConfig| {
+        let inner = make_backend(cfg)?;
+        let mut b = FaultyBackend::new(inner, []).shuffled(seed, max_delay);
+        if let Some(log) = log {
+            b = b.logging(log);
+        }
+        Ok(Box::new(b) as Box<dyn Backend>)
+    })
+}
+
+#[test]
+fn speculate_at_sparsity_zero_without_deadline_is_dense_bit_for_bit() {
+    for (name, down, reversed) in [("cols_rev", DownType::Q8_0, true), ("tiles", DownType::Source, false)] {
+        let (_, fm) = synthetic(name, 2048, down, reversed);
+        let prompt = [1u32, 20, 33, 47, 5, 9];
+        let mut dense = fm.engine(Policy::Dense, FfnBudget::Percent(100.0)).unwrap();
+        let reference = common::greedy_flash(&fm, &mut dense, &prompt, 6).unwrap();
+        let dense_level = || SparsityLevel::dense(fm.flash.n_layer());
+        let cases = [
+            ("fixed:K=1,b=1,d=inf,q=4", 0.0, 1u64),
+            ("fixed:K=4,b=1,d=inf,q=16", 0.3, 2),
+            ("fixed:K=2,b=2.5,d=inf,q=8", 0.6, 3),
+        ];
+        for (spec, share, seed) in cases {
+            let opts = options(&fm, share, dense_level(), Some(speculation(&fm, fixed(spec), seed)));
+            let mut e = fm
+                .engine_on(opts, Some(shuffled(seed, Duration::from_micros(200), None)))
+                .unwrap();
+            let run = common::greedy_flash(&fm, &mut e, &prompt, 6).unwrap();
+            let d = e.decisions().unwrap();
+            assert!(
+                common::same_bits(&run, &reference),
+                "{name}: {spec} at cache share {share}"
+            );
+            assert_eq!(e.stats().late_skipped, 0);
+            assert!(d.refinements > 0, "{name} {spec}: {d:?}");
+            assert_eq!(d.actions.len(), 1);
+            // Every layer of every forward call decided once.
+            assert_eq!(d.actions[0].layers, 7 * fm.flash.n_layer() as u64);
+        }
+    }
+}
+
+/// Real models packed with their down matrices in the source's blocks:
+/// speculate at sparsity 0 without a deadline gives the GGUF engine's tokens
+/// and logits, bit for bit.
+fn real_model_exact(name: &str) {
+    let Some(src) = common::model_path(name) else {
+        return;
+    };
+    let fm = FlashModel::open(pack_down(&src, &format!("{name}_source"), None, DownType::Source)).unwrap();
+    let prompt = fm.model.tokenizer.encode(
+        "The history of the printing press begins in the fifteenth century, when",
+        true,
+        false,
+    );
+    let m = Model::load(&src).unwrap();
+    let mut st = m.new_state(prompt.len() + 9, prompt.len(), 1);
+    let mut gguf = (Vec::new(), Vec::new());
+    m.forward_outputs(&mut st, &prompt, 0, prompt.len() - 1..prompt.len())
+        .unwrap();
+    for pos in prompt.len()..prompt.len() + 8 {
+        let l = m.logits(&mut st, 0, 1).unwrap().to_vec();
+        let tok = leanstream_runtime::generate::argmax(&l);
+        gguf.0.push(tok);
+        gguf.1.push(l);
+        m.forward(&mut st, &[tok], pos).unwrap();
+    }
+    drop(m);
+    let group = fm.formats[0].group();
+    let sp = Speculation {
+        predictor: Arc::new(predictor_for(&fm, group.min(32), 9)),
+        predictor_name: "random.lspred".into(),
+        controller: fixed("fixed:K=4,b=1,d=inf,q=16"),
+    };
+    let opts = options(&fm, 0.25, SparsityLevel::dense(fm.flash.n_layer()), Some(sp));
+    let mut e = fm.engine_with(opts).unwrap();
+    let run = common::greedy_flash(&fm, &mut e, &prompt, 8).unwrap();
+    assert!(
+        common::same_bits(&run, &gguf),
+        "{name}: speculate differs from the GGUF engine"
+    );
+}
+
+#[test]
+fn smollm2_speculate_is_exact_at_sparsity_zero() {
+    real_model_exact("smollm2");
+}
+
+#[test]
+fn gemma3_speculate_is_exact_at_sparsity_zero() {
+    real_model_exact("gemma3");
+}
+
+/// A table over the layer position: the first half of the stack takes
+/// action 0, the rest action 1.
+fn position_table(a: Action, b: Action) -> ControlTable {
+    ControlTable {
+        provenance: Provenance {
+            device_fingerprint: "test".into(),
+            ..Provenance::default()
+        },
+        axes: vec![Axis {
+            kind: AxisKind::LayerPosition,
+            thresholds: vec![0.5],
+            centers: vec![0.25, 0.75],
+        }],
+        codebook: vec![a, b],
+        codes: vec![0, 1],
+    }
+}
+
+/// Thresholds that keep about half of a synthetic layer's neurons.
+fn half_level(fm: &FlashModel) -> SparsityLevel {
+    let n = fm.flash.n_layer();
+    SparsityLevel {
+        sparsity: 0.5,
+        full: vec![1e-3; n],
+        gate: vec![1e-3; n],
+    }
+}
+
+#[test]
+fn the_tables_actions_follow_the_measured_state() {
+    let (_, fm) = synthetic("table", 2048, DownType::Q8_0, false);
+    let prompt = [1u32, 20, 33, 47, 5, 9];
+    let narrow = Action {
+        stages: 1,
+        queue_depth: 4,
+        prefetch_breadth: 1.0,
+        deadline_factor: f32::INFINITY,
+    };
+    let wide = Action {
+        stages: 2,
+        queue_depth: 16,
+        prefetch_breadth: 2.0,
+        ..narrow
+    };
+    let run = |table: ControlTable| {
+        let c = Controller::Table {
+            table: Arc::new(table),
+            origin: "test table".into(),
+        };
+        let mut e = fm
+            .engine_with(options(&fm, 0.0, half_level(&fm), Some(speculation(&fm, c, 4))))
+            .unwrap();
+        common::greedy_flash(&fm, &mut e, &prompt, 6).unwrap();
+        (e.decisions().unwrap(), e.stats())
+    };
+    let (by_position, s_mixed) = run(position_table(narrow, wide));
+    let (all_narrow, s_narrow) = run(position_table(narrow, narrow));
+    let (all_wide, s_wide) = run(position_table(wide, wide));
+    // Layers 0 and 1 (positions 0, 1/3) take the narrow action, layer 2 the wide one.
+    let calls = 7u64;
+    let counts: Vec<(usize, u64)> = by_position.actions.iter().map(|a| (a.code, a.layers)).collect();
+    assert_eq!(counts, vec![(0, 2 * calls), (1, calls)], "{by_position:?}");
+    assert!(all_narrow.actions.iter().all(|a| a.action == narrow));
+    assert!(all_wide.actions.iter().all(|a| a.action == wide));
+    // Breadth 2 reads more than breadth 1; mixing the two lies between.
+    eprintln!(
+        "bytes requested: narrow {}, mixed {}, wide {}",
+        s_narrow.bytes_requested, s_mixed.bytes_requested, s_wide.bytes_requested
+    );
+    assert!(s_narrow.bytes_requested < s_mixed.bytes_requested);
+    assert!(s_mixed.bytes_requested < s_wide.bytes_requested);
+}
+
+#[test]
+fn refinement_adds_and_cancels_reads_issued_in_predicted_order() {
+    let (_, fm) = synthetic("refine", 2048, DownType::Q8_0, false);
+    let prompt = [1u32, 20, 33, 47, 5, 9];
+    let issue_order = |sp: Option<Speculation>| {
+        let log = Arc::new(Mutex::new(Vec::new()));
+        let mut e = fm
+            .engine_on(
+                options(&fm, 0.0, half_level(&fm), sp),
+                Some(shuffled(5, Duration::from_micros(100), Some(Arc::clone(&log)))),
+            )
+            .unwrap();
+        common::greedy_flash(&fm, &mut e, &prompt, 6).unwrap();
+        let offsets = log.lock().unwrap().clone();
+        // Steps back in the file: one per layer when reads go out in file order.
+        let descents = offsets.windows(2).filter(|w| w[1] < w[0]).count();
+        (descents, offsets.len(), e.decisions())
+    };
+    let (file_order, n_plain, _) = issue_order(None);
+    let (ranked, n_ranked, d) = issue_order(Some(speculation(&fm, fixed("fixed:K=4,b=1,d=inf,q=4"), 6)));
+    let d = d.unwrap();
+    eprintln!("dense-stream: {file_order} descents in {n_plain} reads; speculate: {ranked} in {n_ranked}; {d:?}");
+    assert!(d.refine_added > 0, "refinement added no reads: {d:?}");
+    assert!(d.refine_cancelled > 0, "refinement cancelled no reads: {d:?}");
+    // Reads leave in the predictor's order, not the file's.
+    assert!(ranked > 4 * file_order.max(1), "{ranked} vs {file_order}");
+}
+
+#[test]
+fn a_missed_deadline_skips_bundles_instead_of_waiting() {
+    let (_, fm) = synthetic("deadline", 2048, DownType::Q8_0, false);
+    let prompt = [1u32, 20, 33, 47, 5, 9];
+    // Reads held up to 3 ms against a deadline of a hundredth of the compute time.
+    let sp = speculation(&fm, fixed("fixed:K=2,b=1,d=0.01,q=4"), 7);
+    let mut e = fm
+        .engine_on(
+            options(&fm, 0.0, SparsityLevel::dense(fm.flash.n_layer()), Some(sp)),
+            Some(shuffled(8, Duration::from_millis(3), None)),
+        )
+        .unwrap();
+    let run = common::greedy_flash(&fm, &mut e, &prompt, 6).unwrap();
+    let s = e.stats();
+    assert_eq!(run.0.len(), 6);
+    assert!(run.1.iter().flatten().all(|v| v.is_finite()));
+    assert!(s.late_skipped > 0, "{s:?}");
+    assert!(s.skipped_fraction() > 0.0, "{s:?}");
+}
+
+#[test]
+fn a_predictor_for_another_model_is_refused_by_name() {
+    let (_, fm) = synthetic("refuse", 512, DownType::Q8_0, false);
+    let path = dir().join("other.lspred");
+    let mut p = predictor_for(&fm, 1, 1);
+    p.provenance = serde_json::json!({"model": {"sha256": "ab".repeat(32)}}).to_string();
+    p.save(&path).unwrap();
+    let e = leanstream_runtime::artifacts::load_predictor(&path, &fm)
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("other.lspred") && e.contains("another model"), "{e}");
+    // No model named at all.
+    p.provenance = "{}".into();
+    p.save(&path).unwrap();
+    let e = leanstream_runtime::artifacts::load_predictor(&path, &fm)
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("model.sha256"), "{e}");
+    // The right model but another shape.
+    let (_, wide) = synthetic("refuse_wide", 1024, DownType::Q8_0, false);
+    let mut q = predictor_for(&wide, 1, 1);
+    q.provenance = serde_json::json!({"model": {"sha256": hex(&fm.flash.header().source_sha256)}}).to_string();
+    q.save(&path).unwrap();
+    let e = leanstream_runtime::artifacts::load_predictor(&path, &fm)
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("n_ff") && e.contains("other.lspred"), "{e}");
+    // The right one loads, and is found beside the model without a flag.
+    let beside = fm.flash.path().with_extension("lspred");
+    predictor_for(&fm, 1, 1).save(&beside).unwrap();
+    let sp = leanstream_runtime::artifacts::speculation(&fm, fm.flash.path(), None, None).unwrap();
+    assert_eq!(sp.predictor_name, beside.display().to_string());
+    assert!(matches!(sp.controller, Controller::Table { .. }));
+    std::fs::remove_file(&beside).unwrap();
+    let e = leanstream_runtime::artifacts::speculation(&fm, fm.flash.path(), None, None)
+        .err()
+        .unwrap()
+        .to_string();
+    assert!(e.contains("--predictor"), "{e}");
+}
