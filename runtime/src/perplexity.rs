@@ -64,6 +64,34 @@ pub fn perplexity_with(
     progress: bool,
     hook: &mut dyn LayerHook,
 ) -> Result<Perplexity> {
+    perplexity_batched(model, text, ctx, max_chunks, progress, hook, 512)
+}
+
+/// [`perplexity_with`] one token per forward pass, as decoding runs: a
+/// hook whose choices depend on the batch (a predictor's union over the
+/// rows) is then measured as a generation sees it. Same numbers for hooks
+/// that decide row by row.
+pub fn perplexity_decoding(
+    model: &Model,
+    text: &str,
+    ctx: usize,
+    max_chunks: Option<usize>,
+    progress: bool,
+    hook: &mut dyn LayerHook,
+) -> Result<Perplexity> {
+    perplexity_batched(model, text, ctx, max_chunks, progress, hook, 1)
+}
+
+/// Perplexity with forward passes of at most `batch` tokens.
+fn perplexity_batched(
+    model: &Model,
+    text: &str,
+    ctx: usize,
+    max_chunks: Option<usize>,
+    progress: bool,
+    hook: &mut dyn LayerHook,
+    batch: usize,
+) -> Result<Perplexity> {
     if ctx < 4 {
         return Err(RuntimeError::Invalid(format!("context {ctx} too small for perplexity")));
     }
@@ -78,7 +106,7 @@ pub fn perplexity_with(
     }
     let n_chunks = (tokens.len() / ctx).min(max_chunks.unwrap_or(usize::MAX));
     let first = ctx / 2;
-    let mut st = model.new_state(ctx, ctx.min(512), LOGIT_ROWS);
+    let mut st = model.new_state(ctx, ctx.min(batch.max(1)), LOGIT_ROWS);
     let bar = crate::progress::bar(
         n_chunks as u64,
         progress,

@@ -18,6 +18,7 @@
 //! bit-identical logits, whatever order the bundles arrive in.
 
 pub mod controller;
+pub mod handoff;
 pub mod policy;
 mod stream;
 mod tail;
@@ -265,6 +266,9 @@ impl FlashModel {
                 let mut s = Streamer::new(self, o.cache_bytes, o.cache_policy, o.merge_gap_bytes, backend)?;
                 if let Some(h) = held {
                     s.hold_prefix(h)?;
+                }
+                if o.policy == Policy::Speculate {
+                    s.use_spans();
                 }
                 (Source::Stream(Box::new(s)), self.formats.clone())
             }

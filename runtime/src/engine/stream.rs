@@ -276,6 +276,9 @@ pub struct Streamer {
     bytes_needed: u64,
     /// Runs of an extension being built (reused).
     extension: Vec<(usize, usize)>,
+    /// Every bundle a read brings is computed, not only those asked for
+    /// (see [`use_spans`](Self::use_spans)).
+    use_spans: bool,
     /// Requested bundles that had not landed by their layer's deadline.
     late_skipped: u64,
     stages: [Stage; 2],
@@ -425,6 +428,7 @@ impl Streamer {
             group: m.formats.iter().map(|f| f.group()).collect(),
             grouped: vec![0; n_ff.div_ceil(64)],
             extension: Vec::with_capacity(n_ff),
+            use_spans: false,
             late_skipped: 0,
             stages: [stage(), stage()],
             queue: VecDeque::with_capacity(2),
@@ -453,6 +457,36 @@ impl Streamer {
         let bytes = rows.iter().map(|r| r.len() / self.n_ff).collect();
         self.held = Some(HeldPrefix { rows, bytes });
         Ok(())
+    }
+
+    /// From now on the unneeded bundles a merged read spans count as asked
+    /// for: they land anyway, so a policy that keeps neurons by threshold
+    /// computes them at no I/O cost (a wider net than its prediction).
+    pub fn use_spans(&mut self) {
+        self.use_spans = true;
+    }
+
+    /// Marks the bundles that runs `first..` of stage `k` span but nobody
+    /// asked for as asked for (with [`use_spans`](Self::use_spans)).
+    fn claim_spans(&mut self, k: usize, first: usize) {
+        if !self.use_spans {
+            return;
+        }
+        let s = &mut self.stages[k];
+        let l = s.layer;
+        let bb = self.bundle_bytes[l] as u64;
+        for &(p0, n) in &s.runs[first..] {
+            for &i in &self.placement[l][p0..p0 + n] {
+                let i = i as usize;
+                // A cache hit inside the span is served by the cache.
+                if !s.requested[i] && !bit_is_set(&s.want, i) {
+                    s.requested[i] = true;
+                    set_bit(&mut s.want, i);
+                    s.requested_count += 1;
+                    self.bytes_needed += bb;
+                }
+            }
+        }
     }
 
     /// Whether reads bypass the page cache (O_DIRECT).
@@ -607,6 +641,7 @@ impl Streamer {
             rule.push(&mut s.runs, p);
         }
         self.queue.push_back(k);
+        self.claim_spans(k, 0);
         self.submit_runs(k, 0, urgency);
         Ok(())
     }
@@ -709,6 +744,7 @@ impl Streamer {
         s.runs.extend_from_slice(&runs);
         self.extension = runs;
         if self.stages[k].runs.len() > first {
+            self.claim_spans(k, first);
             self.submit_runs(k, first, urgency);
         }
     }

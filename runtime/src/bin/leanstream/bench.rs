@@ -12,7 +12,7 @@ use leanstream_runtime::engine::{CachePolicy, EngineOptions, FlashModel, Policy}
 use leanstream_runtime::flash::{pagecache, SparsityLevel};
 use leanstream_runtime::generate::sampler::Rng;
 use leanstream_runtime::model::RunState;
-use leanstream_runtime::perplexity::perplexity_with;
+use leanstream_runtime::perplexity::{perplexity_decoding, perplexity_with};
 
 use crate::plot;
 use leanstream_runtime::engine::Decisions;
@@ -308,7 +308,12 @@ fn quality(
             trace: None,
             speculation,
         })?;
-        let p = perplexity_with(&fm.model, &text, ctx, Some(chunks), false, &mut e)?;
+        // A predictor's choice for a batch is a union over its rows, wider
+        // than any one token's: such a policy is scored as it decodes.
+        let p = match policy {
+            Policy::Speculate => perplexity_decoding(&fm.model, &text, ctx, Some(chunks), false, &mut e)?,
+            _ => perplexity_with(&fm.model, &text, ctx, Some(chunks), false, &mut e)?,
+        };
         Ok((p, e.stats().skipped_fraction()))
     };
     let (dense, _) = eval(Policy::DenseStream, SparsityLevel::dense(fm.flash.n_layer()))?;

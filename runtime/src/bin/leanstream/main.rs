@@ -186,6 +186,17 @@ enum Cmd {
         #[arg(long, default_value = "auto")]
         backend: leanstream_runtime::flash::io::BackendKind,
     },
+    /// The cost of handing a 7B-shape layer's FFN from I/O to compute in K
+    /// stages: ready flags against a barrier per stage (the paper's Table 3,
+    /// CPU twin; JSON).
+    BenchStages {
+        /// Stage counts K.
+        #[arg(long, value_delimiter = ',', default_value = "1,2,4,8,16")]
+        stages: Vec<usize>,
+        /// Repetitions per K (after one warm-up; medians reported).
+        #[arg(long, default_value_t = 9)]
+        reps: usize,
+    },
     /// Download a known model into the cache and print its path.
     Fetch {
         /// smollm2 or gemma3
@@ -447,6 +458,32 @@ fn real_main(cli: Cli) -> Result<()> {
             };
             let r = leanstream_runtime::flash::io::read_benchmark(&file, &b)?;
             println!("{}", serde_json::to_string_pretty(&r)?);
+            Ok(())
+        }
+        Cmd::BenchStages { stages, reps } => {
+            use leanstream_runtime::engine::handoff::{measure, HandoffShape};
+            let rows = measure(HandoffShape::MISTRAL_7B, &stages, reps)?;
+            let rows: Vec<serde_json::Value> = rows
+                .iter()
+                .map(|r| {
+                    serde_json::json!({
+                        "stages": r.stages,
+                        "flags_us": r.flags_us,
+                        "barrier_us": r.barrier_us,
+                        "land_only_us": r.land_only_us,
+                        "compute_only_us": r.compute_only_us,
+                        "flags_overhead_us": r.flags_overhead_us(),
+                        "barrier_overhead_us": r.barrier_overhead_us(),
+                    })
+                })
+                .collect();
+            let report = serde_json::json!({
+                "layer": "Mistral-7B shape: 4096 x 14336, Q4_0 gate/up rows, Q8_0 down columns",
+                "threads": rayon::current_num_threads(),
+                "reps": reps,
+                "rows": rows,
+            });
+            println!("{}", serde_json::to_string_pretty(&report)?);
             Ok(())
         }
         Cmd::Fetch { name } => {
