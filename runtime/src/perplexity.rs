@@ -64,26 +64,15 @@ pub fn perplexity_with(
     progress: bool,
     hook: &mut dyn LayerHook,
 ) -> Result<Perplexity> {
-    perplexity_batched(model, text, ctx, max_chunks, progress, hook, 512)
+    perplexity_in_batches(model, text, ctx, max_chunks, progress, hook, 512)
 }
 
-/// [`perplexity_with`] one token per forward pass, as decoding runs: a
-/// hook whose choices depend on the batch (a predictor's union over the
-/// rows) is then measured as a generation sees it. Same numbers for hooks
-/// that decide row by row.
-pub fn perplexity_decoding(
-    model: &Model,
-    text: &str,
-    ctx: usize,
-    max_chunks: Option<usize>,
-    progress: bool,
-    hook: &mut dyn LayerHook,
-) -> Result<Perplexity> {
-    perplexity_batched(model, text, ctx, max_chunks, progress, hook, 1)
-}
-
-/// Perplexity with forward passes of at most `batch` tokens.
-fn perplexity_batched(
+/// [`perplexity_with`] with forward passes of at most `batch` tokens. With
+/// 1 it runs as decoding does: a hook whose choices depend on the batch (a
+/// predictor's union over the rows) is then measured as a generation sees
+/// it; hooks that decide row by row give the same numbers at any batch.
+#[allow(clippy::too_many_arguments)]
+pub fn perplexity_in_batches(
     model: &Model,
     text: &str,
     ctx: usize,

@@ -70,6 +70,16 @@ impl StreamSettings {
         Ok(total - fixed)
     }
 
+    /// What a `policy` engine over `fm` needs of the speculation artifacts
+    /// (`None` unless `speculate`).
+    pub fn speculation(&self, fm: &FlashModel, policy: Policy) -> Result<Option<crate::engine::Speculation>> {
+        if policy != Policy::Speculate {
+            return Ok(None);
+        }
+        let (p, c) = (self.predictor.as_deref(), self.controller.as_deref());
+        crate::artifacts::speculation(fm, fm.flash.path(), p, c).map(Some)
+    }
+
     /// The engine for `fm` under these settings with `policy`; `record`
     /// keeps the kept sets for an oracle replay.
     pub fn engine(
@@ -80,15 +90,7 @@ impl StreamSettings {
         trace: Option<ActiveTrace>,
         record: bool,
     ) -> Result<FlashEngine> {
-        let speculation = match policy {
-            Policy::Speculate => Some(crate::artifacts::speculation(
-                fm,
-                fm.flash.path(),
-                self.predictor.as_deref(),
-                self.controller.as_deref(),
-            )?),
-            _ => None,
-        };
+        let speculation = self.speculation(fm, policy)?;
         // The predictor's weights are memory like the cache's.
         let predictor_bytes = speculation.as_ref().map_or(0, |s| s.predictor.weight_bytes() as u64);
         let trace_bytes = trace.as_ref().map_or(0, |t| t.bytes()) + predictor_bytes;

@@ -15,7 +15,7 @@ use leanstream_runtime::engine::{
     is_lsflash, BackendFactory, CachePolicy, EngineOptions, FlashEngine, FlashModel, Policy, Streamer, Want,
 };
 use leanstream_runtime::flash::io::{make_backend, Backend, FaultyBackend, IoConfig};
-use leanstream_runtime::flash::{pack, DownType, PackOptions, SparsityLevel};
+use leanstream_runtime::flash::{DownType, SparsityLevel};
 use leanstream_runtime::generate::argmax;
 use leanstream_runtime::model::Model;
 use leanstream_runtime::synthetic::SyntheticSpec;
@@ -31,16 +31,7 @@ fn pack_to(src: &Path, name: &str, placement: Option<Vec<Vec<u32>>>) -> PathBuf 
 }
 
 fn pack_down(src: &Path, name: &str, placement: Option<Vec<Vec<u32>>>, down: DownType) -> PathBuf {
-    let out = dir().join(format!("{name}.lsflash"));
-    let opts = PackOptions {
-        down,
-        placement,
-        sparsity: Vec::new(),
-        neuron_scores: Vec::new(),
-        progress: false,
-    };
-    pack(src, &out, &opts).unwrap();
-    out
+    common::pack_down(&dir(), src, name, placement, down)
 }
 
 use common::Run;

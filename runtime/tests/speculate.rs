@@ -20,7 +20,7 @@ use leanstream_runtime::engine::{
     BackendFactory, CachePolicy, Controller, EngineOptions, FlashModel, Policy, Speculation,
 };
 use leanstream_runtime::flash::io::{make_backend, Backend, FaultyBackend, IoConfig};
-use leanstream_runtime::flash::{pack, DownType, PackOptions, SparsityLevel};
+use leanstream_runtime::flash::{DownType, SparsityLevel};
 use leanstream_runtime::model::Model;
 use leanstream_runtime::predict::{Predictor, PredictorConfig};
 use leanstream_runtime::synthetic::SyntheticSpec;
@@ -32,16 +32,7 @@ fn dir() -> PathBuf {
 }
 
 fn pack_down(src: &Path, name: &str, placement: Option<Vec<Vec<u32>>>, down: DownType) -> PathBuf {
-    let out = dir().join(format!("{name}.lsflash"));
-    let opts = PackOptions {
-        down,
-        placement,
-        sparsity: Vec::new(),
-        neuron_scores: Vec::new(),
-        progress: false,
-    };
-    pack(src, &out, &opts).unwrap();
-    out
+    common::pack_down(&dir(), src, name, placement, down)
 }
 
 /// A synthetic llama model of `n_layer` layers with `n_ff` neurons, packed

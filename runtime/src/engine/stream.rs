@@ -622,27 +622,9 @@ impl Streamer {
         s.requested_count = 0;
         s.expired = false;
         s.seq = self.seq;
-        let (bb, skip) = (self.bundle_bytes[l], self.held.as_ref().map_or(0, |h| h.bytes[l]));
-        let rule = RunRule::new(bb, self.max_run_bytes, self.merge_gap_bytes);
-        for (p, &i) in self.placement[l].iter().enumerate() {
-            let i = i as usize;
-            if !want.contains(i) {
-                continue;
-            }
-            set_bit(&mut s.want, i);
-            if self.cache.lookup(l, i).is_some() {
-                self.cache.pin(l, i);
-                s.pinned.push(i);
-                continue;
-            }
-            s.requested[i] = true;
-            s.requested_count += 1;
-            self.bytes_needed += (bb - skip) as u64;
-            rule.push(&mut s.runs, p);
-        }
         self.queue.push_back(k);
-        self.claim_spans(k, 0);
-        self.submit_runs(k, 0, urgency);
+        // An empty stage extended by `want`: nothing is covered yet.
+        self.extend_exact(k, want, urgency);
         Ok(())
     }
 

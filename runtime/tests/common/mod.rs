@@ -44,3 +44,24 @@ pub fn same_bits(a: &Run, b: &Run) -> bool {
             .zip(&b.1)
             .all(|(x, y)| x.len() == y.len() && x.iter().zip(y).all(|(p, q)| p.to_bits() == q.to_bits()))
 }
+
+/// Packs `src` into `dir/NAME.lsflash` with `down` columns or tiles and an
+/// optional placement, without thresholds.
+pub fn pack_down(
+    dir: &std::path::Path,
+    src: &std::path::Path,
+    name: &str,
+    placement: Option<Vec<Vec<u32>>>,
+    down: leanstream_runtime::flash::DownType,
+) -> PathBuf {
+    let out = dir.join(format!("{name}.lsflash"));
+    let opts = leanstream_runtime::flash::PackOptions {
+        down,
+        placement,
+        sparsity: Vec::new(),
+        neuron_scores: Vec::new(),
+        progress: false,
+    };
+    leanstream_runtime::flash::pack(src, &out, &opts).unwrap();
+    out
+}

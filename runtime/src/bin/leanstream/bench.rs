@@ -12,7 +12,7 @@ use leanstream_runtime::engine::{CachePolicy, EngineOptions, FlashModel, Policy}
 use leanstream_runtime::flash::{pagecache, SparsityLevel};
 use leanstream_runtime::generate::sampler::Rng;
 use leanstream_runtime::model::RunState;
-use leanstream_runtime::perplexity::{perplexity_decoding, perplexity_with};
+use leanstream_runtime::perplexity::perplexity_in_batches;
 
 use crate::plot;
 use leanstream_runtime::engine::Decisions;
@@ -289,15 +289,7 @@ fn quality(
     let sparsity = settings.sparsity;
     let text = std::fs::read_to_string(file).with_context(|| format!("reading {}", file.display()))?;
     let eval = |policy: Policy, level: SparsityLevel| -> Result<_> {
-        let speculation = match policy {
-            Policy::Speculate => Some(leanstream_runtime::artifacts::speculation(
-                fm,
-                fm.flash.path(),
-                settings.predictor.as_deref(),
-                settings.controller.as_deref(),
-            )?),
-            _ => None,
-        };
+        let speculation = settings.speculation(fm, policy)?;
         let mut e = fm.engine_with(EngineOptions {
             policy,
             cache_bytes,
@@ -310,10 +302,8 @@ fn quality(
         })?;
         // A predictor's choice for a batch is a union over its rows, wider
         // than any one token's: such a policy is scored as it decodes.
-        let p = match policy {
-            Policy::Speculate => perplexity_decoding(&fm.model, &text, ctx, Some(chunks), false, &mut e)?,
-            _ => perplexity_with(&fm.model, &text, ctx, Some(chunks), false, &mut e)?,
-        };
+        let batch = if policy == Policy::Speculate { 1 } else { 512 };
+        let p = perplexity_in_batches(&fm.model, &text, ctx, Some(chunks), false, &mut e, batch)?;
         Ok((p, e.stats().skipped_fraction()))
     };
     let (dense, _) = eval(Policy::DenseStream, SparsityLevel::dense(fm.flash.n_layer()))?;
