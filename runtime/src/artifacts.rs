@@ -2,20 +2,26 @@
 //! (`.lspred`) and the controller (`.lstab`, or a fixed action). Named on
 //! the command line, or found beside the model without flags:
 //!
-//! - predictor: `<stem>.lspred`, else `predictor.lspred`, in the model's folder;
+//! - predictor: `<stem>.lspred`, else `predictor.lspred`, in the model's
+//!   folder (`dejavu` and `llm-in-a-flash`, whose originals use a low-rank
+//!   predictor, look for `<stem>.lowrank.lspred` first);
 //! - controller: `<stem>.lstab`, else `controller.lstab`, in the model's
-//!   folder, else the table built into the binary (`data/controller/`).
+//!   folder, else the table built into the binary (`data/controller/`);
+//! - retention table of the learned cache policy: `<stem>.lsevict`, else
+//!   `eviction.lsevict`, in the model's folder.
 //!
-//! (`<stem>` is the model file's name without `.lsflash`.) A predictor is
-//! checked against the model it is given to: its provenance names the
-//! SHA-256 of the GGUF its traces were recorded on, which must be the
-//! `.lsflash` file's source, and its shape must be the model's.
+//! (`<stem>` is the model file's name without `.lsflash`.) A predictor or a
+//! retention table is checked against the model it is given to: its
+//! provenance names the SHA-256 of the GGUF its traces were recorded on,
+//! which must be the `.lsflash` file's source, and its shape must be the
+//! model's.
 
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
+use crate::cache::RetentionTable;
 use crate::control::ControlTable;
-use crate::engine::{Controller, FlashModel, Speculation};
+use crate::engine::{Controller, FlashModel, Policy, Speculation};
 use crate::predict::Predictor;
 use crate::{Result, RuntimeError};
 
@@ -38,9 +44,59 @@ pub fn predictor_beside(model: &Path) -> Option<PathBuf> {
     beside(model, "lspred", "predictor.lspred")
 }
 
+/// The predictor a `policy` engine over `model` uses when none is named.
+pub fn predictor_beside_for(model: &Path, policy: Policy) -> Option<PathBuf> {
+    let low_rank = matches!(policy, Policy::DejaVu | Policy::LlmInAFlash)
+        .then(|| beside(model, "lowrank.lspred", "predictor.lowrank.lspred"))
+        .flatten();
+    low_rank.or_else(|| predictor_beside(model))
+}
+
 /// The controller table beside `model`, if there is one.
 pub fn controller_beside(model: &Path) -> Option<PathBuf> {
     beside(model, "lstab", "controller.lstab")
+}
+
+/// The retention table beside `model`, if there is one.
+pub fn retention_beside(model: &Path) -> Option<PathBuf> {
+    beside(model, "lsevict", "eviction.lsevict")
+}
+
+/// Loads the retention table at `path` and checks it was made for `fm`'s model.
+pub fn load_retention(path: &Path, fm: &FlashModel) -> Result<RetentionTable> {
+    let t = RetentionTable::load(path).map_err(|e| RuntimeError::Invalid(e.to_string()))?;
+    check_source(t.model_sha(), path, "retention table", fm)?;
+    let (n_layer, n_ff) = (fm.flash.n_layer(), fm.flash.n_ff());
+    if (t.n_layer, t.n_ff) != (n_layer, n_ff) {
+        return Err(RuntimeError::Invalid(format!(
+            "{}: retention table for {} layers × {} neurons (fields n_layer, n_ff), {} has {n_layer} × {n_ff}",
+            path.display(),
+            t.n_layer,
+            t.n_ff,
+            fm.flash.path().display()
+        )));
+    }
+    Ok(t)
+}
+
+/// Refuses an artifact whose provenance names no model, or another model
+/// than `fm`'s source GGUF.
+fn check_source(sha: Option<String>, path: &Path, what: &str, fm: &FlashModel) -> Result<()> {
+    let source = crate::fetch::hex(&fm.flash.header().source_sha256);
+    let model = fm.flash.path().display();
+    match sha {
+        None => Err(RuntimeError::Invalid(format!(
+            "{}: the {what}'s provenance does not name the model it was made for (field `model.sha256`); \
+             make it with leanstream-synth on traces of {model}'s source GGUF",
+            path.display()
+        ))),
+        Some(sha) if sha != source => Err(RuntimeError::Invalid(format!(
+            "{}: {what} made for another model (field `model.sha256` {sha}); {model} was packed from a \
+             GGUF with SHA-256 {source}",
+            path.display()
+        ))),
+        Some(_) => Ok(()),
+    }
 }
 
 /// Loads the predictor at `path` and checks it was made for `fm`'s model.
@@ -58,25 +114,8 @@ pub fn predictor_model_sha(p: &Predictor) -> Option<String> {
 
 /// Refuses a predictor made for another model (by hash) or shape.
 pub fn check_predictor(p: &Predictor, path: &Path, fm: &FlashModel) -> Result<()> {
-    let source = crate::fetch::hex(&fm.flash.header().source_sha256);
+    check_source(predictor_model_sha(p), path, "predictor", fm)?;
     let model = fm.flash.path().display();
-    match predictor_model_sha(p) {
-        None => {
-            return Err(RuntimeError::Invalid(format!(
-                "{}: the predictor's provenance does not name the model it was made for (field `model.sha256`); \
-                 train it with leanstream-synth predictor on traces of {model}'s source GGUF",
-                path.display()
-            )))
-        }
-        Some(sha) if sha != source => {
-            return Err(RuntimeError::Invalid(format!(
-                "{}: predictor made for another model (field `model.sha256` {sha}); {model} was packed from a \
-                 GGUF with SHA-256 {source}",
-                path.display()
-            )))
-        }
-        Some(_) => {}
-    }
     let c = &p.config;
     let m = &fm.model.config;
     if (c.n_layer, c.d_model, c.n_ff) != (m.n_layer, m.n_embd, m.n_ff) {
@@ -124,19 +163,21 @@ pub fn built_in_controller() -> Result<Controller> {
     })
 }
 
-/// What a `speculate` engine over `fm` (at `model`) runs with: the predictor
-/// `predictor` (or the one beside the model) and the controller `controller`.
+/// What a predicting `policy` engine over `fm` (at `model`) runs with: the
+/// predictor `predictor` (or the one beside the model) and the controller
+/// `controller` (read by `speculate` only).
 pub fn speculation(
     fm: &FlashModel,
     model: &Path,
+    policy: Policy,
     predictor: Option<&Path>,
     controller: Option<&str>,
 ) -> Result<Speculation> {
     let path = match predictor {
         Some(p) => p.to_path_buf(),
-        None => predictor_beside(model).ok_or_else(|| {
+        None => predictor_beside_for(model, policy).ok_or_else(|| {
             RuntimeError::Invalid(format!(
-                "{}: the speculate policy needs a predictor: pass --predictor FILE or put {} beside the model \
+                "{}: the {policy} policy needs a predictor: pass --predictor FILE or put {} beside the model \
                  (leanstream-synth predictor makes one)",
                 model.display(),
                 model.with_extension("lspred").display()

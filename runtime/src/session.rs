@@ -3,8 +3,9 @@
 //! the benchmarks, the tests and a server open models through this one type.
 
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
 
-use crate::cache::{fmt_bytes, FfnBudget};
+use crate::cache::{fmt_bytes, FfnBudget, RetentionTable};
 use crate::engine::{
     is_lsflash, ActiveTrace, CachePolicy, EngineOptions, FlashEngine, FlashModel, Policy, DEFAULT_MERGE_GAP,
 };
@@ -22,8 +23,11 @@ pub struct StreamSettings {
     pub mem_budget: Option<u64>,
     /// A calibrated sparsity level (0: none).
     pub sparsity: f32,
-    /// Default: `hot` when the file has calibrated scores, else `lru`.
+    /// Default: `learned` when a retention table is given or beside the
+    /// model, else `hot` when the file has calibrated scores, else `lru`.
     pub cache_policy: Option<CachePolicy>,
+    /// The learned cache policy's retention table (default: the one beside the model).
+    pub eviction: Option<PathBuf>,
     /// Default [`DEFAULT_MERGE_GAP`].
     pub merge_gap: Option<usize>,
     /// `speculate`'s predictor (default: the one beside the model).
@@ -73,11 +77,11 @@ impl StreamSettings {
     /// What a `policy` engine over `fm` needs of the speculation artifacts
     /// (`None` unless `speculate`).
     pub fn speculation(&self, fm: &FlashModel, policy: Policy) -> Result<Option<crate::engine::Speculation>> {
-        if policy != Policy::Speculate {
+        if !policy.predicts() {
             return Ok(None);
         }
         let (p, c) = (self.predictor.as_deref(), self.controller.as_deref());
-        crate::artifacts::speculation(fm, fm.flash.path(), p, c).map(Some)
+        crate::artifacts::speculation(fm, fm.flash.path(), policy, p, c).map(Some)
     }
 
     /// The engine for `fm` under these settings with `policy`; `record`
@@ -91,22 +95,54 @@ impl StreamSettings {
         record: bool,
     ) -> Result<FlashEngine> {
         let speculation = self.speculation(fm, policy)?;
-        // The predictor's weights are memory like the cache's.
+        let (cache_policy, retention) = self.eviction(fm, policy)?;
+        // The predictor's weights and the retention table are memory like the cache's.
         let predictor_bytes = speculation.as_ref().map_or(0, |s| s.predictor.weight_bytes() as u64);
-        let trace_bytes = trace.as_ref().map_or(0, |t| t.bytes()) + predictor_bytes;
-        let has_scores = !fm.flash.header().neuron_scores.is_empty();
+        let retention_bytes = retention.as_ref().map_or(0, |t| t.bytes());
+        let trace_bytes = trace.as_ref().map_or(0, |t| t.bytes()) + predictor_bytes + retention_bytes;
         fm.engine_with(EngineOptions {
             policy,
             cache_bytes: self.cache_bytes(fm, policy, st, trace_bytes)?,
-            cache_policy: self
-                .cache_policy
-                .unwrap_or(if has_scores { CachePolicy::Hot } else { CachePolicy::Lru }),
+            cache_policy,
             merge_gap_bytes: self.merge_gap.unwrap_or(DEFAULT_MERGE_GAP),
             level: fm.sparsity_level(self.sparsity)?,
             record,
             trace,
             speculation,
+            retention: retention.map(Arc::new),
         })
+    }
+
+    /// The cache policy of a `policy` engine over `fm` and, for `learned`,
+    /// its retention table (the one named, else the one beside the model).
+    /// The prior systems' policies default to their own: a sliding window
+    /// for `llm-in-a-flash`, the hot set for `powerinfer2`, LRU for `dejavu`.
+    pub fn eviction(&self, fm: &FlashModel, policy: Policy) -> Result<(CachePolicy, Option<RetentionTable>)> {
+        let path = self
+            .eviction
+            .clone()
+            .or_else(|| crate::artifacts::retention_beside(fm.flash.path()));
+        let has_scores = !fm.flash.header().neuron_scores.is_empty();
+        let policy = self.cache_policy.unwrap_or(match (policy, &path, has_scores) {
+            (Policy::LlmInAFlash, _, _) => CachePolicy::Window(5),
+            (Policy::PowerInfer2, _, _) => CachePolicy::Hot,
+            (Policy::DejaVu, _, _) => CachePolicy::Lru,
+            (_, Some(_), _) => CachePolicy::Learned,
+            (_, None, true) => CachePolicy::Hot,
+            (_, None, false) => CachePolicy::Lru,
+        });
+        if policy != CachePolicy::Learned {
+            return Ok((policy, None));
+        }
+        let path = path.ok_or_else(|| {
+            RuntimeError::Invalid(format!(
+                "{}: the learned cache policy needs a retention table: pass --eviction FILE or put {} beside the \
+                 model (leanstream-synth eviction makes one)",
+                fm.flash.path().display(),
+                fm.flash.path().with_extension("lsevict").display()
+            ))
+        })?;
+        Ok((policy, Some(crate::artifacts::load_retention(&path, fm)?)))
     }
 }
 
@@ -146,8 +182,8 @@ impl Session {
         }
         if settings.is_set() {
             return Err(RuntimeError::Invalid(format!(
-                "--policy, --ffn-budget, --mem-budget, --sparsity, --cache-policy, --merge-gap, --predictor and \
-                 --controller apply to .lsflash models; {} is not one",
+                "--policy, --ffn-budget, --mem-budget, --sparsity, --cache-policy, --eviction, --merge-gap, \
+                 --predictor and --controller apply to .lsflash models; {} is not one",
                 path.display()
             )));
         }

@@ -145,6 +145,7 @@ fn check_exact(fm: &FlashModel, gguf: &Run, prompt: &[u32], n: usize) {
         record,
         trace,
         speculation: None,
+        retention: None,
     };
     let mut dense = fm.engine_with(opts(Policy::Dense, 1.0, true, None)).unwrap();
     let run = greedy_flash(fm, &mut dense, prompt, n);
@@ -294,6 +295,7 @@ fn scattered(fm: &FlashModel, share: f64) -> EngineOptions {
         record: false,
         trace: None,
         speculation: None,
+        retention: None,
     }
 }
 
@@ -337,7 +339,7 @@ fn arrival_order_case(down: DownType) {
 #[test]
 fn reads_progress_while_the_compute_thread_is_busy() {
     let fm = multi_read_model("progress");
-    let mut s = Streamer::new(&fm, 0, CachePolicy::Lru, 0, None).unwrap();
+    let mut s = Streamer::new(&fm, 0, CachePolicy::Lru, None, 0, None).unwrap();
     s.ensure(0, Want::All).unwrap();
     s.prefetch(1, Want::All).unwrap();
     let layer_bytes = fm.ffn_bytes() / fm.flash.n_layer() as u64;

@@ -69,6 +69,7 @@ fn engine_cached(
         record: trace.is_none() && matches!(policy, Policy::Dense | Policy::DenseStream),
         trace,
         speculation: None,
+        retention: None,
     })
     .unwrap()
 }

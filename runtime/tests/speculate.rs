@@ -87,6 +87,7 @@ fn options(fm: &FlashModel, share: f64, level: SparsityLevel, sp: Option<Specula
         record: false,
         trace: None,
         speculation: sp,
+        retention: None,
     }
 }
 
@@ -336,11 +337,11 @@ fn a_predictor_for_another_model_is_refused_by_name() {
     // The right one loads, and is found beside the model without a flag.
     let beside = fm.flash.path().with_extension("lspred");
     predictor_for(&fm, 1, 1).save(&beside).unwrap();
-    let sp = leanstream_runtime::artifacts::speculation(&fm, fm.flash.path(), None, None).unwrap();
+    let sp = leanstream_runtime::artifacts::speculation(&fm, fm.flash.path(), Policy::Speculate, None, None).unwrap();
     assert_eq!(sp.predictor_name, beside.display().to_string());
     assert!(matches!(sp.controller, Controller::Table { .. }));
     std::fs::remove_file(&beside).unwrap();
-    let e = leanstream_runtime::artifacts::speculation(&fm, fm.flash.path(), None, None)
+    let e = leanstream_runtime::artifacts::speculation(&fm, fm.flash.path(), Policy::Speculate, None, None)
         .err()
         .unwrap()
         .to_string();

@@ -65,6 +65,7 @@
 
 pub mod error;
 pub mod eval;
+pub mod eviction;
 pub mod fit;
 pub mod inspect;
 pub mod model;

@@ -156,13 +156,18 @@ pub fn thresholds(trace: &Trace, sparsity: f32) -> Result<Vec<f32>> {
 }
 
 /// Active neurons of each token (|act| ≥ threshold, the runtime's rule), as CSR.
-struct Active {
+pub(crate) struct Active {
     offsets: Vec<usize>,
     ids: Vec<u16>,
 }
 
 impl Active {
-    fn new(rows: &Rows, threshold: f32) -> Self {
+    #[cfg(test)]
+    pub(crate) fn from_parts(offsets: Vec<usize>, ids: Vec<u16>) -> Self {
+        Self { offsets, ids }
+    }
+
+    pub(crate) fn new(rows: &Rows, threshold: f32) -> Self {
         let mut offsets = Vec::with_capacity(rows.rows + 1);
         let mut ids = Vec::new();
         offsets.push(0);
@@ -178,10 +183,10 @@ impl Active {
         }
         Self { offsets, ids }
     }
-    fn tokens(&self) -> usize {
+    pub(crate) fn tokens(&self) -> usize {
         self.offsets.len() - 1
     }
-    fn token(&self, t: usize) -> &[u16] {
+    pub(crate) fn token(&self, t: usize) -> &[u16] {
         &self.ids[self.offsets[t]..self.offsets[t + 1]]
     }
 }

@@ -30,7 +30,7 @@ use std::sync::Arc;
 
 use leanstream_kernels::sparse_ffn::{tiles, BundleFormat, DownLayout};
 
-use crate::cache::{CacheShape, FfnBudget, MemoryReport};
+use crate::cache::{CacheShape, FfnBudget, MemoryReport, RetentionTable};
 use crate::flash::format::{LsFlash, SparsityLevel};
 use crate::flash::io::{Backend, IoConfig};
 use crate::model::{FfnBy, LayerAt, LayerHook, Model, RunState};
@@ -69,6 +69,8 @@ pub struct EngineOptions {
     pub trace: Option<ActiveTrace>,
     /// What drives `speculate`: its predictor and controller.
     pub speculation: Option<Speculation>,
+    /// The retention table of [`CachePolicy::Learned`].
+    pub retention: Option<Arc<RetentionTable>>,
 }
 
 /// The artifacts of a `speculate` engine.
@@ -132,6 +134,7 @@ impl FlashModel {
             record: false,
             trace: None,
             speculation: None,
+            retention: None,
         })
     }
 
@@ -159,7 +162,7 @@ impl FlashModel {
         tail + match policy {
             Policy::Dense => self.ffn_bytes(),
             Policy::DenseStream | Policy::Oracle => Streamer::overhead_bytes(self),
-            Policy::Speculate => {
+            Policy::Speculate | Policy::DejaVu | Policy::LlmInAFlash | Policy::PowerInfer2 => {
                 // Per row its group scores, the urgency and rank scratch, and
                 // two rows of residual and estimate (the predictor's own
                 // weights are counted where it is loaded).
@@ -225,10 +228,10 @@ impl FlashModel {
                     None,
                 )
             }
-            (Policy::Speculate, None, false) => {
+            (p, None, false) if p.predicts() => {
                 let sp = o.speculation.clone().ok_or_else(|| {
                     RuntimeError::Invalid(format!(
-                        "{}: the speculate policy needs a predictor (--predictor FILE, or a .lspred beside the model)",
+                        "{}: the {p} policy needs a predictor (--predictor FILE, or a .lspred beside the model)",
                         self.flash.path().display()
                     ))
                 })?;
@@ -238,18 +241,26 @@ impl FlashModel {
                     n_ff: c.n_ff,
                     post_ffn_norm: self.model.has_ffn_post_norm(),
                 };
-                let bundle_bytes = (0..n_layer).map(|l| self.flash.layout(l).bundle_bytes()).collect();
-                (
-                    Box::new(policy::Speculate::new(
-                        sp.predictor,
-                        sp.predictor_name,
-                        sp.controller,
-                        shape,
-                        bundle_bytes,
-                        o.level.sparsity,
-                    )?) as Box<dyn FfnPolicy>,
-                    None,
-                )
+                let sparsity = o.level.sparsity;
+                let (predictor, name) = (sp.predictor, sp.predictor_name);
+                let policy: Box<dyn FfnPolicy> = match p {
+                    Policy::DejaVu => Box::new(policy::DejaVu::new(predictor, name, shape, sparsity)?),
+                    Policy::LlmInAFlash | Policy::PowerInfer2 => {
+                        Box::new(policy::CurrentLayer::new(p, predictor, name, shape, sparsity)?)
+                    }
+                    _ => {
+                        let bundle_bytes = (0..n_layer).map(|l| self.flash.layout(l).bundle_bytes()).collect();
+                        Box::new(policy::Speculate::new(
+                            predictor,
+                            name,
+                            sp.controller,
+                            shape,
+                            bundle_bytes,
+                            sparsity,
+                        )?)
+                    }
+                };
+                (policy, None)
             }
             (p, _, _) => {
                 return Err(RuntimeError::Invalid(format!(
@@ -263,7 +274,14 @@ impl FlashModel {
                 (Source::Resident(resident), formats)
             }
             _ => {
-                let mut s = Streamer::new(self, o.cache_bytes, o.cache_policy, o.merge_gap_bytes, backend)?;
+                let mut s = Streamer::new(
+                    self,
+                    o.cache_bytes,
+                    o.cache_policy,
+                    o.retention,
+                    o.merge_gap_bytes,
+                    backend,
+                )?;
                 if let Some(h) = held {
                     s.hold_prefix(h)?;
                 }
@@ -531,6 +549,11 @@ impl FlashEngine {
     /// actions taken and the refinements).
     pub fn decisions(&self) -> Option<Decisions> {
         self.plan.decisions()
+    }
+
+    /// The predictor the policy reads, if any.
+    pub fn predictor_name(&self) -> Option<&str> {
+        self.plan.predictor_name()
     }
 }
 

@@ -21,7 +21,9 @@ use std::sync::{Arc, Condvar, Mutex};
 
 use super::trace::{bit_is_set, groups_touched, set_bit};
 use super::{EngineStats, FlashModel};
-use crate::cache::{CacheShape, EvictionPolicy, Lru, NeuronCache, NeuronFreq, SlidingWindow, StaticHot};
+use crate::cache::{
+    CacheShape, EvictionPolicy, Learned, Lru, NeuronCache, NeuronFreq, RetentionTable, SlidingWindow, StaticHot,
+};
 use crate::flash::io::{ArrivalLog, Delivery, IoConfig, IoEngine, IoWorker, Request, Sink};
 use crate::flash::runs::{max_run_bytes, RunRule};
 use crate::{Result, RuntimeError};
@@ -38,6 +40,9 @@ pub enum CachePolicy {
     Hot,
     /// Neurons used in the last k tokens (LLM in a Flash).
     Window(usize),
+    /// The bundles most likely to be used in the next token, by a retention
+    /// table trained on activation traces (`.lsevict`).
+    Learned,
 }
 
 impl std::str::FromStr for CachePolicy {
@@ -46,11 +51,12 @@ impl std::str::FromStr for CachePolicy {
         match s {
             "lru" => Ok(Self::Lru),
             "hot" => Ok(Self::Hot),
+            "learned" => Ok(Self::Learned),
             "window" => Ok(Self::Window(4)),
             _ => match s.strip_prefix("window:").map(str::parse::<usize>) {
                 Some(Ok(k)) if k > 0 => Ok(Self::Window(k)),
                 _ => Err(format!(
-                    "unknown cache policy '{s}' (expected lru, hot, window or window:K)"
+                    "unknown cache policy '{s}' (expected lru, hot, learned, window or window:K)"
                 )),
             },
         }
@@ -63,6 +69,7 @@ impl std::fmt::Display for CachePolicy {
             Self::Lru => f.write_str("lru"),
             Self::Hot => f.write_str("hot"),
             Self::Window(k) => write!(f, "window:{k}"),
+            Self::Learned => f.write_str("learned"),
         }
     }
 }
@@ -326,6 +333,7 @@ impl Streamer {
         m: &FlashModel,
         budget: u64,
         policy: CachePolicy,
+        retention: Option<Arc<RetentionTable>>,
         merge_gap_bytes: usize,
         backend: Option<super::BackendFactory>,
     ) -> Result<Self> {
@@ -334,6 +342,13 @@ impl Streamer {
         let eviction: Box<dyn EvictionPolicy> = match policy {
             CachePolicy::Lru => Box::new(Lru::new()),
             CachePolicy::Window(k) => Box::new(SlidingWindow::new(k)),
+            CachePolicy::Learned => Box::new(Learned::new(retention.ok_or_else(|| {
+                RuntimeError::Invalid(format!(
+                    "{}: the learned cache policy needs a retention table (--eviction FILE, or a .lsevict beside \
+                     the model; leanstream-synth eviction makes one)",
+                    f.path().display()
+                ))
+            })?)),
             CachePolicy::Hot => {
                 let scores = &f.header().neuron_scores;
                 if scores.is_empty() {

@@ -166,6 +166,34 @@ enum Cmd {
         #[arg(long)]
         json: bool,
     },
+    /// Learn the neuron cache's retention priorities (.lsevict) from an
+    /// activation trace; print Table 4, the held-out miss ratio of LRU,
+    /// window, hot and learned eviction.
+    Eviction {
+        /// Trace directory (`leanstream-profile activations`).
+        #[arg(long)]
+        acts: PathBuf,
+        /// The retention table to write (`leanstream run --eviction`, or
+        /// beside the model as <stem>.lsevict).
+        #[arg(short, long)]
+        out: PathBuf,
+        #[arg(long, default_value_t = 0.5)]
+        sparsity: f32,
+        /// Cache size for Table 4, as a share of all neurons.
+        #[arg(long, default_value_t = 0.25)]
+        budget: f64,
+        /// Tokens of the sliding window compared.
+        #[arg(long, default_value_t = 4)]
+        window: usize,
+        /// Train on the first N tokens of the training split.
+        #[arg(long)]
+        max_tokens: Option<usize>,
+        /// Replay the first N held-out tokens (default: all).
+        #[arg(long)]
+        eval_tokens: Option<usize>,
+        #[arg(long)]
+        json: bool,
+    },
     /// Train the stacked hashing activation predictor (and, at the same
     /// size, the low-rank baseline) for both uses on an activation trace.
     Predictor {
@@ -439,6 +467,62 @@ fn main() -> Result<()> {
                     );
                 }
                 out(&s)?;
+            }
+        }
+        Cmd::Eviction {
+            acts,
+            out: path,
+            sparsity,
+            budget,
+            window,
+            max_tokens,
+            eval_tokens,
+            json,
+        } => {
+            use leanstream_synth::eviction::{self, EvictionOptions};
+
+            let trace = leanstream_profiler::activations::read::Trace::open(&acts)?;
+            let opts = EvictionOptions {
+                sparsity,
+                max_tokens,
+                progress: true,
+                ..EvictionOptions::default()
+            };
+            let t0 = Instant::now();
+            let trained = eviction::learn(&trace, &opts)?;
+            trained.table.save(&path)?;
+            eprintln!(
+                "wrote {} ({} training tokens) in {:.1}s; replaying held-out text ...",
+                path.display(),
+                trained.tokens,
+                t0.elapsed().as_secs_f64()
+            );
+            let rows = eviction::table4(&trace, &trained, "heldout", sparsity, budget, window, eval_tokens)?;
+            if json {
+                let v = serde_json::json!({
+                    "retention": path.display().to_string(),
+                    "split": "heldout",
+                    "sparsity": sparsity,
+                    "budget_share": budget,
+                    "rows": rows,
+                });
+                out(&format!("{}\n", serde_json::to_string_pretty(&v)?))?;
+            } else {
+                let lru = rows.first().map_or(1.0, |r| r.miss_ratio);
+                let mut t = format!(
+                    "held-out miss ratio, cache {:.0}% of neurons, sparsity {sparsity}\n| policy | lookups | miss ratio | vs LRU |\n|---|---|---|---|\n",
+                    budget * 100.0
+                );
+                for r in &rows {
+                    t += &format!(
+                        "| {} | {} | {:.4} | {:.2}x |\n",
+                        r.policy,
+                        r.lookups,
+                        r.miss_ratio,
+                        r.miss_ratio / lru.max(1e-12)
+                    );
+                }
+                out(&t)?;
             }
         }
         Cmd::Placement {

@@ -54,7 +54,11 @@ pub struct BenchArgs {
     #[arg(long, value_delimiter = ',', default_value = "10%,25%,50%,100%")]
     sweep_budgets: Vec<String>,
     /// Policies of the sweep (dense runs once: it holds the whole FFN).
-    #[arg(long, value_delimiter = ',', default_value = "dense,dense-stream,oracle,gate-first")]
+    #[arg(
+        long,
+        value_delimiter = ',',
+        default_value = "dense,dense-stream,oracle,gate-first,speculate,dejavu,llm-in-a-flash,powerinfer2"
+    )]
     sweep_policies: Vec<Policy>,
     /// Output folder of --sweep.
     #[arg(long)]
@@ -237,6 +241,9 @@ pub fn run(a: BenchArgs) -> Result<()> {
         if let Some(d) = engine.decisions() {
             report["speculate"] = decisions_json(&d, s.late_skipped);
         }
+        if let Some(p) = engine.predictor_name() {
+            report["predictor"] = json!(p);
+        }
         report["page_cache_bytes"] = json!(cached);
         report["file_bytes"] = json!(file_len);
     }
@@ -299,10 +306,11 @@ fn quality(
             record: false,
             trace: None,
             speculation,
+            retention: None,
         })?;
         // A predictor's choice for a batch is a union over its rows, wider
         // than any one token's: such a policy is scored as it decodes.
-        let batch = if policy == Policy::Speculate { 1 } else { 512 };
+        let batch = if policy.predicts() { 1 } else { 512 };
         let p = perplexity_in_batches(&fm.model, &text, ctx, Some(chunks), false, &mut e, batch)?;
         Ok((p, e.stats().skipped_fraction()))
     };
@@ -310,8 +318,7 @@ fn quality(
     // Policies that decide what to read by prediction run themselves; the
     // others keep what dense-stream keeps at the same thresholds.
     let same_as = match policy {
-        Policy::GateFirst => Policy::GateFirst,
-        Policy::Speculate => Policy::Speculate,
+        p @ (Policy::GateFirst | Policy::Speculate | Policy::DejaVu | Policy::LlmInAFlash | Policy::PowerInfer2) => p,
         _ => Policy::DenseStream,
     };
     let (ours, skipped) = eval(same_as, fm.sparsity_level(sparsity)?)?;
@@ -354,6 +361,15 @@ fn sweep(a: &BenchArgs) -> Result<()> {
                 .args(["--reps", &a.reps.to_string()]);
             if let Some(c) = a.flash.cache_policy {
                 cmd.args(["--cache-policy", &c.to_string()]);
+            }
+            if let Some(p) = &a.flash.predictor {
+                cmd.arg("--predictor").arg(p);
+            }
+            if let Some(c) = &a.flash.controller {
+                cmd.args(["--controller", c]);
+            }
+            if let Some(e) = &a.flash.eviction {
+                cmd.arg("--eviction").arg(e);
             }
             if let Some(g) = &a.flash.merge_gap {
                 cmd.args(["--merge-gap", g]);

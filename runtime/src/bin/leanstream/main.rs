@@ -207,11 +207,14 @@ enum Cmd {
 /// How a `.lsflash` model streams its FFN.
 #[derive(clap::Args, Clone, Default)]
 pub(crate) struct FlashArgs {
-    /// FFN policy of a .lsflash model: dense, dense-stream, oracle, gate-first or speculate.
+    /// FFN policy of a .lsflash model: dense, dense-stream, oracle,
+    /// gate-first, speculate, or the prior systems dejavu, llm-in-a-flash,
+    /// powerinfer2.
     #[arg(long)]
     pub(crate) policy: Option<Policy>,
-    /// speculate: the predictor (.lspred). Default: <model stem>.lspred or
-    /// predictor.lspred beside the model.
+    /// The predictor (.lspred) of the predicting policies. Default: <model
+    /// stem>.lspred or predictor.lspred beside the model (dejavu and
+    /// llm-in-a-flash: <model stem>.lowrank.lspred first).
     #[arg(long)]
     pub(crate) predictor: Option<PathBuf>,
     /// speculate: a controller table (.lstab) or one action for every layer,
@@ -229,10 +232,16 @@ pub(crate) struct FlashArgs {
     /// Fraction of FFN neurons to skip: a level calibrated at pack time (0: none).
     #[arg(long, default_value_t = 0.0)]
     pub(crate) sparsity: f32,
-    /// Neuron cache eviction: lru, hot (calibrated hot set) or window[:K].
-    /// Default: hot when the file has calibrated scores, else lru.
+    /// Neuron cache eviction: lru, hot (calibrated hot set), learned
+    /// (retention table) or window[:K]. Default: learned when a retention
+    /// table is beside the model, else hot when the file has calibrated
+    /// scores, else lru.
     #[arg(long)]
     pub(crate) cache_policy: Option<CachePolicy>,
+    /// The learned cache policy's retention table (.lsevict). Default:
+    /// <model stem>.lsevict or eviction.lsevict beside the model.
+    #[arg(long)]
+    pub(crate) eviction: Option<PathBuf>,
     /// Unneeded bytes one read may span between two needed bundles (bytes,
     /// e.g. 64KiB): larger trades bandwidth for fewer requests.
     #[arg(long)]
@@ -261,6 +270,7 @@ impl FlashArgs {
             mem_budget: bytes("--mem-budget", &self.mem_budget)?,
             sparsity: self.sparsity,
             cache_policy: self.cache_policy,
+            eviction: self.eviction.clone(),
             merge_gap: bytes("--merge-gap", &self.merge_gap)?.map(|b| b as usize),
             predictor: self.predictor.clone(),
             controller: self.controller.clone(),

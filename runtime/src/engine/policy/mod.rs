@@ -4,17 +4,22 @@
 //! compute, finish) on the [`Plan`] the policy returns, so a new policy is a
 //! new file, not a new branch in the engine.
 
+mod current_layer;
+mod dejavu;
 mod dense;
 mod dense_stream;
 mod gate_first;
 mod oracle;
+mod ranking;
 mod speculate;
 
+pub(crate) use current_layer::CurrentLayer;
+pub(crate) use dejavu::DejaVu;
 pub(crate) use dense::Dense;
 pub(crate) use dense_stream::DenseStream;
 pub(crate) use gate_first::GateFirst;
 pub(crate) use oracle::Oracle;
-pub(crate) use speculate::{Shape, Speculate};
+pub(crate) use speculate::Speculate;
 
 pub(crate) use super::tail::Plan;
 use super::tail::{Select, Source, Tail};
@@ -35,20 +40,40 @@ pub enum Policy {
     /// time and again as better inputs arrive; a controller sets stages,
     /// breadth, deadline and queue depth per layer.
     Speculate,
+    /// DejaVu: layer l+1 predicted from layer l's residual, read while l
+    /// computes, waited for in full.
+    DejaVu,
+    /// LLM in a Flash: each layer predicted from its input and read; a
+    /// sliding-window cache.
+    LlmInAFlash,
+    /// PowerInfer-2: a static hot set in memory, the predictor for the cold
+    /// neurons of each layer, compute overlapped with their reads.
+    PowerInfer2,
 }
 
 impl Policy {
-    pub const ALL: [Policy; 5] = [
+    pub const ALL: [Policy; 8] = [
         Self::Dense,
         Self::DenseStream,
         Self::Oracle,
         Self::GateFirst,
         Self::Speculate,
+        Self::DejaVu,
+        Self::LlmInAFlash,
+        Self::PowerInfer2,
     ];
 
     /// Whether bundles come from flash while the model runs.
     pub fn streams(self) -> bool {
         self != Self::Dense
+    }
+
+    /// Whether it reads what a predictor (`.lspred`) selects.
+    pub fn predicts(self) -> bool {
+        matches!(
+            self,
+            Self::Speculate | Self::DejaVu | Self::LlmInAFlash | Self::PowerInfer2
+        )
     }
 }
 
@@ -61,8 +86,12 @@ impl std::str::FromStr for Policy {
             "oracle" => Ok(Self::Oracle),
             "gate-first" => Ok(Self::GateFirst),
             "speculate" => Ok(Self::Speculate),
+            "dejavu" => Ok(Self::DejaVu),
+            "llm-in-a-flash" => Ok(Self::LlmInAFlash),
+            "powerinfer2" => Ok(Self::PowerInfer2),
             other => Err(format!(
-                "unknown policy '{other}' (expected dense, dense-stream, oracle, gate-first or speculate)"
+                "unknown policy '{other}' (expected dense, dense-stream, oracle, gate-first, speculate, dejavu, \
+                 llm-in-a-flash or powerinfer2)"
             )),
         }
     }
@@ -76,8 +105,22 @@ impl std::fmt::Display for Policy {
             Self::Oracle => "oracle",
             Self::GateFirst => "gate-first",
             Self::Speculate => "speculate",
+            Self::DejaVu => "dejavu",
+            Self::LlmInAFlash => "llm-in-a-flash",
+            Self::PowerInfer2 => "powerinfer2",
         })
     }
+}
+
+/// The model shape the policy needs.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Shape {
+    pub n_layer: usize,
+    pub n_embd: usize,
+    pub n_ff: usize,
+    /// The FFN output passes a norm before the residual (Gemma 3): a
+    /// partial output then says little about the next input.
+    pub post_ffn_norm: bool,
 }
 
 /// One FFN call as a policy sees it.
@@ -147,6 +190,11 @@ pub(crate) trait FfnPolicy: Send {
 
     /// FFN calls replayed so far (an oracle).
     fn replayed_calls(&self) -> Option<usize> {
+        None
+    }
+
+    /// The predictor it reads (for reports).
+    fn predictor_name(&self) -> Option<&str> {
         None
     }
 }

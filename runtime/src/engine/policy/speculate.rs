@@ -32,44 +32,23 @@
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use super::{streamer, FfnPolicy, LayerCall, Plan, Policy};
+use super::ranking::Ranking;
+use super::{streamer, FfnPolicy, LayerCall, Plan, Policy, Shape};
 use crate::control::{Action, ControlState};
 use crate::engine::controller::{ActionCount, Controller, Decisions, Meter};
 use crate::engine::stream::{Streamer, Want};
 use crate::engine::tail::{Select, Source, StageHook, Tail};
-use crate::engine::trace::set_bit;
-use crate::predict::{top_groups, ComputePath, Predictor, Scratch};
-use crate::{Result, RuntimeError};
-
-/// The model shape the policy needs.
-#[derive(Debug, Clone, Copy)]
-pub(crate) struct Shape {
-    pub n_layer: usize,
-    pub n_embd: usize,
-    pub n_ff: usize,
-    /// The FFN output passes a norm before the residual (Gemma 3): a
-    /// partial output then says little about the next input.
-    pub post_ffn_norm: bool,
-}
+use crate::predict::Predictor;
+use crate::Result;
 
 /// Ranks a layer's neurons with the predictor (shared by refinement
 /// inside a layer's stages and by the policy between layers).
 pub(crate) struct Ranker {
-    predictor: Arc<Predictor>,
+    ranking: Ranking,
     /// Use indices of `speculate` and `refine` (the latter falls back to the former).
     speculate: usize,
     refine: usize,
-    path: ComputePath,
     shape: Shape,
-    /// Neurons a row needs at the operating sparsity.
-    need: usize,
-    scratch: Scratch,
-    /// Per row, the group scores; the order scratch.
-    scores: Vec<f32>,
-    order: Vec<u32>,
-    /// The ranked set (bitmap over neurons) and each neuron's urgency.
-    bits: Vec<u64>,
-    urgency: Vec<u16>,
     /// The estimated next-layer input rows (residual + partial output).
     estimate: Vec<f32>,
     /// The residual of the call in progress, `[n][n_embd]`.
@@ -83,60 +62,21 @@ pub(crate) struct Ranker {
 }
 
 impl Ranker {
-    /// Scores layer `layer` for `use_` from `rows` (`n` rows): each row's
-    /// scores into `self.scores`.
-    fn score(&mut self, use_: usize, layer: usize, rows: &[f32], n: usize) -> Result<()> {
-        let (d, g) = (self.shape.n_embd, self.predictor.n_groups());
-        self.scores.resize(n * g, 0.0);
-        for t in 0..n {
-            self.predictor
-                .scores(
-                    use_,
-                    layer,
-                    &rows[t * d..(t + 1) * d],
-                    self.path,
-                    &mut self.scratch,
-                    &mut self.scores[t * g..(t + 1) * g],
-                )
-                .map_err(|e| RuntimeError::Invalid(format!("predictor, layer {layer}: {e}")))?;
-        }
-        Ok(())
-    }
-
-    /// The union over rows of each row's top `breadth × need` neurons into
-    /// `bits`, with urgency by best rank (0 first); `n` rows scored.
-    fn select(&mut self, n: usize, breadth: f32) {
-        let g = self.predictor.n_groups();
-        let group = self.predictor.config.group;
-        let k = ((breadth as f64 * self.need as f64 / group as f64).ceil() as usize).clamp(1, g);
-        self.bits.fill(0);
-        self.urgency.fill(u16::MAX);
-        for t in 0..n {
-            let top = top_groups(&self.scores[t * g..(t + 1) * g], k, &mut self.order);
-            for (rank, &grp) in top.iter().enumerate() {
-                let u = (rank as u64 * u16::MAX as u64 / g as u64) as u16;
-                for i in grp as usize * group..(grp as usize + 1) * group {
-                    set_bit(&mut self.bits, i);
-                    self.urgency[i] = self.urgency[i].min(u);
-                }
-            }
-        }
-    }
-
     /// Re-ranks layer `layer`'s queued reads from input estimate `rows`:
     /// adds the new top set, cancels queued reads outside it.
     fn refine_reads(&mut self, layer: usize, rows: &[f32], n: usize, s: &mut Streamer) -> Result<()> {
-        self.score(self.refine, layer, rows, n)?;
-        self.select(n, self.action.prefetch_breadth);
+        self.ranking
+            .rank(self.refine, layer, rows, n, self.action.prefetch_breadth)?;
         self.apply_refined(layer, s)
     }
 
     /// Makes layer `layer`'s queued reads follow the ranked set.
     fn apply_refined(&mut self, layer: usize, s: &mut Streamer) -> Result<()> {
         let before = s.wanted_count(layer);
-        s.extend(layer, Want::Set(&self.bits), Some(&self.urgency))?;
+        let r = &self.ranking;
+        s.extend(layer, Want::Set(&r.bits), Some(&r.urgency))?;
         self.added += (s.wanted_count(layer) - before) as u64;
-        self.cancelled += s.cancel_outside(layer, &self.bits) as u64;
+        self.cancelled += s.cancel_outside(layer, &r.bits) as u64;
         self.refinements += 1;
         Ok(())
     }
@@ -168,7 +108,6 @@ impl StageHook for Ranker {
 pub(crate) struct Speculate {
     ranker: Ranker,
     controller: Controller,
-    predictor_name: String,
     /// Layers decided with each code of the controller's codebook.
     counts: Vec<u64>,
     meter: Meter,
@@ -184,35 +123,16 @@ impl Speculate {
         bundle_bytes: Vec<usize>,
         sparsity: f32,
     ) -> Result<Self> {
-        let c = &predictor.config;
-        if (c.n_layer, c.d_model, c.n_ff) != (shape.n_layer, shape.n_embd, shape.n_ff) {
-            return Err(RuntimeError::Invalid(format!(
-                "{predictor_name}: predictor made for {} layers × {} × {} FFN, the model has {} × {} × {}",
-                c.n_layer, c.d_model, c.n_ff, shape.n_layer, shape.n_embd, shape.n_ff
-            )));
-        }
-        let speculate = predictor.use_index("speculate").ok_or_else(|| {
-            RuntimeError::Invalid(format!(
-                "{predictor_name}: predictor has no `speculate` use (it has: {})",
-                predictor.uses.join(", ")
-            ))
-        })?;
-        let refine = predictor.use_index("refine").unwrap_or(speculate);
-        let need = (((1.0 - sparsity as f64) * shape.n_ff as f64).round() as usize).clamp(1, shape.n_ff);
+        let ranking = Ranking::new(predictor, predictor_name, shape, sparsity)?;
+        let speculate = ranking.use_index("speculate")?;
+        let refine = ranking.predictor.use_index("refine").unwrap_or(speculate);
         let n_codes = controller.codebook().len();
         Ok(Self {
             ranker: Ranker {
-                scratch: predictor.scratch(),
-                predictor,
+                ranking,
                 speculate,
                 refine,
-                path: ComputePath::best(),
                 shape,
-                need,
-                scores: Vec::new(),
-                order: Vec::new(),
-                bits: vec![0; shape.n_ff.div_ceil(64)],
-                urgency: vec![u16::MAX; shape.n_ff],
                 estimate: Vec::new(),
                 resid: Vec::new(),
                 n: 0,
@@ -222,7 +142,6 @@ impl Speculate {
                 cancelled: 0,
             },
             controller,
-            predictor_name,
             counts: vec![0; n_codes],
             meter: Meter::default(),
             bundle_bytes,
@@ -235,7 +154,7 @@ impl Speculate {
         self.meter.observe_io(st.bytes_read, st.io_busy_seconds);
         let r = &self.ranker;
         // `bits` holds the breadth-1 set: the predicted need; D is its uncached part.
-        let missing = s.uncached_count(layer, &r.bits) as f64 * self.bundle_bytes[layer] as f64;
+        let missing = s.uncached_count(layer, &r.ranking.bits) as f64 * self.bundle_bytes[layer] as f64;
         let state = ControlState {
             queued_bytes: s.queued_bytes(layer) as f64,
             missing_bytes: missing,
@@ -258,16 +177,16 @@ impl FfnPolicy for Speculate {
     fn layer_input(&mut self, layer: usize, x: &[f32], n: usize, source: &mut Source) -> Result<()> {
         let s = streamer(source)?;
         let r = &mut self.ranker;
-        r.score(r.refine, layer, x, n)?;
+        r.ranking.score(r.refine, layer, x, n)?;
         // The state is measured on the breadth-1 set, then the action's breadth applies.
-        r.select(n, 1.0);
+        r.ranking.select(n, 1.0);
         self.decide(layer, s);
         let r = &mut self.ranker;
-        r.select(n, r.action.prefetch_breadth);
+        r.ranking.select(n, r.action.prefetch_breadth);
         if s.is_queued(layer) {
             r.apply_refined(layer, s)
         } else {
-            s.ensure_ranked(layer, Want::Set(&r.bits), Some(&r.urgency))
+            s.ensure_ranked(layer, Want::Set(&r.ranking.bits), Some(&r.ranking.urgency))
         }
     }
 
@@ -275,11 +194,11 @@ impl FfnPolicy for Speculate {
         let s = streamer(source)?;
         let (l, n) = (call.layer, call.n);
         let r = &mut self.ranker;
+        let b = r.action.prefetch_breadth;
         if !s.is_queued(l) {
             // Not seen before attention (a hook-less caller): rank from the residual.
-            r.score(r.refine, l, call.resid, n)?;
-            r.select(n, r.action.prefetch_breadth);
-            s.ensure_ranked(l, Want::Set(&r.bits), Some(&r.urgency))?;
+            r.ranking.rank(r.refine, l, call.resid, n, b)?;
+            s.ensure_ranked(l, Want::Set(&r.ranking.bits), Some(&r.ranking.urgency))?;
         }
         let m = n * r.shape.n_embd;
         r.resid.clear();
@@ -288,9 +207,8 @@ impl FfnPolicy for Speculate {
         // Speculate the next layer of this token (layer 0 of the next one
         // waits for its embedding).
         if l + 1 < r.shape.n_layer {
-            r.score(r.speculate, l + 1, call.resid, n)?;
-            r.select(n, r.action.prefetch_breadth);
-            s.prefetch_ranked(l + 1, Want::Set(&r.bits), Some(&r.urgency))?;
+            r.ranking.rank(r.speculate, l + 1, call.resid, n, b)?;
+            s.prefetch_ranked(l + 1, Want::Set(&r.ranking.bits), Some(&r.ranking.urgency))?;
         }
         let d = r.action.deadline_factor as f64;
         let deadline = match self.meter.ns_per_neuron() {
@@ -313,17 +231,16 @@ impl FfnPolicy for Speculate {
     }
 
     fn held_bytes(&self) -> u64 {
-        self.ranker.predictor.weight_bytes() as u64
+        self.ranker.ranking.predictor.weight_bytes() as u64
     }
 
     fn scratch_bytes(&self) -> u64 {
         let r = &self.ranker;
-        (self.ranker.predictor.scratch_bytes()
-            + r.scores.capacity() * 4
-            + r.order.capacity() * 4
-            + r.bits.capacity() * 8
-            + r.urgency.capacity() * 2
-            + (r.estimate.capacity() + r.resid.capacity()) * 4) as u64
+        r.ranking.scratch_bytes() + ((r.estimate.capacity() + r.resid.capacity()) * 4) as u64
+    }
+
+    fn predictor_name(&self) -> Option<&str> {
+        Some(&self.ranker.ranking.predictor_name)
     }
 
     fn decisions(&self) -> Option<Decisions> {
@@ -331,7 +248,7 @@ impl FfnPolicy for Speculate {
         let r = &self.ranker;
         Some(Decisions {
             controller: self.controller.describe(),
-            predictor: self.predictor_name.clone(),
+            predictor: r.ranking.predictor_name.clone(),
             actions: self
                 .counts
                 .iter()

@@ -1,0 +1,99 @@
+//! `llm-in-a-flash` and `powerinfer2`: each layer's neurons predicted from
+//! that layer's own input, read, and computed as they land, with no look-ahead
+//! to the next layer, no refinement and no deadline. The two systems share
+//! this mechanism in this engine and differ in what the neuron cache keeps
+//! (the engine's default cache policy for each):
+//!
+//! - **LLM in a Flash** (Alizadeh et al., 2024): a low-rank predictor on the
+//!   layer's input, row-column bundles (this format's gate|up|down bundle per
+//!   neuron) and a sliding-window cache of the neurons used in the last k
+//!   tokens (`window:5`). Left out: the eager release of expired neurons
+//!   (the cache's slab is allocated once at the budget, so releasing early
+//!   frees nothing and only costs hits) and the bundle-size-dependent
+//!   memory preallocation tricks of the original.
+//! - **PowerInfer-2** (Xue et al., 2024): a static hot set by offline
+//!   frequency held in memory (`hot`, loaded at start from the calibrated
+//!   scores), the predictor for the cold neurons (hot ones are cache hits),
+//!   and compute overlapped with I/O at cluster granularity (hits first, then
+//!   runs in arrival order). Left out: reading gate rows first and up/down
+//!   only for activated neurons: a bundle here is gate, up and down of one
+//!   neuron contiguous, and at these sizes (1-7 KB) a gate-only read costs
+//!   the same 4 KiB O_DIRECT pages as the whole bundle.
+//!
+//! The prediction runs before attention, on the layer input (what the
+//! predictor's `refine` use is trained on), so the reads overlap the layer's
+//! attention; both originals predict from the attention output, later.
+
+use std::sync::Arc;
+
+use super::ranking::Ranking;
+use super::{streamer, FfnPolicy, LayerCall, Plan, Policy, Shape};
+use crate::engine::stream::Want;
+use crate::engine::tail::{Select, Source, Tail};
+use crate::predict::Predictor;
+use crate::Result;
+
+pub(crate) struct CurrentLayer {
+    kind: Policy,
+    ranking: Ranking,
+    own_input: usize,
+}
+
+impl CurrentLayer {
+    pub(crate) fn new(
+        kind: Policy,
+        predictor: Arc<Predictor>,
+        name: String,
+        shape: Shape,
+        sparsity: f32,
+    ) -> Result<Self> {
+        let ranking = Ranking::new(predictor, name, shape, sparsity)?;
+        let own_input = match ranking.predictor.use_index("refine") {
+            Some(u) => u,
+            None => ranking.use_index("speculate")?,
+        };
+        Ok(Self {
+            kind,
+            ranking,
+            own_input,
+        })
+    }
+
+    fn request(&mut self, layer: usize, rows: &[f32], n: usize, source: &mut Source) -> Result<()> {
+        let s = streamer(source)?;
+        if s.is_queued(layer) {
+            return Ok(());
+        }
+        let r = &mut self.ranking;
+        r.rank(self.own_input, layer, rows, n, 1.0)?;
+        s.ensure_ranked(layer, Want::Set(&r.bits), Some(&r.urgency))
+    }
+}
+
+impl FfnPolicy for CurrentLayer {
+    fn kind(&self) -> Policy {
+        self.kind
+    }
+
+    fn layer_input(&mut self, layer: usize, x: &[f32], n: usize, source: &mut Source) -> Result<()> {
+        self.request(layer, x, n, source)
+    }
+
+    fn plan<'p>(&'p mut self, call: &LayerCall<'_>, source: &mut Source, _tail: &Tail) -> Result<Plan<'p>> {
+        // Without the input hook the prediction comes from the residual.
+        self.request(call.layer, call.resid, call.n, source)?;
+        Ok(Plan::new(Select::Threshold(call.threshold), None))
+    }
+
+    fn held_bytes(&self) -> u64 {
+        self.ranking.predictor.weight_bytes() as u64
+    }
+
+    fn scratch_bytes(&self) -> u64 {
+        self.ranking.scratch_bytes()
+    }
+
+    fn predictor_name(&self) -> Option<&str> {
+        Some(&self.ranking.predictor_name)
+    }
+}

@@ -1,0 +1,93 @@
+//! `dejavu`: DejaVu's look-ahead (Liu et al., 2023) as a policy of this
+//! engine. When layer l's FFN starts, a predictor reads the residual after
+//! l's attention and picks layer l+1's neurons (the top `need`); their reads
+//! go out while l computes, and l+1 waits for all of them: no refinement, no
+//! deadline. The first layer of a token has no layer before it and is
+//! predicted from its input.
+//!
+//! Taken from the original: the asynchronous look-ahead (residuals change
+//! slowly, so layer l's input predicts layer l+1's active set) and reading
+//! only the predicted set. Left out: DejaVu's attention-head sparsity, and
+//! its GPU kernels; the predictor is whatever `.lspred` it is given (run it
+//! with the low-rank baseline of `leanstream-synth predictor --baseline`
+//! for DejaVu's own kind).
+
+use std::sync::Arc;
+
+use super::ranking::Ranking;
+use super::{streamer, FfnPolicy, LayerCall, Plan, Policy, Shape};
+use crate::engine::stream::Want;
+use crate::engine::tail::{Select, Source, Tail};
+use crate::predict::Predictor;
+use crate::Result;
+
+pub(crate) struct DejaVu {
+    ranking: Ranking,
+    /// Use indices: one layer ahead, and from a layer's own input (layer 0).
+    speculate: usize,
+    own_input: usize,
+    n_layer: usize,
+}
+
+impl DejaVu {
+    pub(crate) fn new(predictor: Arc<Predictor>, name: String, shape: Shape, sparsity: f32) -> Result<Self> {
+        let ranking = Ranking::new(predictor, name, shape, sparsity)?;
+        let speculate = ranking.use_index("speculate")?;
+        let own_input = ranking.predictor.use_index("refine").unwrap_or(speculate);
+        Ok(Self {
+            ranking,
+            speculate,
+            own_input,
+            n_layer: shape.n_layer,
+        })
+    }
+
+    fn request(&mut self, layer: usize, rows: &[f32], n: usize, source: &mut Source) -> Result<()> {
+        let s = streamer(source)?;
+        if s.is_queued(layer) {
+            return Ok(());
+        }
+        let r = &mut self.ranking;
+        r.rank(self.own_input, layer, rows, n, 1.0)?;
+        s.ensure_ranked(layer, Want::Set(&r.bits), Some(&r.urgency))
+    }
+}
+
+impl FfnPolicy for DejaVu {
+    fn kind(&self) -> Policy {
+        Policy::DejaVu
+    }
+
+    fn layer_input(&mut self, layer: usize, x: &[f32], n: usize, source: &mut Source) -> Result<()> {
+        if layer == 0 {
+            self.request(0, x, n, source)?;
+        }
+        Ok(())
+    }
+
+    fn plan<'p>(&'p mut self, call: &LayerCall<'_>, source: &mut Source, _tail: &Tail) -> Result<Plan<'p>> {
+        let (l, n) = (call.layer, call.n);
+        // Nothing predicted for this layer yet (a caller without the input
+        // hook): predict it now from what there is.
+        self.request(l, call.resid, n, source)?;
+        if l + 1 < self.n_layer {
+            let s = streamer(source)?;
+            let r = &mut self.ranking;
+            r.rank(self.speculate, l + 1, call.resid, n, 1.0)?;
+            s.prefetch_ranked(l + 1, Want::Set(&r.bits), Some(&r.urgency))?;
+        }
+        Ok(Plan::new(Select::Threshold(call.threshold), None))
+    }
+
+    fn held_bytes(&self) -> u64 {
+        self.ranking.predictor.weight_bytes() as u64
+    }
+
+    fn scratch_bytes(&self) -> u64 {
+        self.ranking.scratch_bytes()
+    }
+
+    fn predictor_name(&self) -> Option<&str> {
+        Some(&self.ranking.predictor_name)
+    }
+}
