@@ -23,8 +23,8 @@ pub struct StreamSettings {
     pub mem_budget: Option<u64>,
     /// A calibrated sparsity level (0: none).
     pub sparsity: f32,
-    /// Default: `learned` when a retention table is given or beside the
-    /// model, else `hot` when the file has calibrated scores, else `lru`.
+    /// Default: the prior systems' own (see [`eviction`](Self::eviction)),
+    /// else `hot` when the file has calibrated scores, else `lru`.
     pub cache_policy: Option<CachePolicy>,
     /// The learned cache policy's retention table (default: the one beside the model).
     pub eviction: Option<PathBuf>,
@@ -116,24 +116,25 @@ impl StreamSettings {
     /// The cache policy of a `policy` engine over `fm` and, for `learned`,
     /// its retention table (the one named, else the one beside the model).
     /// The prior systems' policies default to their own: a sliding window
-    /// for `llm-in-a-flash`, the hot set for `powerinfer2`, LRU for `dejavu`.
+    /// for `llm-in-a-flash`, the hot set for `powerinfer2`, LRU for `dejavu`;
+    /// the others to the hot set when the file has scores, else LRU.
+    /// (`learned` is not the default: on a hot-first file its scattered hits
+    /// sit inside merged reads and save fewer bytes than the hot prefix.)
     pub fn eviction(&self, fm: &FlashModel, policy: Policy) -> Result<(CachePolicy, Option<RetentionTable>)> {
-        let path = self
-            .eviction
-            .clone()
-            .or_else(|| crate::artifacts::retention_beside(fm.flash.path()));
         let has_scores = !fm.flash.header().neuron_scores.is_empty();
-        let policy = self.cache_policy.unwrap_or(match (policy, &path, has_scores) {
-            (Policy::LlmInAFlash, _, _) => CachePolicy::Window(5),
-            (Policy::PowerInfer2, _, _) => CachePolicy::Hot,
-            (Policy::DejaVu, _, _) => CachePolicy::Lru,
-            (_, Some(_), _) => CachePolicy::Learned,
-            (_, None, true) => CachePolicy::Hot,
-            (_, None, false) => CachePolicy::Lru,
+        let policy = self.cache_policy.unwrap_or(match (policy, has_scores) {
+            (Policy::LlmInAFlash, _) => CachePolicy::Window(5),
+            (Policy::PowerInfer2, _) => CachePolicy::Hot,
+            (Policy::DejaVu, _) | (_, false) => CachePolicy::Lru,
+            (_, true) => CachePolicy::Hot,
         });
         if policy != CachePolicy::Learned {
             return Ok((policy, None));
         }
+        let path = self
+            .eviction
+            .clone()
+            .or_else(|| crate::artifacts::retention_beside(fm.flash.path()));
         let path = path.ok_or_else(|| {
             RuntimeError::Invalid(format!(
                 "{}: the learned cache policy needs a retention table: pass --eviction FILE or put {} beside the \

@@ -192,25 +192,13 @@ fn real_model_exact(name: &str) {
     let Some(src) = common::model_path(name) else {
         return;
     };
-    let m = Model::load(&src).unwrap();
-    let c = m.config.clone();
+    let c = Model::load(&src).unwrap().config;
     let fm = pack(&src, &format!("{name}_source"), DownType::Source, c.n_layer, c.n_ff);
     let prompt = fm
         .model
         .tokenizer
         .encode("A printing press, in the fifteenth century,", true, false);
-    let mut st = m.new_state(prompt.len() + 7, prompt.len(), 1);
-    let mut gguf = (Vec::new(), Vec::new());
-    m.forward_outputs(&mut st, &prompt, 0, prompt.len() - 1..prompt.len())
-        .unwrap();
-    for pos in prompt.len()..prompt.len() + 6 {
-        let l = m.logits(&mut st, 0, 1).unwrap().to_vec();
-        let tok = leanstream_runtime::generate::argmax(&l);
-        gguf.0.push(tok);
-        gguf.1.push(l);
-        m.forward(&mut st, &[tok], pos).unwrap();
-    }
-    drop(m);
+    let gguf = common::greedy_gguf(&src, &prompt, 6);
     let group = fm.formats[0].group().min(32);
     for (policy, cache) in [
         (Policy::DejaVu, CachePolicy::Lru),
@@ -239,26 +227,34 @@ fn gemma3_prior_systems_are_exact_at_sparsity_zero() {
     real_model_exact("gemma3");
 }
 
-/// The learned cache policy is the default when a retention table lies
-/// beside the model (and the prior systems keep their own caches); a table
-/// for another model, or of another shape, is refused by name.
+/// The learned cache policy finds its retention table beside the model (or
+/// named); the prior systems keep their own caches by default; a table for
+/// another model, or of another shape, is refused by name.
 #[test]
 fn a_retention_table_is_found_beside_the_model_and_checked() {
     let fm = synthetic("evict", DownType::Q8_0);
     let sha = hex(&fm.flash.header().source_sha256);
-    let settings = StreamSettings::default();
+    let settings = StreamSettings {
+        cache_policy: Some(CachePolicy::Learned),
+        ..StreamSettings::default()
+    };
     let beside = fm.flash.path().with_extension("lsevict");
     let _ = std::fs::remove_file(&beside);
-    assert_eq!(settings.eviction(&fm, Policy::DenseStream).unwrap().0, CachePolicy::Hot);
-    retention(&fm, &sha).save(&beside).unwrap();
-    let (cache, table) = settings.eviction(&fm, Policy::DenseStream).unwrap();
-    assert_eq!(cache, CachePolicy::Learned);
-    assert_eq!(table.unwrap().n_ff, 1024);
+    let defaults = StreamSettings::default();
+    assert_eq!(defaults.eviction(&fm, Policy::DenseStream).unwrap().0, CachePolicy::Hot);
     assert_eq!(
-        settings.eviction(&fm, Policy::LlmInAFlash).unwrap().0,
+        defaults.eviction(&fm, Policy::LlmInAFlash).unwrap().0,
         CachePolicy::Window(5)
     );
-    assert_eq!(settings.eviction(&fm, Policy::PowerInfer2).unwrap().0, CachePolicy::Hot);
+    assert_eq!(defaults.eviction(&fm, Policy::PowerInfer2).unwrap().0, CachePolicy::Hot);
+    assert_eq!(defaults.eviction(&fm, Policy::DejaVu).unwrap().0, CachePolicy::Lru);
+    // Learned asked for with no table anywhere.
+    let e = settings.eviction(&fm, Policy::DenseStream).unwrap_err().to_string();
+    assert!(e.contains("--eviction"), "{e}");
+    retention(&fm, &sha).save(&beside).unwrap();
+    let (cache, table) = settings.eviction(&fm, Policy::Speculate).unwrap();
+    assert_eq!(cache, CachePolicy::Learned);
+    assert_eq!(table.unwrap().n_ff, 1024);
     // Another model's table.
     retention(&fm, &"cd".repeat(32)).save(&beside).unwrap();
     let e = settings.eviction(&fm, Policy::DenseStream).unwrap_err().to_string();
@@ -272,16 +268,9 @@ fn a_retention_table_is_found_beside_the_model_and_checked() {
     t.save(&path).unwrap();
     let named = StreamSettings {
         eviction: Some(path.clone()),
-        ..StreamSettings::default()
+        ..settings.clone()
     };
     let e = named.eviction(&fm, Policy::DenseStream).unwrap_err().to_string();
     assert!(e.contains("shape.lsevict") && e.contains("n_layer"), "{e}");
     std::fs::remove_file(&beside).unwrap();
-    // Learned asked for with no table anywhere.
-    let learned = StreamSettings {
-        cache_policy: Some(CachePolicy::Learned),
-        ..StreamSettings::default()
-    };
-    let e = learned.eviction(&fm, Policy::DenseStream).unwrap_err().to_string();
-    assert!(e.contains("--eviction"), "{e}");
 }

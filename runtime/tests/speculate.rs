@@ -21,7 +21,6 @@ use leanstream_runtime::engine::{
 };
 use leanstream_runtime::flash::io::{make_backend, Backend, FaultyBackend, IoConfig};
 use leanstream_runtime::flash::{DownType, SparsityLevel};
-use leanstream_runtime::model::Model;
 use leanstream_runtime::predict::{Predictor, PredictorConfig};
 use leanstream_runtime::synthetic::SyntheticSpec;
 
@@ -148,19 +147,7 @@ fn real_model_exact(name: &str) {
         true,
         false,
     );
-    let m = Model::load(&src).unwrap();
-    let mut st = m.new_state(prompt.len() + 9, prompt.len(), 1);
-    let mut gguf = (Vec::new(), Vec::new());
-    m.forward_outputs(&mut st, &prompt, 0, prompt.len() - 1..prompt.len())
-        .unwrap();
-    for pos in prompt.len()..prompt.len() + 8 {
-        let l = m.logits(&mut st, 0, 1).unwrap().to_vec();
-        let tok = leanstream_runtime::generate::argmax(&l);
-        gguf.0.push(tok);
-        gguf.1.push(l);
-        m.forward(&mut st, &[tok], pos).unwrap();
-    }
-    drop(m);
+    let gguf = common::greedy_gguf(&src, &prompt, 8);
     let group = fm.formats[0].group();
     let sp = Speculation {
         predictor: Arc::new(predictor_for(&fm, group.min(32), 9)),

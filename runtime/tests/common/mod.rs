@@ -35,6 +35,23 @@ pub fn greedy_flash(
     Ok((toks, logits))
 }
 
+/// Greedy decoding of `n` tokens after `prompt` with the GGUF engine on `src`.
+pub fn greedy_gguf(src: &std::path::Path, prompt: &[u32], n: usize) -> Run {
+    let m = leanstream_runtime::model::Model::load(src).unwrap();
+    let mut st = m.new_state(prompt.len() + n + 1, prompt.len(), 1);
+    let (mut toks, mut logits) = (Vec::new(), Vec::new());
+    m.forward_outputs(&mut st, prompt, 0, prompt.len() - 1..prompt.len())
+        .unwrap();
+    for pos in prompt.len()..prompt.len() + n {
+        let l = m.logits(&mut st, 0, 1).unwrap().to_vec();
+        let tok = leanstream_runtime::generate::argmax(&l);
+        toks.push(tok);
+        logits.push(l);
+        m.forward(&mut st, &[tok], pos).unwrap();
+    }
+    (toks, logits)
+}
+
 /// Whether two runs have the same tokens and bit-identical logits.
 pub fn same_bits(a: &Run, b: &Run) -> bool {
     a.0 == b.0

@@ -233,9 +233,9 @@ pub(crate) struct FlashArgs {
     #[arg(long, default_value_t = 0.0)]
     pub(crate) sparsity: f32,
     /// Neuron cache eviction: lru, hot (calibrated hot set), learned
-    /// (retention table) or window[:K]. Default: learned when a retention
-    /// table is beside the model, else hot when the file has calibrated
-    /// scores, else lru.
+    /// (retention table) or window[:K]. Default: llm-in-a-flash window:5,
+    /// powerinfer2 hot, dejavu lru; otherwise hot when the file has
+    /// calibrated scores, else lru.
     #[arg(long)]
     pub(crate) cache_policy: Option<CachePolicy>,
     /// The learned cache policy's retention table (.lsevict). Default:

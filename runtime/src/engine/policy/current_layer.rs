@@ -28,7 +28,6 @@ use std::sync::Arc;
 
 use super::ranking::Ranking;
 use super::{streamer, FfnPolicy, LayerCall, Plan, Policy, Shape};
-use crate::engine::stream::Want;
 use crate::engine::tail::{Select, Source, Tail};
 use crate::predict::Predictor;
 use crate::Result;
@@ -58,16 +57,6 @@ impl CurrentLayer {
             own_input,
         })
     }
-
-    fn request(&mut self, layer: usize, rows: &[f32], n: usize, source: &mut Source) -> Result<()> {
-        let s = streamer(source)?;
-        if s.is_queued(layer) {
-            return Ok(());
-        }
-        let r = &mut self.ranking;
-        r.rank(self.own_input, layer, rows, n, 1.0)?;
-        s.ensure_ranked(layer, Want::Set(&r.bits), Some(&r.urgency))
-    }
 }
 
 impl FfnPolicy for CurrentLayer {
@@ -76,12 +65,14 @@ impl FfnPolicy for CurrentLayer {
     }
 
     fn layer_input(&mut self, layer: usize, x: &[f32], n: usize, source: &mut Source) -> Result<()> {
-        self.request(layer, x, n, source)
+        self.ranking.request(self.own_input, layer, x, n, streamer(source)?)
     }
 
     fn plan<'p>(&'p mut self, call: &LayerCall<'_>, source: &mut Source, _tail: &Tail) -> Result<Plan<'p>> {
         // Without the input hook the prediction comes from the residual.
-        self.request(call.layer, call.resid, call.n, source)?;
+        let s = streamer(source)?;
+        self.ranking
+            .request(self.own_input, call.layer, call.resid, call.n, s)?;
         Ok(Plan::new(Select::Threshold(call.threshold), None))
     }
 

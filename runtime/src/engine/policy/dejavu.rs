@@ -41,16 +41,6 @@ impl DejaVu {
             n_layer: shape.n_layer,
         })
     }
-
-    fn request(&mut self, layer: usize, rows: &[f32], n: usize, source: &mut Source) -> Result<()> {
-        let s = streamer(source)?;
-        if s.is_queued(layer) {
-            return Ok(());
-        }
-        let r = &mut self.ranking;
-        r.rank(self.own_input, layer, rows, n, 1.0)?;
-        s.ensure_ranked(layer, Want::Set(&r.bits), Some(&r.urgency))
-    }
 }
 
 impl FfnPolicy for DejaVu {
@@ -60,7 +50,7 @@ impl FfnPolicy for DejaVu {
 
     fn layer_input(&mut self, layer: usize, x: &[f32], n: usize, source: &mut Source) -> Result<()> {
         if layer == 0 {
-            self.request(0, x, n, source)?;
+            self.ranking.request(self.own_input, 0, x, n, streamer(source)?)?;
         }
         Ok(())
     }
@@ -69,7 +59,8 @@ impl FfnPolicy for DejaVu {
         let (l, n) = (call.layer, call.n);
         // Nothing predicted for this layer yet (a caller without the input
         // hook): predict it now from what there is.
-        self.request(l, call.resid, n, source)?;
+        self.ranking
+            .request(self.own_input, l, call.resid, n, streamer(source)?)?;
         if l + 1 < self.n_layer {
             let s = streamer(source)?;
             let r = &mut self.ranking;

@@ -7,6 +7,7 @@
 use std::sync::Arc;
 
 use super::Shape;
+use crate::engine::stream::{Streamer, Want};
 use crate::engine::trace::set_bit;
 use crate::predict::{top_groups, ComputePath, Predictor, Scratch};
 use crate::{Result, RuntimeError};
@@ -107,6 +108,17 @@ impl Ranking {
         self.score(use_, layer, rows, n)?;
         self.select(n, breadth);
         Ok(())
+    }
+
+    /// Unless layer `layer` is queued already: ranks it for `use_` from `n`
+    /// rows `rows` at breadth 1 and asks `s` for the selection, most likely
+    /// first (what the policies that predict and then wait do).
+    pub fn request(&mut self, use_: usize, layer: usize, rows: &[f32], n: usize, s: &mut Streamer) -> Result<()> {
+        if s.is_queued(layer) {
+            return Ok(());
+        }
+        self.rank(use_, layer, rows, n, 1.0)?;
+        s.ensure_ranked(layer, Want::Set(&self.bits), Some(&self.urgency))
     }
 
     /// Bytes of scratch (the predictor's weights are counted where it is held).
