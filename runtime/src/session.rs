@@ -122,12 +122,23 @@ impl StreamSettings {
     /// sit inside merged reads and save fewer bytes than the hot prefix.)
     pub fn eviction(&self, fm: &FlashModel, policy: Policy) -> Result<(CachePolicy, Option<RetentionTable>)> {
         let has_scores = !fm.flash.header().neuron_scores.is_empty();
-        let policy = self.cache_policy.unwrap_or(match (policy, has_scores) {
-            (Policy::LlmInAFlash, _) => CachePolicy::Window(5),
-            (Policy::PowerInfer2, _) => CachePolicy::Hot,
-            (Policy::DejaVu, _) | (_, false) => CachePolicy::Lru,
-            (_, true) => CachePolicy::Hot,
-        });
+        let policy = match (self.cache_policy, &self.eviction) {
+            (Some(c), Some(table)) if c != CachePolicy::Learned => {
+                return Err(RuntimeError::Invalid(format!(
+                    "--eviction {}: a retention table is for --cache-policy learned, not {c}",
+                    table.display()
+                )))
+            }
+            (Some(c), _) => c,
+            // Naming a table asks for the policy that reads it.
+            (None, Some(_)) => CachePolicy::Learned,
+            (None, None) => match (policy, has_scores) {
+                (Policy::LlmInAFlash, _) => CachePolicy::Window(5),
+                (Policy::PowerInfer2, _) => CachePolicy::Hot,
+                (Policy::DejaVu, _) | (_, false) => CachePolicy::Lru,
+                (_, true) => CachePolicy::Hot,
+            },
+        };
         if policy != CachePolicy::Learned {
             return Ok((policy, None));
         }

@@ -272,5 +272,21 @@ fn a_retention_table_is_found_beside_the_model_and_checked() {
     };
     let e = named.eviction(&fm, Policy::DenseStream).unwrap_err().to_string();
     assert!(e.contains("shape.lsevict") && e.contains("n_layer"), "{e}");
+    // Naming a table picks the learned policy; naming it with another is an error.
+    let only_table = StreamSettings {
+        eviction: Some(beside.clone()),
+        ..StreamSettings::default()
+    };
+    retention(&fm, &sha).save(&beside).unwrap();
+    assert_eq!(
+        only_table.eviction(&fm, Policy::DejaVu).unwrap().0,
+        CachePolicy::Learned
+    );
+    let clash = StreamSettings {
+        cache_policy: Some(CachePolicy::Lru),
+        ..only_table
+    };
+    let e = clash.eviction(&fm, Policy::DenseStream).unwrap_err().to_string();
+    assert!(e.contains("--eviction") && e.contains("lru"), "{e}");
     std::fs::remove_file(&beside).unwrap();
 }

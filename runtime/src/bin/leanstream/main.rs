@@ -238,8 +238,9 @@ pub(crate) struct FlashArgs {
     /// calibrated scores, else lru.
     #[arg(long)]
     pub(crate) cache_policy: Option<CachePolicy>,
-    /// The learned cache policy's retention table (.lsevict). Default:
-    /// <model stem>.lsevict or eviction.lsevict beside the model.
+    /// The learned cache policy's retention table (.lsevict); naming one
+    /// selects that policy. Default: <model stem>.lsevict or
+    /// eviction.lsevict beside the model.
     #[arg(long)]
     pub(crate) eviction: Option<PathBuf>,
     /// Unneeded bytes one read may span between two needed bundles (bytes,
