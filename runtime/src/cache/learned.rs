@@ -7,8 +7,7 @@
 //! pool of the lowest seen before and takes the pool's lowest (Redis's
 //! approximate LRU, with a learned key). A neuron that scores
 //! below that victim is not admitted at all: a rare neuron read once does not
-//! push out a hot one, which is what makes the policy beat a static hot set
-//! and LRU at once.
+//! push out a hot one.
 
 use std::sync::Arc;
 
@@ -216,6 +215,18 @@ mod tests {
         // it; the always-used neuron stays.
         assert!(c.insert(0, 6).is_some());
         assert!(c.contains(0, 0));
+    }
+
+    #[test]
+    fn refuses_a_newcomer_below_every_resident() {
+        let shape = CacheShape::uniform(2, 8, 64);
+        let mut c = NeuronCache::new(&shape, 2 * 64, Box::new(Learned::new(table(2, 8)))).unwrap();
+        assert!(c.insert(0, 0).is_some());
+        assert!(c.insert(1, 0).is_some());
+        // Both residents score 1 at any age; neuron 3 scores 0.5 just after use.
+        assert!(c.insert(0, 3).is_none());
+        assert!(c.contains(0, 0) && c.contains(1, 0) && !c.contains(0, 3));
+        assert_eq!(c.stats().rejections, 1);
     }
 
     #[test]

@@ -278,7 +278,7 @@ impl FlashModel {
                     self,
                     o.cache_bytes,
                     o.cache_policy,
-                    o.retention,
+                    o.retention.clone(),
                     o.merge_gap_bytes,
                     backend,
                 )?;
@@ -301,6 +301,7 @@ impl FlashModel {
             n_layer,
             tokens: 0,
             pending: None,
+            retention_bytes: o.retention.as_ref().map_or(0, |t| t.bytes()),
         })
     }
 
@@ -390,7 +391,7 @@ impl FlashModel {
 
     /// Memory by category for `st` and `engine`. The predictor category
     /// holds what a policy knows beyond the cache: gate-first's resident gate
-    /// rows, the oracle's trace.
+    /// rows, the oracle's trace, a predictor, the learned cache's retention table.
     pub fn memory(&self, st: &RunState, engine: &FlashEngine) -> MemoryReport {
         let (ffn_cache, io_buffers) = match &engine.source {
             Source::Resident(r) => (r.bytes(), 0),
@@ -402,7 +403,7 @@ impl FlashModel {
             kv_cache: st.kv.bytes() as u64,
             ffn_cache,
             io_buffers,
-            predictor: engine.plan.held_bytes() + recorded,
+            predictor: engine.plan.held_bytes() + recorded + engine.retention_bytes,
             tokenizer: self.model.tokenizer.heap_bytes(),
             other: (st.bytes() - st.kv.bytes()) as u64 + engine.plan.scratch_bytes() + engine.tail.bytes(),
         }
@@ -478,6 +479,8 @@ pub struct FlashEngine {
     /// An error of a hook that cannot return one (`layer_input`), returned
     /// by the layer's FFN call.
     pending: Option<RuntimeError>,
+    /// Bytes of the learned cache policy's retention table (0 without one).
+    retention_bytes: u64,
 }
 
 impl FlashEngine {

@@ -318,7 +318,7 @@ fn quality(
     // Policies that decide what to read by prediction run themselves; the
     // others keep what dense-stream keeps at the same thresholds.
     let same_as = match policy {
-        p @ (Policy::GateFirst | Policy::Speculate | Policy::DejaVu | Policy::LlmInAFlash | Policy::PowerInfer2) => p,
+        p if p == Policy::GateFirst || p.predicts() => p,
         _ => Policy::DenseStream,
     };
     let (ours, skipped) = eval(same_as, fm.sparsity_level(sparsity)?)?;
