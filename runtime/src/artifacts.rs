@@ -14,7 +14,10 @@
 //! retention table is checked against the model it is given to: its
 //! provenance names the SHA-256 of the GGUF its traces were recorded on,
 //! which must be the `.lsflash` file's source, and its shape must be the
-//! model's.
+//! model's. A controller table made with `leanstream-synth controller
+//! --flash` names its model the same way and is refused for another; one
+//! that names only the shape it was solved for (the built-in table) is used
+//! with a warning when that shape is not the model's.
 
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
@@ -82,7 +85,6 @@ pub fn load_retention(path: &Path, fm: &FlashModel) -> Result<RetentionTable> {
 /// Refuses an artifact whose provenance names no model, or another model
 /// than `fm`'s source GGUF.
 fn check_source(sha: Option<String>, path: &Path, what: &str, fm: &FlashModel) -> Result<()> {
-    let source = crate::fetch::hex(&fm.flash.header().source_sha256);
     let model = fm.flash.path().display();
     match sha {
         None => Err(RuntimeError::Invalid(format!(
@@ -90,13 +92,62 @@ fn check_source(sha: Option<String>, path: &Path, what: &str, fm: &FlashModel) -
              make it with leanstream-synth on traces of {model}'s source GGUF",
             path.display()
         ))),
-        Some(sha) if sha != source => Err(RuntimeError::Invalid(format!(
-            "{}: {what} made for another model (field `model.sha256` {sha}); {model} was packed from a \
-             GGUF with SHA-256 {source}",
-            path.display()
-        ))),
-        Some(_) => Ok(()),
+        Some(sha) => check_named_source(&sha, &path.display().to_string(), what, fm),
     }
+}
+
+/// Refuses an artifact whose provenance names another model than `fm`'s source GGUF.
+fn check_named_source(sha: &str, origin: &str, what: &str, fm: &FlashModel) -> Result<()> {
+    let source = crate::fetch::hex(&fm.flash.header().source_sha256);
+    if sha == source {
+        return Ok(());
+    }
+    Err(RuntimeError::Invalid(format!(
+        "{origin}: {what} made for another model (field `model.sha256` {sha}); {} was packed from a \
+         GGUF with SHA-256 {source}",
+        fm.flash.path().display()
+    )))
+}
+
+/// Checks a controller table against the model it is to drive. A table that
+/// names its model (`leanstream-synth controller --flash`) is refused for any
+/// other; one that names only a shape (the built-in table, older tables) is
+/// used, and the returned warning says when that shape is not `fm`'s.
+pub fn check_controller(c: &Controller, fm: &FlashModel) -> Result<Option<String>> {
+    let Controller::Table { table, origin } = c else {
+        return Ok(None);
+    };
+    let m = table.provenance.model();
+    if let Some(sha) = &m.sha256 {
+        check_named_source(sha, origin, "controller table", fm)?;
+    }
+    let (n_layers, n_ff) = (fm.flash.n_layer(), fm.flash.n_ff());
+    let bundle = fm.flash.layout(0).bundle_bytes();
+    let same = m.n_layers.is_none_or(|x| x == n_layers)
+        && m.n_ff.is_none_or(|x| x == n_ff)
+        && m.bundle_bytes.is_none_or(|x| (x - bundle as f64).abs() < 0.5);
+    if same {
+        return Ok(None);
+    }
+    let shape = format!(
+        "{} layers × {} neurons of {} bytes",
+        m.n_layers.map_or("?".into(), |x| x.to_string()),
+        m.n_ff.map_or("?".into(), |x| x.to_string()),
+        m.bundle_bytes.map_or("?".into(), |x| x.to_string())
+    );
+    let model = fm.flash.path().display();
+    if m.sha256.is_some() {
+        // Named for this model but solved for another shape: the file was edited.
+        return Err(RuntimeError::Invalid(format!(
+            "{origin}: controller table solved for {shape} (fields model.n_layers, model.n_ff, \
+             model.bundle_bytes), {model} has {n_layers} × {n_ff} of {bundle} bytes"
+        )));
+    }
+    Ok(Some(format!(
+        "warning: {origin}: controller table solved for {shape}, {model} has {n_layers} × {n_ff} of \
+         {bundle} bytes; its actions may be far from optimal (make one for this model with \
+         `leanstream-synth controller --flash {model}`)"
+    )))
 }
 
 /// Loads the predictor at `path` and checks it was made for `fm`'s model.
@@ -185,9 +236,13 @@ pub fn speculation(
         })?,
     };
     let p = load_predictor(&path, fm)?;
+    let controller = load_controller(controller, model)?;
+    if let Some(w) = check_controller(&controller, fm)? {
+        eprintln!("{w}");
+    }
     Ok(Speculation {
         predictor: Arc::new(p),
         predictor_name: path.display().to_string(),
-        controller: load_controller(controller, model)?,
+        controller,
     })
 }

@@ -224,7 +224,8 @@ fn download_and_assemble(m: &KnownModel, work: &Path, dest: &Path) -> Result<()>
     Ok(())
 }
 
-pub(crate) fn hex(bytes: &[u8]) -> String {
+/// Lowercase hex of `bytes` (how SHA-256 sums are written in artifacts' provenance).
+pub fn hex(bytes: &[u8]) -> String {
     bytes.iter().map(|b| format!("{b:02x}")).collect()
 }
 

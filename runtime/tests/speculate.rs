@@ -334,3 +334,71 @@ fn a_predictor_for_another_model_is_refused_by_name() {
         .to_string();
     assert!(e.contains("--predictor"), "{e}");
 }
+
+/// A table whose solver settings name `model` (JSON) as what it was solved for.
+fn table_for(model: serde_json::Value) -> ControlTable {
+    let mut t = position_table(Controller::DEFAULT_FIXED, Controller::DEFAULT_FIXED);
+    t.provenance.solver_settings = serde_json::json!({ "model": model }).to_string();
+    t
+}
+
+#[test]
+fn a_controller_table_for_another_model_is_refused_by_name() {
+    let (_, fm) = synthetic("refuse_table", 512, DownType::Q8_0, false);
+    let pred = dir().join("refuse_table_pred.lspred");
+    predictor_for(&fm, 1, 1).save(&pred).unwrap();
+    let bundle = fm.flash.layout(0).bundle_bytes();
+    let sha = hex(&fm.flash.header().source_sha256);
+    let path = dir().join("other.lstab");
+    let load = |t: ControlTable| {
+        t.save(&path).unwrap();
+        leanstream_runtime::artifacts::speculation(
+            &fm,
+            fm.flash.path(),
+            Policy::Speculate,
+            Some(pred.as_path()),
+            Some(path.to_str().unwrap()),
+        )
+    };
+    // Another model's hash.
+    let other =
+        table_for(serde_json::json!({"sha256": "ab".repeat(32), "n_layers": 3, "n_ff": 512, "bundle_bytes": bundle}));
+    let e = load(other).unwrap_err().to_string();
+    assert!(e.contains("other.lstab") && e.contains("another model"), "{e}");
+    // This model's hash on another shape: the file is not what it says.
+    let edited = table_for(serde_json::json!({"sha256": sha, "n_layers": 3, "n_ff": 1024, "bundle_bytes": bundle}));
+    let e = load(edited).unwrap_err().to_string();
+    assert!(e.contains("other.lstab") && e.contains("model.n_ff"), "{e}");
+    // This model: loads, no warning.
+    let own = table_for(serde_json::json!({"sha256": sha, "n_layers": 3, "n_ff": 512, "bundle_bytes": bundle}));
+    let sp = load(own).unwrap();
+    assert_eq!(
+        leanstream_runtime::artifacts::check_controller(&sp.controller, &fm).unwrap(),
+        None
+    );
+    // A table that names only a shape loads; a shape that is not this model's is warned about.
+    let c = |t: ControlTable| Controller::Table {
+        table: Arc::new(t),
+        origin: "shape.lstab".into(),
+    };
+    let same = table_for(serde_json::json!({"n_layers": 3, "n_ff": 512, "bundle_bytes": bundle}));
+    assert_eq!(
+        leanstream_runtime::artifacts::check_controller(&c(same), &fm).unwrap(),
+        None
+    );
+    let wider = table_for(serde_json::json!({"n_layers": 3, "n_ff": 1536, "bundle_bytes": bundle}));
+    let w = leanstream_runtime::artifacts::check_controller(&c(wider), &fm)
+        .unwrap()
+        .unwrap();
+    assert!(w.contains("shape.lstab") && w.contains("1536"), "{w}");
+    // The built-in table was solved for SmolLM2's shape, not this one's.
+    let built_in = leanstream_runtime::artifacts::built_in_controller().unwrap();
+    assert!(leanstream_runtime::artifacts::check_controller(&built_in, &fm)
+        .unwrap()
+        .is_some());
+    // A fixed action names no model.
+    assert_eq!(
+        leanstream_runtime::artifacts::check_controller(&fixed("fixed"), &fm).unwrap(),
+        None
+    );
+}

@@ -19,6 +19,9 @@ pub struct SynthConfig {
     pub grid: GridSpec,
     pub solver: SolverSettings,
     pub seed: u64,
+    /// SHA-256 (hex) of the GGUF the packed model was made from; recorded
+    /// as `model.sha256` so the runtime refuses the table for other models.
+    pub model_sha256: Option<String>,
 }
 
 pub use leanstream_runtime::control::state_at;
@@ -120,9 +123,14 @@ pub fn synthesize(cfg: &SynthConfig, fitted: &Fitted, progress: bool) -> Result<
         })
         .collect::<Result<Vec<u8>>>()?;
     pb.finish_and_clear();
+    let mut model =
+        serde_json::to_value(&cfg.params).map_err(|e| SynthError::Settings(format!("model settings: {e}")))?;
+    if let Some(sha) = &cfg.model_sha256 {
+        model["sha256"] = sha.as_str().into();
+    }
     let settings = serde_json::json!({
         "solver": cfg.solver,
-        "model": cfg.params,
+        "model": model,
         "actions": cfg.space,
         "grid": cfg.grid,
     });

@@ -69,6 +69,7 @@ fn small_cfg() -> SynthConfig {
             ..SolverSettings::default()
         },
         seed: 3,
+        model_sha256: None,
     }
 }
 
@@ -161,6 +162,20 @@ fn synthesized_table_round_trips_and_uses_several_actions() {
         used.len() > 1,
         "one action everywhere: the state does not matter? {used:?}"
     );
+}
+
+#[test]
+fn the_table_names_the_model_it_was_solved_for() {
+    let mut cfg = small_cfg();
+    let t = synthesize(&cfg, &fitted(), false).unwrap();
+    let m = t.provenance.model();
+    assert_eq!(m.sha256, None);
+    assert_eq!((m.n_layers, m.n_ff), (Some(6), Some(cfg.params.n_ff)));
+    assert_eq!(m.bundle_bytes, Some(cfg.params.bundle_bytes));
+    cfg.model_sha256 = Some("0f".repeat(32));
+    let t = synthesize(&cfg, &fitted(), false).unwrap();
+    let back = ControlTable::from_bytes(&t.to_bytes(), &PathBuf::from("t.lstab")).unwrap();
+    assert_eq!(back.provenance.model().sha256, cfg.model_sha256);
 }
 
 #[test]

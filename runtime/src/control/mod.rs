@@ -188,6 +188,32 @@ pub struct Provenance {
     pub traces: Vec<TraceHash>,
 }
 
+/// The model a table was solved for, as its solver settings record it
+/// (`model.*` of the JSON; every field absent in tables that predate it).
+#[derive(Clone, Debug, PartialEq, Default)]
+pub struct TableModel {
+    /// SHA-256 (lowercase hex) of the GGUF the packed model came from.
+    pub sha256: Option<String>,
+    pub n_layers: Option<usize>,
+    pub n_ff: Option<usize>,
+    pub bundle_bytes: Option<f64>,
+}
+
+impl Provenance {
+    /// What [`solver_settings`](Self::solver_settings) says of the model;
+    /// settings that are not JSON name nothing.
+    pub fn model(&self) -> TableModel {
+        let v: serde_json::Value = serde_json::from_str(&self.solver_settings).unwrap_or_default();
+        let m = &v["model"];
+        TableModel {
+            sha256: m["sha256"].as_str().map(str::to_ascii_lowercase),
+            n_layers: m["n_layers"].as_u64().map(|x| x as usize),
+            n_ff: m["n_ff"].as_u64().map(|x| x as usize),
+            bundle_bytes: m["bundle_bytes"].as_f64(),
+        }
+    }
+}
+
 /// The engine's measured state, in the units of the axes.
 #[derive(Clone, Copy, Debug, Default, PartialEq)]
 pub struct ControlState {

@@ -7,6 +7,7 @@ use anyhow::{Context, Result};
 use clap::{Parser, Subcommand};
 use leanstream_profiler::activations::read::Trace;
 use leanstream_runtime::control::{AxisKind, ControlState, ControlTable};
+use leanstream_runtime::flash::LsFlash;
 use leanstream_runtime::predict::Predictor;
 use leanstream_synth::eval::{evaluate, EvalOptions};
 use leanstream_synth::fit::fit_traces;
@@ -29,6 +30,11 @@ struct Cli {
 
 #[derive(clap::Args, Clone)]
 struct ModelArgs {
+    /// A packed model (.lsflash): its layers, neurons and bundle bytes replace
+    /// --layers, --n-ff and --bundle-bytes, and the table records the SHA-256
+    /// of its source GGUF, so the runtime refuses the table for other models.
+    #[arg(long)]
+    flash: Option<PathBuf>,
     /// Layers in the stack.
     #[arg(long, default_value_t = 30)]
     layers: usize,
@@ -76,12 +82,28 @@ struct ModelArgs {
 }
 
 impl ModelArgs {
-    fn config(&self) -> SynthConfig {
-        SynthConfig {
+    fn config(&self) -> Result<SynthConfig> {
+        let (mut n_layers, mut n_ff, mut bundle_bytes, mut model_sha256) =
+            (self.layers, self.n_ff, self.bundle_bytes, None);
+        if let Some(path) = &self.flash {
+            let f = LsFlash::open(path)?;
+            let bundle = f.layout(0).bundle_bytes();
+            if let Some(l) = (1..f.n_layer()).find(|&l| f.layout(l).bundle_bytes() != bundle) {
+                anyhow::bail!(
+                    "{}: layer {l}'s bundles are {} bytes, layer 0's {bundle}; the control model assumes one size",
+                    path.display(),
+                    f.layout(l).bundle_bytes()
+                );
+            }
+            (n_layers, n_ff, bundle_bytes) = (f.n_layer(), f.n_ff(), bundle as f64);
+            model_sha256 = Some(leanstream_runtime::fetch::hex(&f.header().source_sha256));
+        }
+        Ok(SynthConfig {
+            model_sha256,
             params: ModelParams {
-                n_layers: self.layers,
-                n_ff: self.n_ff,
-                bundle_bytes: self.bundle_bytes,
+                n_layers,
+                n_ff,
+                bundle_bytes,
                 block: self.block,
                 recall_at_1: self.recall,
                 w_skip_us: self.w_skip_us,
@@ -102,7 +124,7 @@ impl ModelArgs {
             },
             seed: self.seed,
             ..SynthConfig::default()
-        }
+        })
     }
 }
 
@@ -406,7 +428,7 @@ fn main() -> Result<()> {
             model,
             quiet,
         } => {
-            let cfg = model.config();
+            let cfg = model.config()?;
             let t0 = Instant::now();
             let fitted = fit_traces(&traces)?;
             let t_fit = t0.elapsed().as_secs_f64();
@@ -443,7 +465,7 @@ fn main() -> Result<()> {
             json,
         } => {
             let (t, _) = load(&table)?;
-            let cfg = model.config();
+            let cfg = model.config()?;
             let fitted = fit_traces(&traces)?;
             let sim = SimConfig { tokens, seed: cfg.seed };
             let rows = compare(&t, &cfg, &fitted, &sim, !no_mpc)?;
