@@ -159,8 +159,7 @@ pub fn load_predictor(path: &Path, fm: &FlashModel) -> Result<Predictor> {
 
 /// The SHA-256 (hex) of the model a predictor's provenance names.
 pub fn predictor_model_sha(p: &Predictor) -> Option<String> {
-    let v: serde_json::Value = serde_json::from_str(&p.provenance).ok()?;
-    v.get("model")?.get("sha256")?.as_str().map(str::to_ascii_lowercase)
+    crate::binread::model_sha256(&serde_json::from_str(&p.provenance).ok()?)
 }
 
 /// Refuses a predictor made for another model (by hash) or shape.

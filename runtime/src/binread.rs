@@ -1,6 +1,7 @@
 //! Reading hostile little-endian binary files (`.lstab`, `.lspred`): every
 //! read is bounds-checked before anything is allocated, and a failure names
-//! the file and the field, in the caller's own error type.
+//! the file and the field, in the caller's own error type. Also what their
+//! provenance JSON says of the model they were made for.
 
 use std::marker::PhantomData;
 use std::path::Path;
@@ -57,6 +58,11 @@ macro_rules! impl_field_error {
             }
         }
     };
+}
+
+/// The SHA-256 (lowercase hex) a provenance JSON names as `model.sha256`.
+pub fn model_sha256(provenance: &serde_json::Value) -> Option<String> {
+    provenance["model"]["sha256"].as_str().map(str::to_ascii_lowercase)
 }
 
 /// Checks the 8-byte magic, the u32 version and the trailing SHA-256 of

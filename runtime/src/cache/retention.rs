@@ -104,8 +104,7 @@ impl RetentionTable {
 
     /// The SHA-256 (hex) of the model the provenance names.
     pub fn model_sha(&self) -> Option<String> {
-        let v: serde_json::Value = serde_json::from_str(&self.provenance).ok()?;
-        v.get("model")?.get("sha256")?.as_str().map(str::to_ascii_lowercase)
+        binread::model_sha256(&serde_json::from_str(&self.provenance).ok()?)
     }
 
     /// Bytes of the table in memory.

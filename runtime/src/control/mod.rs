@@ -206,7 +206,7 @@ impl Provenance {
         let v: serde_json::Value = serde_json::from_str(&self.solver_settings).unwrap_or_default();
         let m = &v["model"];
         TableModel {
-            sha256: m["sha256"].as_str().map(str::to_ascii_lowercase),
+            sha256: binread::model_sha256(&v),
             n_layers: m["n_layers"].as_u64().map(|x| x as usize),
             n_ff: m["n_ff"].as_u64().map(|x| x as usize),
             bundle_bytes: m["bundle_bytes"].as_f64(),
