@@ -1,6 +1,7 @@
-//! Chat prompt formatting. GGUF files carry a Jinja chat template; rather than
-//! embed a template engine we recognise the template families in use (as
-//! llama.cpp's built-in detection does) and format a single user turn.
+//! Chat prompt formatting by template family. GGUF files carry a Jinja chat
+//! template, which the server renders with a template engine; the runtime
+//! stays without one and recognises the families in use (as llama.cpp's
+//! built-in detection does), for `run --chat` and as the server's fallback.
 
 use crate::model::Arch;
 
@@ -38,19 +39,79 @@ impl ChatTemplate {
     /// The prompt text for one user message, ready for generation of the reply.
     /// BOS is not included: the tokenizer adds it when the model asks for it.
     pub fn format_user(&self, message: &str) -> String {
+        self.format(&[ChatMessage::new("user", message)])
+    }
+
+    /// The prompt text for a conversation (roles `system`, `user`,
+    /// `assistant`), ready for generation of the assistant's next turn, as
+    /// llama.cpp's built-in templates of these families lay it out. BOS is
+    /// not included.
+    pub fn format(&self, messages: &[ChatMessage]) -> String {
+        let mut out = String::new();
         match self {
             Self::ChatMl { default_system } => {
-                let system = default_system
+                if let Some(system) = default_system
                     .as_ref()
-                    .map(|s| format!("<|im_start|>system\n{s}<|im_end|>\n"))
-                    .unwrap_or_default();
-                format!("{system}<|im_start|>user\n{message}<|im_end|>\n<|im_start|>assistant\n")
+                    .filter(|_| messages.first().is_none_or(|m| m.role != "system"))
+                {
+                    out += &format!("<|im_start|>system\n{system}<|im_end|>\n");
+                }
+                for m in messages {
+                    out += &format!("<|im_start|>{}\n{}<|im_end|>\n", m.role, m.content);
+                }
+                out += "<|im_start|>assistant\n";
             }
-            Self::Gemma => format!("<start_of_turn>user\n{message}<end_of_turn>\n<start_of_turn>model\n"),
-            Self::Llama3 => format!(
-                "<|start_header_id|>user<|end_header_id|>\n\n{message}<|eot_id|><|start_header_id|>assistant<|end_header_id|>\n\n"
-            ),
-            Self::Inst => format!("[INST] {message} [/INST]"),
+            Self::Gemma => {
+                // Gemma has no system role: the system text opens the first user turn.
+                let mut prefix = String::new();
+                for m in messages {
+                    match m.role.as_str() {
+                        "system" => prefix = format!("{}\n\n", m.content.trim()),
+                        role => {
+                            let role = if role == "assistant" { "model" } else { role };
+                            let text = std::mem::take(&mut prefix) + m.content.trim();
+                            out += &format!("<start_of_turn>{role}\n{text}<end_of_turn>\n");
+                        }
+                    }
+                }
+                out += "<start_of_turn>model\n";
+            }
+            Self::Llama3 => {
+                for m in messages {
+                    out += &format!(
+                        "<|start_header_id|>{}<|end_header_id|>\n\n{}<|eot_id|>",
+                        m.role, m.content
+                    );
+                }
+                out += "<|start_header_id|>assistant<|end_header_id|>\n\n";
+            }
+            Self::Inst => {
+                let mut prefix = String::new();
+                for m in messages {
+                    match m.role.as_str() {
+                        "system" => prefix = format!("{}\n\n", m.content),
+                        "assistant" => out += &format!("{}</s>", m.content),
+                        _ => out += &format!("[INST] {}{} [/INST]", std::mem::take(&mut prefix), m.content),
+                    }
+                }
+            }
+        }
+        out
+    }
+}
+
+/// One turn of a conversation.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ChatMessage {
+    pub role: String,
+    pub content: String,
+}
+
+impl ChatMessage {
+    pub fn new(role: impl Into<String>, content: impl Into<String>) -> Self {
+        Self {
+            role: role.into(),
+            content: content.into(),
         }
     }
 }
@@ -91,5 +152,33 @@ mod tests {
             "<start_of_turn>user\nhi<end_of_turn>\n<start_of_turn>model\n"
         );
         assert_eq!(ChatTemplate::detect(Some("{{ unknown }}"), Arch::Llama), None);
+    }
+
+    #[test]
+    fn conversations_alternate_turns_in_each_family() {
+        let turns = [
+            ChatMessage::new("system", "Be brief."),
+            ChatMessage::new("user", "hi"),
+            ChatMessage::new("assistant", "hello"),
+            ChatMessage::new("user", " and? "),
+        ];
+        let chatml = ChatTemplate::ChatMl {
+            default_system: Some("default".into()),
+        };
+        assert_eq!(
+            chatml.format(&turns),
+            "<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\nhello<|im_end|>\n<|im_start|>user\n and? <|im_end|>\n<|im_start|>assistant\n"
+        );
+        assert_eq!(
+            ChatTemplate::Gemma.format(&turns),
+            "<start_of_turn>user\nBe brief.\n\nhi<end_of_turn>\n<start_of_turn>model\nhello<end_of_turn>\n<start_of_turn>user\nand?<end_of_turn>\n<start_of_turn>model\n"
+        );
+        assert_eq!(
+            ChatTemplate::Inst.format(&turns),
+            "[INST] Be brief.\n\nhi [/INST]hello</s>[INST]  and?  [/INST]"
+        );
+        assert!(ChatTemplate::Llama3
+            .format(&turns[1..2])
+            .ends_with("hi<|eot_id|><|start_header_id|>assistant<|end_header_id|>\n\n"));
     }
 }

@@ -4,9 +4,10 @@
 pub mod chat;
 pub mod sampler;
 
+use std::ops::ControlFlow;
 use std::time::{Duration, Instant};
 
-pub use chat::ChatTemplate;
+pub use chat::{ChatMessage, ChatTemplate};
 pub use sampler::{argmax, Sampler, SamplerConfig};
 
 use crate::model::{DenseFfn, LayerHook, Model, RunState};
@@ -20,6 +21,8 @@ pub struct GenerationStats {
     pub decode_time: Duration,
     /// True when generation ended on an end-of-generation token.
     pub stopped_on_eog: bool,
+    /// True when the caller's callback ended it (see [`generate_until`]).
+    pub stopped_by_caller: bool,
 }
 
 impl GenerationStats {
@@ -78,6 +81,23 @@ pub fn generate_with(
     hook: &mut dyn LayerHook,
     mut on_token: impl FnMut(u32) -> Result<()>,
 ) -> Result<GenerationStats> {
+    generate_until(model, st, prompt, n_predict, sampler, hook, |tok| {
+        on_token(tok).map(|()| ControlFlow::Continue(()))
+    })
+}
+
+/// `generate_with` whose caller may end the generation after any token
+/// (a stop string seen, a client gone) by answering `ControlFlow::Break`;
+/// no forward pass runs after it.
+pub fn generate_until(
+    model: &Model,
+    st: &mut RunState,
+    prompt: &[u32],
+    n_predict: usize,
+    sampler: &mut Sampler,
+    hook: &mut dyn LayerHook,
+    mut on_token: impl FnMut(u32) -> Result<ControlFlow<()>>,
+) -> Result<GenerationStats> {
     if prompt.is_empty() {
         return Err(RuntimeError::Invalid("empty prompt: nothing to continue".into()));
     }
@@ -104,8 +124,12 @@ pub fn generate_with(
             stats.stopped_on_eog = true;
             break;
         }
-        on_token(tok)?;
+        let next = on_token(tok)?;
         stats.generated_tokens += 1;
+        if next.is_break() {
+            stats.stopped_by_caller = true;
+            break;
+        }
         // The last token needs no forward pass: nothing will read its logits.
         if i + 1 == n_predict || pos >= st.ctx {
             break;

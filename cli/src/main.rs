@@ -1,4 +1,4 @@
-//! `leanstream`: run, tokenize, evaluate and benchmark GGUF models.
+//! `leanstream`: run, tokenize, evaluate, pack, benchmark, serve and chat.
 
 use std::io::{IsTerminal, Write};
 use std::path::{Path, PathBuf};
@@ -18,6 +18,8 @@ use leanstream_runtime::session::{Session, StreamSettings};
 use leanstream_runtime::sparsity::{calibrate_run, Calibration, CalibrationRun, Sparsifier};
 use leanstream_runtime::synthetic;
 use leanstream_runtime::tokenizer::StreamDecoder;
+use leanstream_server::terminal::ChatOptions;
+use leanstream_server::{Engine, EngineOptions, ServeOptions};
 
 mod bench;
 mod plot;
@@ -196,6 +198,54 @@ enum Cmd {
         /// Repetitions per K (after one warm-up; medians reported).
         #[arg(long, default_value_t = 9)]
         reps: usize,
+    },
+    /// Serve the model over an OpenAI-compatible HTTP API:
+    /// /v1/chat/completions and /v1/completions (streamed as server-sent
+    /// events with "stream": true), /v1/models, /health and /metrics.
+    Serve {
+        /// GGUF or .lsflash path, or a known model name (smollm2, gemma3).
+        #[arg(long)]
+        model: String,
+        #[arg(long, default_value = "127.0.0.1")]
+        host: String,
+        /// 0 picks a free port; the address is printed on stderr.
+        #[arg(long, default_value_t = 8080)]
+        port: u16,
+        /// Require "Authorization: Bearer KEY" on /v1 (not on /health, /metrics).
+        #[arg(long)]
+        api_key: Option<String>,
+        /// Tokens of prompt and completion per request (default 2048, at most the model's).
+        #[arg(long)]
+        ctx: Option<usize>,
+        /// Requests that may wait while one generates; more are refused with 503.
+        #[arg(long, default_value_t = 32)]
+        queue: usize,
+        #[command(flatten)]
+        flash: FlashArgs,
+    },
+    /// Chat with the model in the terminal: one message per line, /reset
+    /// starts over, /quit or end of input ends.
+    Chat {
+        /// GGUF or .lsflash path, or a known model name (smollm2, gemma3).
+        #[arg(long)]
+        model: String,
+        /// Tokens per reply at most (default: until the model ends its turn).
+        #[arg(short = 'n', long = "n-predict")]
+        n: Option<usize>,
+        /// Sampling temperature; 0 is greedy.
+        #[arg(long, default_value_t = 0.8)]
+        temp: f32,
+        #[arg(long, default_value_t = 0)]
+        seed: u64,
+        #[arg(long, default_value_t = 40)]
+        top_k: usize,
+        #[arg(long, default_value_t = 0.95)]
+        top_p: f32,
+        /// Tokens of the whole conversation (default 2048, at most the model's).
+        #[arg(long)]
+        ctx: Option<usize>,
+        #[command(flatten)]
+        flash: FlashArgs,
     },
     /// Download a known model into the cache and print its path.
     Fetch {
@@ -495,6 +545,53 @@ fn real_main(cli: Cli) -> Result<()> {
                 "rows": rows,
             });
             println!("{}", serde_json::to_string_pretty(&report)?);
+            Ok(())
+        }
+        Cmd::Serve {
+            model,
+            host,
+            port,
+            api_key,
+            ctx,
+            queue,
+            flash,
+        } => {
+            let engine = Engine::start(EngineOptions {
+                model: resolve_model(&model)?,
+                settings: flash.settings()?,
+                ctx,
+                queue,
+            })?;
+            leanstream_server::serve(engine, ServeOptions { host, port, api_key })?;
+            Ok(())
+        }
+        Cmd::Chat {
+            model,
+            n,
+            temp,
+            seed,
+            top_k,
+            top_p,
+            ctx,
+            flash,
+        } => {
+            let engine = Engine::start(EngineOptions {
+                model: resolve_model(&model)?,
+                settings: flash.settings()?,
+                ctx,
+                queue: 1,
+            })?;
+            let opts = ChatOptions {
+                sampling: SamplerConfig {
+                    temperature: temp,
+                    top_k,
+                    top_p,
+                    seed,
+                },
+                max_tokens: n,
+                interactive: std::io::stdin().is_terminal(),
+            };
+            leanstream_server::terminal::chat(&engine, std::io::stdin().lock(), std::io::stdout().lock(), &opts)?;
             Ok(())
         }
         Cmd::Fetch { name } => {

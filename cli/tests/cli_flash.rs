@@ -2,6 +2,7 @@
 //! and refusal, peak RSS within the budget plus a stated slack, the file not
 //! left in the page cache, and `bench --sweep` output.
 
+#[path = "../../runtime/tests/common/mod.rs"]
 mod common;
 
 use std::path::{Path, PathBuf};

@@ -1,0 +1,208 @@
+//! Counters of the server and a snapshot of the engine, rendered in
+//! Prometheus' text format for `GET /metrics`.
+
+use std::fmt::Write;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::Mutex;
+
+use leanstream_runtime::cache::MemoryReport;
+use leanstream_runtime::engine::EngineStats;
+use leanstream_runtime::generate::GenerationStats;
+
+use crate::ServerError;
+
+/// The flash engine as it stood after the last request.
+#[derive(Debug, Clone)]
+pub struct EngineSnapshot {
+    pub policy: String,
+    pub stats: EngineStats,
+    pub memory: MemoryReport,
+}
+
+#[derive(Debug, Default)]
+pub struct Metrics {
+    completed: AtomicU64,
+    cancelled: AtomicU64,
+    /// Failed after being queued: a bad prompt (4xx) or an engine error.
+    failed_client: AtomicU64,
+    failed_server: AtomicU64,
+    /// Refused before reaching the queue (malformed, unauthorised).
+    rejected: AtomicU64,
+    queue_full: AtomicU64,
+    prompt_tokens: AtomicU64,
+    completion_tokens: AtomicU64,
+    prompt_ns: AtomicU64,
+    decode_ns: AtomicU64,
+    busy: AtomicBool,
+    engine: Mutex<Option<EngineSnapshot>>,
+}
+
+fn add(c: &AtomicU64, n: u64) {
+    c.fetch_add(n, Ordering::Relaxed);
+}
+
+impl Metrics {
+    pub fn count_completed(&self) {
+        add(&self.completed, 1);
+    }
+
+    pub fn count_cancelled(&self) {
+        add(&self.cancelled, 1);
+    }
+
+    pub fn count_failed(&self, e: &ServerError) {
+        if e.status().is_client_error() {
+            add(&self.failed_client, 1);
+        } else {
+            add(&self.failed_server, 1);
+        }
+    }
+
+    pub fn count_rejected(&self) {
+        add(&self.rejected, 1);
+    }
+
+    pub fn count_queue_full(&self) {
+        add(&self.queue_full, 1);
+    }
+
+    pub fn count_tokens(&self, s: &GenerationStats) {
+        add(&self.prompt_tokens, s.prompt_tokens as u64);
+        add(&self.completion_tokens, s.generated_tokens as u64);
+        add(&self.prompt_ns, s.prompt_time.as_nanos() as u64);
+        add(&self.decode_ns, s.decode_time.as_nanos() as u64);
+    }
+
+    pub fn set_busy(&self, busy: bool) {
+        self.busy.store(busy, Ordering::Relaxed);
+    }
+
+    pub fn set_engine(&self, snapshot: EngineSnapshot) {
+        *self.engine.lock().unwrap_or_else(|e| e.into_inner()) = Some(snapshot);
+    }
+
+    /// The Prometheus text exposition.
+    pub fn render(&self, queue_len: usize, queue_capacity: usize) -> String {
+        let g = |c: &AtomicU64| c.load(Ordering::Relaxed);
+        let mut out = String::new();
+        let mut metric = |name: &str, kind: &str, help: &str, samples: &[(&str, f64)]| {
+            let _ = writeln!(out, "# HELP leanstream_{name} {help}\n# TYPE leanstream_{name} {kind}");
+            for (labels, v) in samples {
+                let _ = writeln!(out, "leanstream_{name}{labels} {v}");
+            }
+        };
+        let outcome = |o: &str, v: u64| (format!("{{outcome=\"{o}\"}}"), v as f64);
+        let outcomes = [
+            outcome("completed", g(&self.completed)),
+            outcome("cancelled", g(&self.cancelled)),
+            outcome("client_error", g(&self.failed_client) + g(&self.rejected)),
+            outcome("server_error", g(&self.failed_server)),
+            outcome("queue_full", g(&self.queue_full)),
+        ];
+        let outcomes: Vec<(&str, f64)> = outcomes.iter().map(|(l, v)| (l.as_str(), *v)).collect();
+        metric("requests_total", "counter", "Requests by how they ended.", &outcomes);
+        let (pt, ct) = (g(&self.prompt_tokens), g(&self.completion_tokens));
+        let (ps, ds) = (g(&self.prompt_ns) as f64 * 1e-9, g(&self.decode_ns) as f64 * 1e-9);
+        metric(
+            "prompt_tokens_total",
+            "counter",
+            "Prompt tokens processed.",
+            &[("", pt as f64)],
+        );
+        metric(
+            "completion_tokens_total",
+            "counter",
+            "Tokens generated.",
+            &[("", ct as f64)],
+        );
+        metric("prompt_seconds_total", "counter", "Time spent on prompts.", &[("", ps)]);
+        metric("decode_seconds_total", "counter", "Time spent generating.", &[("", ds)]);
+        let rate = |n: u64, s: f64| if s > 0.0 { n as f64 / s } else { 0.0 };
+        metric(
+            "prompt_tokens_per_second",
+            "gauge",
+            "Prompt tokens per second since start.",
+            &[("", rate(pt, ps))],
+        );
+        metric(
+            "decode_tokens_per_second",
+            "gauge",
+            "Generated tokens per second since start.",
+            &[("", rate(ct, ds))],
+        );
+        metric(
+            "queue_length",
+            "gauge",
+            "Requests waiting for the engine.",
+            &[("", queue_len as f64)],
+        );
+        metric(
+            "queue_capacity",
+            "gauge",
+            "Requests that may wait before 503.",
+            &[("", queue_capacity as f64)],
+        );
+        let busy = f64::from(u8::from(self.busy.load(Ordering::Relaxed)));
+        metric("busy", "gauge", "1 while a request is generating.", &[("", busy)]);
+        let rss = leanstream_runtime::cache::peak_rss_bytes() as f64;
+        metric(
+            "peak_rss_bytes",
+            "gauge",
+            "Peak resident set size of the process.",
+            &[("", rss)],
+        );
+        if let Some(e) = self.engine.lock().unwrap_or_else(|e| e.into_inner()).as_ref() {
+            let s = &e.stats;
+            let per_token = |x: u64| x as f64 / s.tokens.max(1) as f64;
+            metric(
+                "read_bytes_per_token",
+                "gauge",
+                "Flash bytes read per token.",
+                &[("", per_token(s.bytes_read))],
+            );
+            metric(
+                "reads_per_token",
+                "gauge",
+                "Flash reads per token.",
+                &[("", per_token(s.reads))],
+            );
+            metric(
+                "cache_miss_ratio",
+                "gauge",
+                "Neuron cache misses over lookups.",
+                &[("", s.cache_miss_ratio())],
+            );
+            metric(
+                "skipped_fraction",
+                "gauge",
+                "FFN neurons skipped.",
+                &[("", s.skipped_fraction())],
+            );
+            let m = &e.memory;
+            let cats = [
+                ("resident_weights", m.resident_weights),
+                ("kv_cache", m.kv_cache),
+                ("ffn_cache", m.ffn_cache),
+                ("io_buffers", m.io_buffers),
+                ("predictor", m.predictor),
+                ("tokenizer", m.tokenizer),
+                ("other", m.other),
+            ];
+            let labels: Vec<String> = cats.iter().map(|(c, _)| format!("{{category=\"{c}\"}}")).collect();
+            let samples: Vec<(&str, f64)> = labels
+                .iter()
+                .zip(cats)
+                .map(|(l, (_, b))| (l.as_str(), b as f64))
+                .collect();
+            metric("memory_bytes", "gauge", "Accounted memory by category.", &samples);
+            let policy = format!("{{policy=\"{}\"}}", e.policy);
+            metric(
+                "engine_info",
+                "gauge",
+                "The FFN policy in use.",
+                &[(policy.as_str(), 1.0)],
+            );
+        }
+        out
+    }
+}

@@ -1,0 +1,353 @@
+//! The one engine: a thread that owns the model (and its flash engine and
+//! memory budget), takes generation jobs from a bounded queue one at a time
+//! and streams each job's text back over its own channel. A job whose
+//! channel is closed (its client went away) is skipped or stopped after the
+//! token in progress, so the engine is free again at once.
+
+use std::ops::ControlFlow;
+use std::path::PathBuf;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::mpsc::{sync_channel, Receiver, SyncSender, TrySendError};
+use std::sync::Arc;
+
+use leanstream_runtime::engine::Policy;
+use leanstream_runtime::generate::{generate_until, ChatTemplate, Sampler, SamplerConfig};
+use leanstream_runtime::model::RunState;
+use leanstream_runtime::session::{Session, StreamSettings};
+use leanstream_runtime::tokenizer::StreamDecoder;
+use tokio::sync::mpsc;
+
+use crate::metrics::{EngineSnapshot, Metrics};
+use crate::stop::StopScan;
+use crate::ServerError;
+
+/// How to open the engine.
+#[derive(Debug, Clone)]
+pub struct EngineOptions {
+    pub model: PathBuf,
+    pub settings: StreamSettings,
+    /// Context in tokens (prompt and completion); default 2048, at most the model's.
+    pub ctx: Option<usize>,
+    /// Requests that may wait while one runs; more are refused (503).
+    pub queue: usize,
+}
+
+/// What clients and templates need to know of the model.
+#[derive(Debug, Clone)]
+pub struct ModelInfo {
+    /// The id `/v1/models` lists: the file's stem.
+    pub name: String,
+    pub ctx: usize,
+    /// The GGUF's `tokenizer.chat_template`.
+    pub chat_template: Option<String>,
+    /// The template family the runtime recognises (the fallback).
+    pub family: Option<ChatTemplate>,
+    pub bos_text: Option<String>,
+    pub eos_text: Option<String>,
+    /// Whether the tokenizer puts BOS before every prompt itself.
+    pub adds_bos: bool,
+    /// When the server started (seconds since the epoch), for `created`.
+    pub created: u64,
+}
+
+/// One generation.
+#[derive(Debug, Clone)]
+pub struct GenRequest {
+    /// Prompt text, special tokens written as text (a rendered chat template).
+    pub prompt: String,
+    pub max_tokens: Option<usize>,
+    pub sampling: SamplerConfig,
+    pub stop: Vec<String>,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum FinishReason {
+    /// An end-of-generation token or a stop string.
+    Stop,
+    /// `max_tokens` reached, or the context full.
+    Length,
+}
+
+impl FinishReason {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Stop => "stop",
+            Self::Length => "length",
+        }
+    }
+}
+
+#[derive(Debug, Clone, Copy)]
+pub struct Finish {
+    pub reason: FinishReason,
+    pub prompt_tokens: usize,
+    pub completion_tokens: usize,
+}
+
+/// What a job's channel carries: `Started` or `Failed` first, then text
+/// pieces, then `Done` (or `Failed`).
+#[derive(Debug)]
+pub enum Event {
+    /// The prompt fits and generation begins.
+    Started {
+        prompt_tokens: usize,
+    },
+    Text(String),
+    Done(Finish),
+    Failed(ServerError),
+}
+
+struct Job {
+    request: GenRequest,
+    events: mpsc::Sender<Event>,
+}
+
+/// A handle on the engine thread; cheap to share behind an `Arc`.
+pub struct Engine {
+    jobs: Option<SyncSender<Job>>,
+    queued: Arc<AtomicUsize>,
+    capacity: usize,
+    info: ModelInfo,
+    metrics: Arc<Metrics>,
+    thread: Option<std::thread::JoinHandle<()>>,
+}
+
+/// Events a job may have unread before the engine waits for its client.
+const EVENT_BUFFER: usize = 256;
+
+impl Engine {
+    /// Opens the model on the engine thread and returns once it is loaded
+    /// (or with the error that stopped it).
+    pub fn start(opts: EngineOptions) -> Result<Self, ServerError> {
+        if opts.settings.policy() == Policy::Oracle {
+            return Err(ServerError::bad_param(
+                "policy",
+                "the oracle policy replays a recorded run of tokens known in advance; a server's are not: choose another policy",
+            ));
+        }
+        let capacity = opts.queue.max(1);
+        let (jobs, rx) = sync_channel::<Job>(capacity);
+        let (ready_tx, ready_rx) = sync_channel::<Result<ModelInfo, ServerError>>(1);
+        let queued = Arc::new(AtomicUsize::new(0));
+        let metrics = Arc::new(Metrics::default());
+        let (q, m) = (queued.clone(), metrics.clone());
+        let thread = std::thread::Builder::new()
+            .name("leanstream-engine".into())
+            .spawn(move || match open(&opts) {
+                Ok((session, st, info)) => {
+                    let _ = ready_tx.send(Ok(info));
+                    serve_jobs(session, st, rx, &q, &m);
+                }
+                Err(e) => {
+                    let _ = ready_tx.send(Err(e));
+                }
+            })?;
+        let info = ready_rx.recv().map_err(|_| ServerError::EngineGone)??;
+        Ok(Self {
+            jobs: Some(jobs),
+            queued,
+            capacity,
+            info,
+            metrics,
+            thread: Some(thread),
+        })
+    }
+
+    pub fn info(&self) -> &ModelInfo {
+        &self.info
+    }
+
+    pub fn metrics(&self) -> &Metrics {
+        &self.metrics
+    }
+
+    /// Requests waiting for the engine (not counting the one running).
+    pub fn queue_len(&self) -> usize {
+        self.queued.load(Ordering::Relaxed)
+    }
+
+    pub fn queue_capacity(&self) -> usize {
+        self.capacity
+    }
+
+    /// Queues `request`; its events arrive on the returned channel. Dropping
+    /// the receiver cancels the job.
+    pub fn submit(&self, request: GenRequest) -> Result<mpsc::Receiver<Event>, ServerError> {
+        let (events, rx) = mpsc::channel(EVENT_BUFFER);
+        let jobs = self.jobs.as_ref().ok_or(ServerError::EngineGone)?;
+        self.queued.fetch_add(1, Ordering::Relaxed);
+        match jobs.try_send(Job { request, events }) {
+            Ok(()) => Ok(rx),
+            Err(e) => {
+                self.queued.fetch_sub(1, Ordering::Relaxed);
+                match e {
+                    TrySendError::Full(_) => {
+                        self.metrics.count_queue_full();
+                        Err(ServerError::QueueFull(self.capacity))
+                    }
+                    TrySendError::Disconnected(_) => Err(ServerError::EngineGone),
+                }
+            }
+        }
+    }
+}
+
+impl Drop for Engine {
+    fn drop(&mut self) {
+        // Closing the queue ends the thread after the job it is running.
+        self.jobs.take();
+        if let Some(t) = self.thread.take() {
+            let _ = t.join();
+        }
+    }
+}
+
+fn open(opts: &EngineOptions) -> Result<(Session, RunState, ModelInfo), ServerError> {
+    let (session, st) = Session::open(&opts.model, &opts.settings, |model| {
+        let ctx = opts.ctx.unwrap_or(2048).clamp(2, model.config.context_length.max(2));
+        Ok(model.new_state(ctx, ctx.min(512), 1))
+    })?;
+    let model = session.model();
+    let tok = &model.tokenizer;
+    let text_of = |id: Option<u32>| id.and_then(|i| tok.token_text(i)).map(str::to_string);
+    let chat_template = model.gguf.get_str("tokenizer.chat_template")?.map(str::to_string);
+    let name = opts
+        .model
+        .file_stem()
+        .map_or_else(|| "model".to_string(), |s| s.to_string_lossy().into_owned());
+    let info = ModelInfo {
+        name,
+        ctx: st.ctx,
+        family: ChatTemplate::detect(chat_template.as_deref(), model.config.arch),
+        chat_template,
+        bos_text: text_of(tok.bos()),
+        eos_text: text_of(tok.eot().or(tok.eos())),
+        adds_bos: tok.add_bos(),
+        created: std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0, |d| d.as_secs()),
+    };
+    Ok((session, st, info))
+}
+
+fn serve_jobs(mut session: Session, mut st: RunState, rx: Receiver<Job>, queued: &AtomicUsize, metrics: &Metrics) {
+    while let Ok(job) = rx.recv() {
+        // Busy before the queue shrinks, so "idle and nothing queued" is never seen early.
+        metrics.set_busy(true);
+        queued.fetch_sub(1, Ordering::Relaxed);
+        if job.events.is_closed() {
+            metrics.count_cancelled();
+            metrics.set_busy(false);
+            continue;
+        }
+        run_job(&mut session, &mut st, job, metrics);
+        if let Some((fm, engine)) = session.flash() {
+            metrics.set_engine(EngineSnapshot {
+                policy: engine.policy().to_string(),
+                stats: engine.stats(),
+                memory: fm.memory(&st, engine),
+            });
+        }
+        metrics.set_busy(false);
+    }
+}
+
+fn run_job(session: &mut Session, st: &mut RunState, job: Job, metrics: &Metrics) {
+    let Job { request, events } = job;
+    let fail = |e: ServerError| {
+        metrics.count_failed(&e);
+        let _ = events.blocking_send(Event::Failed(e));
+    };
+    let (model, hook) = match session.parts() {
+        Ok(p) => p,
+        Err(e) => return fail(e.into()),
+    };
+    let ids = model.tokenizer.encode(&request.prompt, true, true);
+    let ctx = st.ctx;
+    if ids.len() >= ctx {
+        return fail(ServerError::BadRequest {
+            message: format!(
+                "the prompt is {} tokens; this server's context holds {ctx} tokens of prompt and completion (--ctx)",
+                ids.len()
+            ),
+            param: Some("messages".into()),
+            code: Some("context_length_exceeded"),
+        });
+    }
+    let room = ctx - ids.len();
+    let max_tokens = match request.max_tokens {
+        Some(n) if n > room => {
+            return fail(ServerError::BadRequest {
+                message: format!(
+                "max_tokens {n} does not fit: the context holds {ctx} tokens and the prompt takes {}, leaving {room}",
+                ids.len()
+            ),
+                param: Some("max_tokens".into()),
+                code: Some("context_length_exceeded"),
+            })
+        }
+        Some(n) => n,
+        None => room,
+    };
+    if events
+        .blocking_send(Event::Started {
+            prompt_tokens: ids.len(),
+        })
+        .is_err()
+    {
+        metrics.count_cancelled();
+        return;
+    }
+    let mut sampler = Sampler::new(request.sampling, model.config.n_vocab);
+    let mut decoder = StreamDecoder::new();
+    let mut stops = StopScan::new(request.stop);
+    let (mut cancelled, mut stopped) = (false, false);
+    let result = generate_until(model, st, &ids, max_tokens, &mut sampler, hook, |tok| {
+        let (text, hit) = stops.push(&decoder.push(&model.tokenizer, tok));
+        if (!text.is_empty() && events.blocking_send(Event::Text(text)).is_err()) || events.is_closed() {
+            cancelled = true;
+            return Ok(ControlFlow::Break(()));
+        }
+        stopped = hit;
+        Ok(if hit {
+            ControlFlow::Break(())
+        } else {
+            ControlFlow::Continue(())
+        })
+    });
+    let stats = match result {
+        Ok(s) => s,
+        Err(e) => return fail(e.into()),
+    };
+    metrics.count_tokens(&stats);
+    if cancelled {
+        metrics.count_cancelled();
+        return;
+    }
+    if !stopped {
+        let (mut text, hit) = stops.push(&decoder.finish());
+        stopped = hit;
+        if !hit {
+            text += &stops.finish();
+        }
+        if !text.is_empty() && events.blocking_send(Event::Text(text)).is_err() {
+            metrics.count_cancelled();
+            return;
+        }
+    }
+    let reason = if stopped || stats.stopped_on_eog {
+        FinishReason::Stop
+    } else {
+        FinishReason::Length
+    };
+    let finish = Finish {
+        reason,
+        prompt_tokens: stats.prompt_tokens,
+        completion_tokens: stats.generated_tokens,
+    };
+    if events.blocking_send(Event::Done(finish)).is_ok() {
+        metrics.count_completed();
+    } else {
+        metrics.count_cancelled();
+    }
+}
