@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Builds the reference llama.cpp (the copy vendored by llama-cpp-python 0.3.36
-# on PyPI) for this CPU, once, and prints its bin directory.
+# on PyPI) for this CPU, once, and prints its bin directory. With
+# LLAMA_SERVER=1 it builds llama-server too (scripts/bench_serve.sh).
 # Needs cmake and a C++ compiler; `pip install cmake ninja` provides the former.
 set -euo pipefail
 version=0.3.36
@@ -8,6 +9,11 @@ home=${LEANSTREAM_HOME:-$HOME/.cache/leanstream}
 root="$home/llama-cpp-python-$version"
 src="$root/llama_cpp_python-$version/vendor/llama.cpp"
 targets=(llama-tokenize llama-completion llama-perplexity llama-bench)
+server=OFF
+if [ "${LLAMA_SERVER:-}" = 1 ]; then
+  targets+=(llama-server)
+  server=ON
+fi
 
 # A native build uses every instruction set /proc/cpuinfo advertises. Some VMs
 # advertise AMX without enabling its tile state, and AMX code then dies with an
@@ -30,7 +36,7 @@ EOF_C
 fi
 build="$src/build${amx_flags:+-noamx}"
 bin="$build/bin"
-if [ ! -x "$bin/llama-bench" ]; then
+if [ ! -x "$bin/llama-bench" ] || { [ "$server" = ON ] && [ ! -x "$bin/llama-server" ]; }; then
   mkdir -p "$root"
   if [ ! -d "$src" ]; then
     python3 -m pip download --no-deps --no-binary llama-cpp-python "llama-cpp-python==$version" -d "$root" >&2
@@ -45,7 +51,7 @@ if [ ! -x "$bin/llama-bench" ]; then
   [ -n "$amx_flags" ] && arch=(-DGGML_NATIVE=OFF -DCMAKE_C_FLAGS="-march=native $amx_flags"
     -DCMAKE_CXX_FLAGS="-march=native $amx_flags")
   cmake -S "$src" -B "$build" "${generator[@]}" -DCMAKE_BUILD_TYPE=Release "${arch[@]}" \
-    -DLLAMA_CURL=OFF -DLLAMA_OPENSSL=OFF -DLLAMA_BUILD_SERVER=OFF -DLLAMA_BUILD_TESTS=OFF >&2
+    -DLLAMA_CURL=OFF -DLLAMA_OPENSSL=OFF -DLLAMA_BUILD_SERVER=$server -DLLAMA_BUILD_TESTS=OFF >&2
   cmake --build "$build" -j"$(nproc)" --target "${targets[@]}" >&2
 fi
 echo "$bin"

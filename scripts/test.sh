@@ -5,9 +5,10 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 export CARGO_TARGET_DIR=${CARGO_TARGET_DIR:-$HOME/.cache/leanstream/target}
-# The `ci` profile (Cargo.toml): release optimisation without LTO; the tests
-# reuse this build, so CI compiles the workspace once.
-cargo build --profile ci --bin leanstream
+# The `ci` profile (Cargo.toml): release optimisation without LTO. The test
+# build makes the leanstream binary too, with the features the whole
+# workspace unifies, so the run below compiles nothing again.
+cargo test --profile ci --workspace --no-run
 for m in smollm2 gemma3; do
   if ! "$CARGO_TARGET_DIR/ci/leanstream" fetch "$m"; then
     [ "${LEANSTREAM_ALLOW_MISSING_MODELS:-}" = 1 ] || { echo "error: could not fetch $m (set LEANSTREAM_ALLOW_MISSING_MODELS=1 to skip its tests)" >&2; exit 1; }

@@ -218,11 +218,20 @@ fn generation(m: &Map<String, Value>) -> Result<Generation, ServerError> {
     let temperature = in_range("temperature", get(m, "temperature")?, 0.0, 2.0, false)?.unwrap_or(1.0);
     let top_p = in_range("top_p", get(m, "top_p")?, 0.0, 1.0, true)?.unwrap_or(1.0);
     let top_k = get::<u32>(m, "top_k")?.unwrap_or(0) as usize;
-    let seed = match get::<i64>(m, "seed")? {
-        Some(s) => s as u64,
-        None => std::time::SystemTime::now()
+    let seed = match m.get("seed") {
+        // Any 64-bit integer, signed or not, names a seed.
+        Some(Value::Number(n)) if n.is_i64() || n.is_u64() => {
+            n.as_u64().unwrap_or_else(|| n.as_i64().unwrap_or(0) as u64)
+        }
+        Some(Value::Null) | None => std::time::SystemTime::now()
             .duration_since(std::time::UNIX_EPOCH)
             .map_or(0, |d| d.as_nanos() as u64),
+        Some(v) => {
+            return Err(ServerError::bad_param(
+                "seed",
+                format!("'seed' must be an integer, not {v}"),
+            ))
+        }
     };
     Ok(Generation {
         max_tokens,
