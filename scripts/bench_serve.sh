@@ -8,7 +8,7 @@
 # --mem-budget $BUDGET (dense-stream) and reports its peak RSS against it.
 #
 #   scripts/bench_serve.sh [MODEL] [REQUESTS] [CLIENTS] [MAX_TOKENS]
-#   env: THREADS (2), CTX (2048), REPS (1, runs alternate), LLAMA_ARGS, FLASH, BUDGET (100MiB), OUT
+#   env: THREADS (2), CTX (2048), REPS (1, runs alternate), LLAMA_ARGS, FLASH, BUDGET (160MiB), OUT
 set -euo pipefail
 cd "$(dirname "$0")/.."
 export CARGO_TARGET_DIR=${CARGO_TARGET_DIR:-$HOME/.cache/leanstream/target}
@@ -19,7 +19,7 @@ max_tokens=${4:-16}
 threads=${THREADS:-2}
 ctx=${CTX:-2048}
 reps=${REPS:-1}
-budget=${BUDGET:-100MiB}
+budget=${BUDGET:-160MiB}
 cargo build --release --bin leanstream >&2
 ls=$CARGO_TARGET_DIR/release/leanstream
 case $model in

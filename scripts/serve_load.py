@@ -51,6 +51,8 @@ def attempt(url, i, args):
     stream = i % 3 != 0
     cancel = stream and args.cancel_every > 0 and i % args.cancel_every == 1
     body = {"max_tokens": args.max_tokens, "temperature": 0.7, "seed": i, "stream": stream}
+    if stream:
+        body["stream_options"] = {"include_usage": True}
     if chat:
         path = "/v1/chat/completions"
         body["messages"] = [{"role": "user", "content": PROMPTS[i % len(PROMPTS)]}]

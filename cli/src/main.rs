@@ -220,6 +220,11 @@ enum Cmd {
         /// Requests that may wait while one generates; more are refused with 503.
         #[arg(long, default_value_t = 32)]
         queue: usize,
+        /// Run every prompt whole, instead of reusing the KV cache of the
+        /// prefix it shares with the previous request's tokens (which makes
+        /// greedy text equal `run`'s bit for bit).
+        #[arg(long)]
+        no_prompt_cache: bool,
         #[command(flatten)]
         flash: FlashArgs,
     },
@@ -244,6 +249,11 @@ enum Cmd {
         /// Tokens of the whole conversation (default 2048, at most the model's).
         #[arg(long)]
         ctx: Option<usize>,
+        /// Run every prompt whole, instead of reusing the KV cache of the
+        /// prefix it shares with the previous request's tokens (which makes
+        /// greedy text equal `run`'s bit for bit).
+        #[arg(long)]
+        no_prompt_cache: bool,
         #[command(flatten)]
         flash: FlashArgs,
     },
@@ -554,6 +564,7 @@ fn real_main(cli: Cli) -> Result<()> {
             api_key,
             ctx,
             queue,
+            no_prompt_cache,
             flash,
         } => {
             let engine = Engine::start(EngineOptions {
@@ -561,6 +572,8 @@ fn real_main(cli: Cli) -> Result<()> {
                 settings: flash.settings()?,
                 ctx,
                 queue,
+                threads: rayon::current_num_threads().into(),
+                prompt_cache: !no_prompt_cache,
             })?;
             leanstream_server::serve(engine, ServeOptions { host, port, api_key })?;
             Ok(())
@@ -573,6 +586,7 @@ fn real_main(cli: Cli) -> Result<()> {
             top_k,
             top_p,
             ctx,
+            no_prompt_cache,
             flash,
         } => {
             let engine = Engine::start(EngineOptions {
@@ -580,6 +594,8 @@ fn real_main(cli: Cli) -> Result<()> {
                 settings: flash.settings()?,
                 ctx,
                 queue: 1,
+                threads: rayon::current_num_threads().into(),
+                prompt_cache: !no_prompt_cache,
             })?;
             let opts = ChatOptions {
                 sampling: SamplerConfig {

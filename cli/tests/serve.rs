@@ -202,7 +202,9 @@ fn the_openai_client_and_curl_get_the_text_leanstream_run_prints() {
         let chat_ref = run_text(&model, PROMPT, n, true);
         let plain_ref = run_text(&model, PROMPT, n, false);
         assert!(!chat_ref.is_empty() && !plain_ref.is_empty());
-        let server = Server::start(&model, &[]);
+        // Whole prompts, as `run` runs them (the prompt cache would run a
+        // repeated prompt's last token alone).
+        let server = Server::start(&model, &["--no-prompt-cache"]);
 
         let out = Command::new("python3")
             .arg(repo().join("cli/tests/clients/openai_check.py"))
@@ -352,6 +354,18 @@ fn bad_requests_get_openai_errors_and_the_server_keeps_serving() {
         cases.len() as f64
     );
     assert_eq!(metric(&m, "leanstream_requests_total{outcome=\"completed\"}"), 1.0);
+    assert_eq!(metric(&m, "leanstream_prompt_tokens_reused_total"), 0.0);
+
+    // The same prompt again: all but its last token come from the KV cache
+    // the first left (a failed request in between must not have spoiled it).
+    let ok = br#"{"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}"#;
+    let (status, _, body) = post(&server, chat, ok);
+    assert_eq!(status, 200);
+    let prompt = json_of(&body)["usage"]["prompt_tokens"].as_f64().unwrap();
+    assert_eq!(
+        metric(&metrics(&server), "leanstream_prompt_tokens_reused_total"),
+        prompt - 1.0
+    );
 }
 
 #[test]
@@ -547,7 +561,7 @@ fn chat_in_the_terminal_keeps_and_resets_the_conversation() {
     let mut child = Command::new(BIN)
         .args(["--threads", "2", "chat", "--model"])
         .arg(&model)
-        .args(["--temp", "0", "-n", "16"])
+        .args(["--temp", "0", "-n", "16", "--no-prompt-cache"])
         .stdin(Stdio::piped())
         .stdout(Stdio::piped())
         .stderr(Stdio::piped())

@@ -30,6 +30,8 @@ pub struct Metrics {
     rejected: AtomicU64,
     queue_full: AtomicU64,
     prompt_tokens: AtomicU64,
+    /// Prompt tokens whose KV cache an earlier request left (not run again).
+    reused_tokens: AtomicU64,
     completion_tokens: AtomicU64,
     prompt_ns: AtomicU64,
     decode_ns: AtomicU64,
@@ -66,8 +68,9 @@ impl Metrics {
         add(&self.queue_full, 1);
     }
 
-    pub fn count_tokens(&self, s: &GenerationStats) {
+    pub fn count_tokens(&self, s: &GenerationStats, reused: usize) {
         add(&self.prompt_tokens, s.prompt_tokens as u64);
+        add(&self.reused_tokens, reused as u64);
         add(&self.completion_tokens, s.generated_tokens as u64);
         add(&self.prompt_ns, s.prompt_time.as_nanos() as u64);
         add(&self.decode_ns, s.decode_time.as_nanos() as u64);
@@ -108,6 +111,13 @@ impl Metrics {
             "counter",
             "Prompt tokens processed.",
             &[("", pt as f64)],
+        );
+        let reused = g(&self.reused_tokens) as f64;
+        metric(
+            "prompt_tokens_reused_total",
+            "counter",
+            "Prompt tokens served from the previous request's KV cache.",
+            &[("", reused)],
         );
         metric(
             "completion_tokens_total",

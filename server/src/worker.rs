@@ -30,6 +30,14 @@ pub struct EngineOptions {
     pub ctx: Option<usize>,
     /// Requests that may wait while one runs; more are refused (503).
     pub queue: usize,
+    /// Compute threads (default: one per core).
+    pub threads: Option<usize>,
+    /// Reuse the KV cache of the longest prompt prefix a request shares with
+    /// the tokens of the one before (as llama-server does): a conversation's
+    /// next turn and a shared system prompt are not run again. The reused
+    /// prefix's logits then come from single-row passes rather than one
+    /// batch, so greedy text may differ from `run`'s in the last bits.
+    pub prompt_cache: bool,
 }
 
 /// What clients and templates need to know of the model.
@@ -133,14 +141,30 @@ impl Engine {
         let (q, m) = (queued.clone(), metrics.clone());
         let thread = std::thread::Builder::new()
             .name("leanstream-engine".into())
-            .spawn(move || match open(&opts) {
-                Ok((session, st, info)) => {
-                    let _ = ready_tx.send(Ok(info));
-                    serve_jobs(session, st, rx, &q, &m);
-                }
-                Err(e) => {
-                    let _ = ready_tx.send(Err(e));
-                }
+            .spawn(move || {
+                // The engine runs inside its own compute pool: a caller
+                // outside one hands every matrix product over and sleeps,
+                // and the caller's pool has a thread parked in the HTTP stack.
+                let pool = rayon::ThreadPoolBuilder::new()
+                    .num_threads(opts.threads.unwrap_or(0))
+                    .thread_name(|i| format!("leanstream-compute-{i}"))
+                    .build();
+                let pool = match pool {
+                    Ok(p) => p,
+                    Err(e) => {
+                        let _ = ready_tx.send(Err(std::io::Error::other(format!("compute threads: {e}")).into()));
+                        return;
+                    }
+                };
+                pool.install(|| match open(&opts) {
+                    Ok((session, st, info)) => {
+                        let _ = ready_tx.send(Ok(info));
+                        serve_jobs(session, st, rx, &q, &m, opts.prompt_cache);
+                    }
+                    Err(e) => {
+                        let _ = ready_tx.send(Err(e));
+                    }
+                })
             })?;
         let info = ready_rx.recv().map_err(|_| ServerError::EngineGone)??;
         Ok(Self {
@@ -230,7 +254,16 @@ fn open(opts: &EngineOptions) -> Result<(Session, RunState, ModelInfo), ServerEr
     Ok((session, st, info))
 }
 
-fn serve_jobs(mut session: Session, mut st: RunState, rx: Receiver<Job>, queued: &AtomicUsize, metrics: &Metrics) {
+fn serve_jobs(
+    mut session: Session,
+    mut st: RunState,
+    rx: Receiver<Job>,
+    queued: &AtomicUsize,
+    metrics: &Metrics,
+    prompt_cache: bool,
+) {
+    // Tokens whose keys and values the state holds, from the last job.
+    let mut cached: Vec<u32> = Vec::new();
     while let Ok(job) = rx.recv() {
         // Busy before the queue shrinks, so "idle and nothing queued" is never seen early.
         metrics.set_busy(true);
@@ -240,7 +273,10 @@ fn serve_jobs(mut session: Session, mut st: RunState, rx: Receiver<Job>, queued:
             metrics.set_busy(false);
             continue;
         }
-        run_job(&mut session, &mut st, job, metrics);
+        run_job(&mut session, &mut st, job, metrics, &mut cached);
+        if !prompt_cache {
+            cached.clear();
+        }
         if let Some((fm, engine)) = session.flash() {
             metrics.set_engine(EngineSnapshot {
                 policy: engine.policy().to_string(),
@@ -252,7 +288,8 @@ fn serve_jobs(mut session: Session, mut st: RunState, rx: Receiver<Job>, queued:
     }
 }
 
-fn run_job(session: &mut Session, st: &mut RunState, job: Job, metrics: &Metrics) {
+/// Runs `job`; `cached` is what the state's KV cache holds before and after.
+fn run_job(session: &mut Session, st: &mut RunState, job: Job, metrics: &Metrics, cached: &mut Vec<u32>) {
     let Job { request, events } = job;
     let fail = |e: ServerError| {
         metrics.count_failed(&e);
@@ -302,7 +339,12 @@ fn run_job(session: &mut Session, st: &mut RunState, job: Job, metrics: &Metrics
     let mut decoder = StreamDecoder::new();
     let mut stops = StopScan::new(request.stop);
     let (mut cancelled, mut stopped) = (false, false);
-    let result = generate_until(model, st, &ids, max_tokens, &mut sampler, hook, |tok| {
+    let reused = ids.iter().zip(cached.iter()).take_while(|(a, b)| a == b).count();
+    // Until it ends well, the state holds this prompt's prefix at most.
+    cached.truncate(reused);
+    let mut generated = Vec::new();
+    let result = generate_until(model, st, &ids, reused, max_tokens, &mut sampler, hook, |tok| {
+        generated.push(tok);
         let (text, hit) = stops.push(&decoder.push(&model.tokenizer, tok));
         if (!text.is_empty() && events.blocking_send(Event::Text(text)).is_err()) || events.is_closed() {
             cancelled = true;
@@ -317,9 +359,16 @@ fn run_job(session: &mut Session, st: &mut RunState, job: Job, metrics: &Metrics
     });
     let stats = match result {
         Ok(s) => s,
-        Err(e) => return fail(e.into()),
+        Err(e) => {
+            cached.clear();
+            return fail(e.into());
+        }
     };
-    metrics.count_tokens(&stats);
+    // Every generated token but the last went through a forward pass.
+    generated.pop();
+    *cached = ids.clone();
+    cached.extend_from_slice(&generated);
+    metrics.count_tokens(&stats, reused.min(ids.len() - 1));
     if cancelled {
         metrics.count_cancelled();
         return;

@@ -81,18 +81,22 @@ pub fn generate_with(
     hook: &mut dyn LayerHook,
     mut on_token: impl FnMut(u32) -> Result<()>,
 ) -> Result<GenerationStats> {
-    generate_until(model, st, prompt, n_predict, sampler, hook, |tok| {
+    generate_until(model, st, prompt, 0, n_predict, sampler, hook, |tok| {
         on_token(tok).map(|()| ControlFlow::Continue(()))
     })
 }
 
 /// `generate_with` whose caller may end the generation after any token
 /// (a stop string seen, a client gone) by answering `ControlFlow::Break`;
-/// no forward pass runs after it.
+/// no forward pass runs after it. The first `reused` prompt tokens are
+/// already in the state's KV cache (an earlier generation began the same
+/// way) and are not run again; at least the last prompt token is.
+#[allow(clippy::too_many_arguments)]
 pub fn generate_until(
     model: &Model,
     st: &mut RunState,
     prompt: &[u32],
+    reused: usize,
     n_predict: usize,
     sampler: &mut Sampler,
     hook: &mut dyn LayerHook,
@@ -113,7 +117,8 @@ pub fn generate_until(
         ..Default::default()
     };
     let t0 = Instant::now();
-    ingest_with(model, st, prompt, 0, hook)?;
+    let reused = reused.min(prompt.len() - 1);
+    ingest_with(model, st, &prompt[reused..], reused, hook)?;
     stats.prompt_time = t0.elapsed();
 
     let t1 = Instant::now();
