@@ -225,6 +225,11 @@ enum Cmd {
         /// greedy text equal `run`'s bit for bit).
         #[arg(long)]
         no_prompt_cache: bool,
+        /// MiB of earlier prompts' keys and values kept to start later
+        /// requests that begin the same way (default 16; 0 with --mem-budget,
+        /// which it would exceed).
+        #[arg(long)]
+        prompt_cache_mib: Option<usize>,
         #[command(flatten)]
         flash: FlashArgs,
     },
@@ -254,6 +259,11 @@ enum Cmd {
         /// greedy text equal `run`'s bit for bit).
         #[arg(long)]
         no_prompt_cache: bool,
+        /// MiB of earlier prompts' keys and values kept to start later
+        /// requests that begin the same way (default 16; 0 with --mem-budget,
+        /// which it would exceed).
+        #[arg(long)]
+        prompt_cache_mib: Option<usize>,
         #[command(flatten)]
         flash: FlashArgs,
     },
@@ -565,6 +575,7 @@ fn real_main(cli: Cli) -> Result<()> {
             ctx,
             queue,
             no_prompt_cache,
+            prompt_cache_mib,
             flash,
         } => {
             let engine = Engine::start(EngineOptions {
@@ -574,6 +585,7 @@ fn real_main(cli: Cli) -> Result<()> {
                 queue,
                 threads: rayon::current_num_threads().into(),
                 prompt_cache: !no_prompt_cache,
+                prompt_cache_bytes: prompt_cache_mib.unwrap_or(if flash.mem_budget.is_some() { 0 } else { 16 }) << 20,
             })?;
             leanstream_server::serve(engine, ServeOptions { host, port, api_key })?;
             Ok(())
@@ -587,6 +599,7 @@ fn real_main(cli: Cli) -> Result<()> {
             top_p,
             ctx,
             no_prompt_cache,
+            prompt_cache_mib,
             flash,
         } => {
             let engine = Engine::start(EngineOptions {
@@ -596,6 +609,7 @@ fn real_main(cli: Cli) -> Result<()> {
                 queue: 1,
                 threads: rayon::current_num_threads().into(),
                 prompt_cache: !no_prompt_cache,
+                prompt_cache_bytes: prompt_cache_mib.unwrap_or(if flash.mem_budget.is_some() { 0 } else { 16 }) << 20,
             })?;
             let opts = ChatOptions {
                 sampling: SamplerConfig {

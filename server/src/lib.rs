@@ -10,6 +10,7 @@
 pub mod api;
 pub mod error;
 pub mod metrics;
+pub mod prompt_cache;
 pub mod routes;
 pub mod stop;
 pub mod template;

@@ -36,6 +36,7 @@ pub struct Metrics {
     prompt_ns: AtomicU64,
     decode_ns: AtomicU64,
     busy: AtomicBool,
+    prompt_cache_bytes: AtomicU64,
     engine: Mutex<Option<EngineSnapshot>>,
 }
 
@@ -74,6 +75,10 @@ impl Metrics {
         add(&self.completion_tokens, s.generated_tokens as u64);
         add(&self.prompt_ns, s.prompt_time.as_nanos() as u64);
         add(&self.decode_ns, s.decode_time.as_nanos() as u64);
+    }
+
+    pub fn set_prompt_cache_bytes(&self, bytes: usize) {
+        self.prompt_cache_bytes.store(bytes as u64, Ordering::Relaxed);
     }
 
     pub fn set_busy(&self, busy: bool) {
@@ -154,6 +159,13 @@ impl Metrics {
         );
         let busy = f64::from(u8::from(self.busy.load(Ordering::Relaxed)));
         metric("busy", "gauge", "1 while a request is generating.", &[("", busy)]);
+        let kept = g(&self.prompt_cache_bytes) as f64;
+        metric(
+            "prompt_cache_bytes",
+            "gauge",
+            "Earlier prompts' keys and values kept.",
+            &[("", kept)],
+        );
         let rss = leanstream_runtime::cache::peak_rss_bytes() as f64;
         metric(
             "peak_rss_bytes",

@@ -18,6 +18,7 @@ use leanstream_runtime::tokenizer::StreamDecoder;
 use tokio::sync::mpsc;
 
 use crate::metrics::{EngineSnapshot, Metrics};
+use crate::prompt_cache::{shared, PromptCache};
 use crate::stop::StopScan;
 use crate::ServerError;
 
@@ -38,6 +39,9 @@ pub struct EngineOptions {
     /// prefix's logits then come from single-row passes rather than one
     /// batch, so greedy text may differ from `run`'s in the last bits.
     pub prompt_cache: bool,
+    /// Bytes of earlier prompts' keys and values kept beyond the state's own
+    /// (see [`PromptCache`]); 0 keeps none.
+    pub prompt_cache_bytes: usize,
 }
 
 /// What clients and templates need to know of the model.
@@ -159,7 +163,8 @@ impl Engine {
                 pool.install(|| match open(&opts) {
                     Ok((session, st, info)) => {
                         let _ = ready_tx.send(Ok(info));
-                        serve_jobs(session, st, rx, &q, &m, opts.prompt_cache);
+                        let cache = PromptCache::new(if opts.prompt_cache { opts.prompt_cache_bytes } else { 0 });
+                        serve_jobs(session, st, rx, &q, &m, opts.prompt_cache, cache);
                     }
                     Err(e) => {
                         let _ = ready_tx.send(Err(e));
@@ -261,6 +266,7 @@ fn serve_jobs(
     queued: &AtomicUsize,
     metrics: &Metrics,
     prompt_cache: bool,
+    mut cache: PromptCache,
 ) {
     // Tokens whose keys and values the state holds, from the last job.
     let mut cached: Vec<u32> = Vec::new();
@@ -273,10 +279,11 @@ fn serve_jobs(
             metrics.set_busy(false);
             continue;
         }
-        run_job(&mut session, &mut st, job, metrics, &mut cached);
+        run_job(&mut session, &mut st, job, metrics, &mut cached, &mut cache);
         if !prompt_cache {
             cached.clear();
         }
+        metrics.set_prompt_cache_bytes(cache.bytes());
         if let Some((fm, engine)) = session.flash() {
             metrics.set_engine(EngineSnapshot {
                 policy: engine.policy().to_string(),
@@ -289,7 +296,14 @@ fn serve_jobs(
 }
 
 /// Runs `job`; `cached` is what the state's KV cache holds before and after.
-fn run_job(session: &mut Session, st: &mut RunState, job: Job, metrics: &Metrics, cached: &mut Vec<u32>) {
+fn run_job(
+    session: &mut Session,
+    st: &mut RunState,
+    job: Job,
+    metrics: &Metrics,
+    cached: &mut Vec<u32>,
+    cache: &mut PromptCache,
+) {
     let Job { request, events } = job;
     let fail = |e: ServerError| {
         metrics.count_failed(&e);
@@ -339,7 +353,17 @@ fn run_job(session: &mut Session, st: &mut RunState, job: Job, metrics: &Metrics
     let mut decoder = StreamDecoder::new();
     let mut stops = StopScan::new(request.stop);
     let (mut cancelled, mut stopped) = (false, false);
-    let reused = ids.iter().zip(cached.iter()).take_while(|(a, b)| a == b).count();
+    let mut reused = shared(cached, &ids);
+    // An earlier prompt that shares more than the state does is put back.
+    if let Some((i, n)) = cache.best(&ids).filter(|&(_, n)| n > reused) {
+        match cache.restore(i, &mut st.kv) {
+            Ok(tokens) => {
+                *cached = tokens;
+                reused = n;
+            }
+            Err(_) => cached.clear(),
+        }
+    }
     // Until it ends well, the state holds this prompt's prefix at most.
     cached.truncate(reused);
     let mut generated = Vec::new();
@@ -368,6 +392,7 @@ fn run_job(session: &mut Session, st: &mut RunState, job: Job, metrics: &Metrics
     generated.pop();
     *cached = ids.clone();
     cached.extend_from_slice(&generated);
+    cache.insert(cached, &st.kv);
     metrics.count_tokens(&stats, reused.min(ids.len() - 1));
     if cancelled {
         metrics.count_cancelled();

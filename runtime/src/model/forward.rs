@@ -70,6 +70,65 @@ impl KvCache {
     pub fn bytes(&self) -> usize {
         (self.k.len() + self.v.len()) * 2
     }
+
+    fn layers(&self) -> usize {
+        self.k.len() / (self.ctx * self.kv_dim).max(1)
+    }
+
+    /// A copy of the keys and values of positions `0..n` of every layer.
+    pub fn save_prefix(&self, n: usize) -> KvPrefix {
+        let (n, d, ctx) = (n.min(self.ctx), self.kv_dim, self.ctx);
+        let mut k = Vec::with_capacity(self.layers() * n * d);
+        for l in 0..self.layers() {
+            k.extend_from_slice(&self.k[l * ctx * d..(l * ctx + n) * d]);
+        }
+        let mut v = Vec::with_capacity(self.layers() * n * d);
+        for row in 0..self.layers() * d {
+            v.extend_from_slice(&self.v[row * ctx..row * ctx + n]);
+        }
+        KvPrefix { n, k, v }
+    }
+
+    /// Puts back what [`save_prefix`](Self::save_prefix) copied: positions
+    /// `0..p.len()` then hold what they held then.
+    pub fn restore_prefix(&mut self, p: &KvPrefix) -> Result<()> {
+        let (n, d, ctx) = (p.n, self.kv_dim, self.ctx);
+        if n > ctx || p.k.len() != self.layers() * n * d || p.v.len() != p.k.len() {
+            return Err(RuntimeError::Invalid(format!(
+                "a saved KV prefix of {n} positions does not fit this cache ({ctx} positions, {d} wide)"
+            )));
+        }
+        for l in 0..self.layers() {
+            self.k[l * ctx * d..(l * ctx + n) * d].copy_from_slice(&p.k[l * n * d..(l + 1) * n * d]);
+        }
+        for row in 0..self.layers() * d {
+            self.v[row * ctx..row * ctx + n].copy_from_slice(&p.v[row * n..(row + 1) * n]);
+        }
+        Ok(())
+    }
+}
+
+/// Keys and values of a prompt's first positions, kept to start a later
+/// prompt with the same beginning without running it again.
+pub struct KvPrefix {
+    n: usize,
+    k: Vec<f16>,
+    v: Vec<f16>,
+}
+
+impl KvPrefix {
+    /// Positions held.
+    pub fn len(&self) -> usize {
+        self.n
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.n == 0
+    }
+
+    pub fn bytes(&self) -> usize {
+        (self.k.len() + self.v.len()) * 2
+    }
 }
 
 /// Attention sums run in groups of this many positions (see `attention`).

@@ -9,7 +9,7 @@ pub mod weights;
 use std::path::Path;
 
 pub use config::{Arch, Config, FfnActivation};
-pub use forward::{KvCache, RunState};
+pub use forward::{KvCache, KvPrefix, RunState};
 pub use hook::{DenseFfn, FfnBy, LayerAt, LayerHook};
 pub use weights::{LayerWeights, MatRef, Weights};
 
