@@ -203,9 +203,6 @@ enum Cmd {
     /// /v1/chat/completions and /v1/completions (streamed as server-sent
     /// events with "stream": true), /v1/models, /health and /metrics.
     Serve {
-        /// GGUF or .lsflash path, or a known model name (smollm2, gemma3).
-        #[arg(long)]
-        model: String,
         #[arg(long, default_value = "127.0.0.1")]
         host: String,
         /// 0 picks a free port; the address is printed on stderr.
@@ -214,31 +211,15 @@ enum Cmd {
         /// Require "Authorization: Bearer KEY" on /v1 (not on /health, /metrics).
         #[arg(long)]
         api_key: Option<String>,
-        /// Tokens of prompt and completion per request (default 2048, at most the model's).
-        #[arg(long)]
-        ctx: Option<usize>,
         /// Requests that may wait while one generates; more are refused with 503.
         #[arg(long, default_value_t = 32)]
         queue: usize,
-        /// Run every prompt whole, instead of reusing the KV cache of the
-        /// prefix it shares with the previous request's tokens (which makes
-        /// greedy text equal `run`'s bit for bit).
-        #[arg(long)]
-        no_prompt_cache: bool,
-        /// MiB of earlier prompts' keys and values kept to start later
-        /// requests that begin the same way (default 16; 0 with --mem-budget,
-        /// which it would exceed).
-        #[arg(long)]
-        prompt_cache_mib: Option<usize>,
         #[command(flatten)]
-        flash: FlashArgs,
+        engine: EngineArgs,
     },
     /// Chat with the model in the terminal: one message per line, /reset
     /// starts over, /quit or end of input ends.
     Chat {
-        /// GGUF or .lsflash path, or a known model name (smollm2, gemma3).
-        #[arg(long)]
-        model: String,
         /// Tokens per reply at most (default: until the model ends its turn).
         #[arg(short = 'n', long = "n-predict")]
         n: Option<usize>,
@@ -251,27 +232,55 @@ enum Cmd {
         top_k: usize,
         #[arg(long, default_value_t = 0.95)]
         top_p: f32,
-        /// Tokens of the whole conversation (default 2048, at most the model's).
-        #[arg(long)]
-        ctx: Option<usize>,
-        /// Run every prompt whole, instead of reusing the KV cache of the
-        /// prefix it shares with the previous request's tokens (which makes
-        /// greedy text equal `run`'s bit for bit).
-        #[arg(long)]
-        no_prompt_cache: bool,
-        /// MiB of earlier prompts' keys and values kept to start later
-        /// requests that begin the same way (default 16; 0 with --mem-budget,
-        /// which it would exceed).
-        #[arg(long)]
-        prompt_cache_mib: Option<usize>,
         #[command(flatten)]
-        flash: FlashArgs,
+        engine: EngineArgs,
     },
     /// Download a known model into the cache and print its path.
     Fetch {
         /// smollm2 or gemma3
         name: String,
     },
+}
+
+/// What `serve` and `chat` open: the model with its context, prompt cache
+/// and streaming settings.
+#[derive(clap::Args)]
+struct EngineArgs {
+    /// GGUF or .lsflash path, or a known model name (smollm2, gemma3).
+    #[arg(long)]
+    model: String,
+    /// Tokens of a request's prompt and completion, or of a chat's whole
+    /// conversation (default 2048, at most the model's).
+    #[arg(long)]
+    ctx: Option<usize>,
+    /// Run every prompt whole, instead of reusing the KV cache of the
+    /// prefix it shares with earlier requests' tokens (which makes greedy
+    /// text equal `run`'s bit for bit).
+    #[arg(long)]
+    no_prompt_cache: bool,
+    /// MiB of earlier prompts' keys and values kept to start later requests
+    /// that begin the same way (default 16; 0 with --mem-budget, which it
+    /// would exceed).
+    #[arg(long)]
+    prompt_cache_mib: Option<usize>,
+    #[command(flatten)]
+    flash: FlashArgs,
+}
+
+impl EngineArgs {
+    /// Opens the engine with room for `queue` waiting requests.
+    fn start(&self, queue: usize) -> Result<Engine> {
+        let default_mib = if self.flash.mem_budget.is_some() { 0 } else { 16 };
+        Ok(Engine::start(EngineOptions {
+            model: resolve_model(&self.model)?,
+            settings: self.flash.settings()?,
+            ctx: self.ctx,
+            queue,
+            threads: rayon::current_num_threads().into(),
+            prompt_cache: !self.no_prompt_cache,
+            prompt_cache_bytes: self.prompt_cache_mib.unwrap_or(default_mib) << 20,
+        })?)
+    }
 }
 
 /// How a `.lsflash` model streams its FFN.
@@ -568,49 +577,24 @@ fn real_main(cli: Cli) -> Result<()> {
             Ok(())
         }
         Cmd::Serve {
-            model,
             host,
             port,
             api_key,
-            ctx,
             queue,
-            no_prompt_cache,
-            prompt_cache_mib,
-            flash,
+            engine,
         } => {
-            let engine = Engine::start(EngineOptions {
-                model: resolve_model(&model)?,
-                settings: flash.settings()?,
-                ctx,
-                queue,
-                threads: rayon::current_num_threads().into(),
-                prompt_cache: !no_prompt_cache,
-                prompt_cache_bytes: prompt_cache_mib.unwrap_or(if flash.mem_budget.is_some() { 0 } else { 16 }) << 20,
-            })?;
-            leanstream_server::serve(engine, ServeOptions { host, port, api_key })?;
+            leanstream_server::serve(engine.start(queue)?, ServeOptions { host, port, api_key })?;
             Ok(())
         }
         Cmd::Chat {
-            model,
             n,
             temp,
             seed,
             top_k,
             top_p,
-            ctx,
-            no_prompt_cache,
-            prompt_cache_mib,
-            flash,
+            engine,
         } => {
-            let engine = Engine::start(EngineOptions {
-                model: resolve_model(&model)?,
-                settings: flash.settings()?,
-                ctx,
-                queue: 1,
-                threads: rayon::current_num_threads().into(),
-                prompt_cache: !no_prompt_cache,
-                prompt_cache_bytes: prompt_cache_mib.unwrap_or(if flash.mem_budget.is_some() { 0 } else { 16 }) << 20,
-            })?;
+            let engine = engine.start(1)?;
             let opts = ChatOptions {
                 sampling: SamplerConfig {
                     temperature: temp,
