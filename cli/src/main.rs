@@ -270,7 +270,6 @@ struct EngineArgs {
 impl EngineArgs {
     /// Opens the engine with room for `queue` waiting requests.
     fn start(&self, queue: usize) -> Result<Engine> {
-        let default_mib = if self.flash.mem_budget.is_some() { 0 } else { 16 };
         Ok(Engine::start(EngineOptions {
             model: resolve_model(&self.model)?,
             settings: self.flash.settings()?,
@@ -278,7 +277,7 @@ impl EngineArgs {
             queue,
             threads: rayon::current_num_threads().into(),
             prompt_cache: !self.no_prompt_cache,
-            prompt_cache_bytes: self.prompt_cache_mib.unwrap_or(default_mib) << 20,
+            prompt_cache_bytes: self.prompt_cache_mib.map(|mib| mib << 20),
         })?)
     }
 }

@@ -69,9 +69,9 @@ impl Metrics {
         add(&self.queue_full, 1);
     }
 
-    pub fn count_tokens(&self, s: &GenerationStats, reused: usize) {
+    pub fn count_tokens(&self, s: &GenerationStats) {
         add(&self.prompt_tokens, s.prompt_tokens as u64);
-        add(&self.reused_tokens, reused as u64);
+        add(&self.reused_tokens, s.reused_tokens as u64);
         add(&self.completion_tokens, s.generated_tokens as u64);
         add(&self.prompt_ns, s.prompt_time.as_nanos() as u64);
         add(&self.decode_ns, s.decode_time.as_nanos() as u64);

@@ -40,8 +40,20 @@ pub struct EngineOptions {
     /// batch, so greedy text may differ from `run`'s in the last bits.
     pub prompt_cache: bool,
     /// Bytes of earlier prompts' keys and values kept beyond the state's own
-    /// (see [`PromptCache`]); 0 keeps none.
-    pub prompt_cache_bytes: usize,
+    /// (see [`PromptCache`]); 0 keeps none. Default 16 MiB, or 0 under a
+    /// memory budget (`settings.mem_budget`), which they would exceed.
+    pub prompt_cache_bytes: Option<usize>,
+}
+
+impl EngineOptions {
+    fn prompt_cache_bytes(&self) -> usize {
+        match (self.prompt_cache, self.prompt_cache_bytes, self.settings.mem_budget) {
+            (false, _, _) => 0,
+            (true, Some(b), _) => b,
+            (true, None, Some(_)) => 0,
+            (true, None, None) => 16 << 20,
+        }
+    }
 }
 
 /// What clients and templates need to know of the model.
@@ -163,7 +175,7 @@ impl Engine {
                 pool.install(|| match open(&opts) {
                     Ok((session, st, info)) => {
                         let _ = ready_tx.send(Ok(info));
-                        let cache = PromptCache::new(if opts.prompt_cache { opts.prompt_cache_bytes } else { 0 });
+                        let cache = PromptCache::new(opts.prompt_cache_bytes());
                         serve_jobs(session, st, rx, &q, &m, opts.prompt_cache, cache);
                     }
                     Err(e) => {
@@ -354,14 +366,12 @@ fn run_job(
     let mut stops = StopScan::new(request.stop);
     let (mut cancelled, mut stopped) = (false, false);
     let mut reused = shared(cached, &ids);
-    // An earlier prompt that shares more than the state does is put back.
+    // An earlier prompt that shares more than the state does is put back
+    // (a restore that fails has written nothing: the state stays as it was).
     if let Some((i, n)) = cache.best(&ids).filter(|&(_, n)| n > reused) {
-        match cache.restore(i, &mut st.kv) {
-            Ok(tokens) => {
-                *cached = tokens;
-                reused = n;
-            }
-            Err(_) => cached.clear(),
+        if let Ok(tokens) = cache.restore(i, &mut st.kv) {
+            *cached = tokens;
+            reused = n;
         }
     }
     // Until it ends well, the state holds this prompt's prefix at most.
@@ -393,7 +403,7 @@ fn run_job(
     *cached = ids.clone();
     cached.extend_from_slice(&generated);
     cache.insert(cached, &st.kv);
-    metrics.count_tokens(&stats, reused.min(ids.len() - 1));
+    metrics.count_tokens(&stats);
     if cancelled {
         metrics.count_cancelled();
         return;

@@ -23,6 +23,8 @@ pub struct GenerationStats {
     pub stopped_on_eog: bool,
     /// True when the caller's callback ended it (see [`generate_until`]).
     pub stopped_by_caller: bool,
+    /// Prompt tokens not run again: their keys and values were in the state.
+    pub reused_tokens: usize,
 }
 
 impl GenerationStats {
@@ -117,8 +119,8 @@ pub fn generate_until(
         ..Default::default()
     };
     let t0 = Instant::now();
-    let reused = reused.min(prompt.len() - 1);
-    ingest_with(model, st, &prompt[reused..], reused, hook)?;
+    stats.reused_tokens = reused.min(prompt.len() - 1);
+    ingest_with(model, st, &prompt[stats.reused_tokens..], stats.reused_tokens, hook)?;
     stats.prompt_time = t0.elapsed();
 
     let t1 = Instant::now();
