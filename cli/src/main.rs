@@ -65,6 +65,14 @@ enum Cmd {
         /// Context size (default: prompt plus n, within the model's limit).
         #[arg(long)]
         ctx: Option<usize>,
+        /// Never sample an end-of-generation token: run all N tokens
+        /// (llama.cpp's --ignore-eos), e.g. for a long soak.
+        #[arg(long)]
+        ignore_eos: bool,
+        /// Every N generated tokens, print a JSON line {"token", "rss_bytes"}
+        /// on stderr (the resident set then), to watch memory over a long run.
+        #[arg(long, value_name = "N")]
+        rss_every: Option<usize>,
         #[command(flatten)]
         flash: FlashArgs,
     },
@@ -373,10 +381,26 @@ fn main() -> ExitCode {
     match result {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
-            eprintln!("error: {e:#}");
+            eprintln!("error: {}", error_chain(&e));
             ExitCode::FAILURE
         }
     }
+}
+
+/// The error and its causes, each cause said once: the library's errors
+/// already end with the OS error they wrap.
+fn error_chain(e: &anyhow::Error) -> String {
+    let mut out = String::new();
+    for cause in e.chain() {
+        let text = cause.to_string();
+        if !out.ends_with(&text) {
+            if !out.is_empty() {
+                out.push_str(": ");
+            }
+            out.push_str(&text);
+        }
+    }
+    out
 }
 
 fn real_main(cli: Cli) -> Result<()> {
@@ -391,6 +415,8 @@ fn real_main(cli: Cli) -> Result<()> {
             top_p,
             chat,
             ctx,
+            ignore_eos,
+            rss_every,
             flash,
         } => {
             let sampler = SamplerConfig {
@@ -399,7 +425,13 @@ fn real_main(cli: Cli) -> Result<()> {
                 top_p,
                 seed,
             };
-            run(&model, &prompt, n, sampler, chat, ctx, &flash)
+            let gen = Generation {
+                n,
+                sampler,
+                ignore_eos,
+                rss_every,
+            };
+            run(&model, &prompt, &gen, chat, ctx, &flash)
         }
         Cmd::Tokenize { model, text } => {
             let model = load(&model)?;
@@ -720,15 +752,33 @@ fn load_path(path: &Path) -> Result<Model> {
     Ok(Model::load(path)?)
 }
 
+/// What `run` generates after the prompt.
+struct Generation {
+    n: usize,
+    sampler: SamplerConfig,
+    ignore_eos: bool,
+    rss_every: Option<usize>,
+}
+
+impl Generation {
+    fn sampler(&self, model: &Model) -> Sampler {
+        let s = Sampler::new(self.sampler, model.config.n_vocab);
+        match self.ignore_eos {
+            true => s.banning(model.tokenizer.end_of_generation_ids()),
+            false => s,
+        }
+    }
+}
+
 fn run(
     model_arg: &str,
     prompt: &str,
-    n: usize,
-    sampler_cfg: SamplerConfig,
+    gen: &Generation,
     chat: bool,
     ctx: Option<usize>,
     flash: &FlashArgs,
 ) -> Result<()> {
+    let n = gen.n;
     let t0 = Instant::now();
     let prompt_ids = |model: &Model| -> Result<Vec<u32>> {
         let text = if chat {
@@ -754,17 +804,23 @@ fn run(
     // The oracle replays a first, silent run of the same generation.
     loaded.record_oracle(&settings, &mut st, |loaded, st| -> Result<()> {
         let (model, ffn) = loaded.parts()?;
-        let mut sampler = Sampler::new(sampler_cfg, model.config.n_vocab);
+        let mut sampler = gen.sampler(model);
         generate_with(model, st, &ids, n, &mut sampler, ffn, |_| Ok(()))?;
         Ok(())
     })?;
     let load_time = t0.elapsed();
     let (model, ffn) = loaded.parts()?;
-    let mut sampler = Sampler::new(sampler_cfg, model.config.n_vocab);
+    let mut sampler = gen.sampler(model);
     let mut decoder = StreamDecoder::new();
     let stdout = std::io::stdout();
     let mut out = stdout.lock();
+    let mut generated = 0usize;
     let stats = generate_with(model, &mut st, &ids, n, &mut sampler, ffn, |tok| {
+        generated += 1;
+        if gen.rss_every.is_some_and(|k| k > 0 && generated % k == 0) {
+            let rss = leanstream_runtime::cache::rss_bytes();
+            eprintln!("{}", serde_json::json!({"token": generated, "rss_bytes": rss}));
+        }
         let piece = decoder.push(&model.tokenizer, tok);
         out.write_all(piece.as_bytes())
             .and_then(|_| out.flush())

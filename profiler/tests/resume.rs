@@ -8,6 +8,9 @@ use std::time::{Duration, Instant};
 
 use leanstream_profiler::shard::ShardStore;
 
+#[path = "../../runtime/tests/common/mod.rs"]
+mod common;
+
 const BIN: &str = env!("CARGO_BIN_EXE_leanstream-profile");
 const REPS: u64 = 1500;
 const CONDITIONS: u64 = 8;
@@ -183,6 +186,41 @@ fn ctrl_c_flushes_and_exits_cleanly() {
         (set.len(), rows as u64),
         ((CONDITIONS * REPS) as usize, CONDITIONS * REPS)
     );
+    let _ = std::fs::remove_dir_all(&root);
+}
+
+#[test]
+fn a_full_disk_stops_the_run_cleanly_and_resume_elsewhere_completes_it() {
+    let root = scratch("full");
+    let data = root.join("data");
+    let Some(disk) = common::SmallDisk::mount(&root.join("small"), 96 << 10) else {
+        return;
+    };
+    let out = disk.dir.join("run");
+    let o = io_command(&data, &out, REPS).output().unwrap();
+    let stderr = String::from_utf8_lossy(&o.stderr);
+    eprintln!("{stderr}");
+    assert!(
+        !o.status.success(),
+        "the run fit on the small disk; the test proves nothing"
+    );
+    assert!(stderr.contains("No space left on device"), "{stderr}");
+    assert!(stderr.contains(&out.display().to_string()), "{stderr}");
+    assert!(!stderr.contains("panicked"), "{stderr}");
+    // What was committed before the disk filled is intact.
+    let (partial, rows) = keys(&out);
+    assert!(!partial.is_empty(), "nothing committed before the disk filled");
+    assert_eq!(rows, partial.len());
+    // The user moves the run to a disk with room and resumes it there.
+    let moved = root.join("moved");
+    let cp = Command::new("cp").arg("-a").arg(&out).arg(&moved).status().unwrap();
+    assert!(cp.success());
+    drop(disk);
+    resume(&moved);
+    let (got, rows) = keys(&moved);
+    assert_eq!(rows, got.len(), "duplicated samples");
+    assert_eq!(got.len() as u64, CONDITIONS * REPS, "lost or extra samples");
+    assert!(partial.is_subset(&got), "a committed sample was lost");
     let _ = std::fs::remove_dir_all(&root);
 }
 

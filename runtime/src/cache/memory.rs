@@ -72,18 +72,28 @@ pub fn fmt_bytes(b: u64) -> String {
     }
 }
 
-/// Peak resident set size of this process (VmHWM), in bytes; 0 where
+/// The process's resident set now (`VmRSS`), in bytes; 0 where
+/// `/proc/self/status` cannot be read.
+pub fn rss_bytes() -> u64 {
+    proc_status_kb("VmRSS:") * 1024
+}
+
+/// Peak resident set size of this process (`VmHWM`), in bytes; 0 where
 /// `/proc/self/status` cannot be read.
 pub fn peak_rss_bytes() -> u64 {
+    proc_status_kb("VmHWM:") * 1024
+}
+
+fn proc_status_kb(key: &str) -> u64 {
     std::fs::read_to_string("/proc/self/status")
         .ok()
         .and_then(|s| {
             s.lines()
-                .find(|l| l.starts_with("VmHWM:"))
+                .find(|l| l.starts_with(key))
                 .and_then(|l| l.split_whitespace().nth(1))
                 .and_then(|kb| kb.parse::<u64>().ok())
         })
-        .map_or(0, |kb| kb * 1024)
+        .unwrap_or(0)
 }
 
 #[cfg(test)]

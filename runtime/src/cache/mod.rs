@@ -46,7 +46,7 @@ pub use budget::{parse_bytes, BudgetError, FfnBudget};
 pub use hot::{NeuronFreq, StaticHot};
 pub use learned::Learned;
 pub use lru::Lru;
-pub use memory::{fmt_bytes, peak_rss_bytes, MemoryReport};
+pub use memory::{fmt_bytes, peak_rss_bytes, rss_bytes, MemoryReport};
 pub use retention::RetentionTable;
 pub use slab::SLAB_ALIGN;
 pub use window::SlidingWindow;

@@ -71,6 +71,8 @@ pub struct Sampler {
     rng: Rng,
     /// (logit, id) candidates, allocated once at vocabulary size.
     candidates: Vec<(f32, u32)>,
+    /// Ids never sampled, see [`Sampler::banning`].
+    banned: Vec<u32>,
 }
 
 impl Sampler {
@@ -79,16 +81,43 @@ impl Sampler {
             cfg,
             rng: Rng::new(cfg.seed),
             candidates: Vec::with_capacity(n_vocab),
+            banned: Vec::new(),
         }
     }
 
+    /// Never samples `ids` (as if their logits were -inf): e.g. the
+    /// end-of-generation tokens, for a run that must reach its length
+    /// (llama.cpp's `--ignore-eos`).
+    pub fn banning(mut self, ids: impl IntoIterator<Item = u32>) -> Self {
+        self.banned.extend(ids);
+        self
+    }
+
     pub fn sample(&mut self, logits: &[f32]) -> u32 {
+        let banned = &self.banned;
+        let logit = |i: usize, l: f32| {
+            if banned.contains(&(i as u32)) {
+                f32::NEG_INFINITY
+            } else {
+                l
+            }
+        };
         if self.cfg.temperature <= 0.0 {
-            return argmax(logits);
+            if banned.is_empty() {
+                return argmax(logits);
+            }
+            let mut best = (f32::NEG_INFINITY, 0u32);
+            for (i, &l) in logits.iter().enumerate() {
+                let l = logit(i, l);
+                if l > best.0 {
+                    best = (l, i as u32);
+                }
+            }
+            return best.1;
         }
         let c = &mut self.candidates;
         c.clear();
-        c.extend(logits.iter().enumerate().map(|(i, &l)| (l, i as u32)));
+        c.extend(logits.iter().enumerate().map(|(i, &l)| (logit(i, l), i as u32)));
         let by_logit = |a: &(f32, u32), b: &(f32, u32)| b.0.total_cmp(&a.0).then(a.1.cmp(&b.1));
         if self.cfg.top_k > 0 && self.cfg.top_k < c.len() {
             c.select_nth_unstable_by(self.cfg.top_k - 1, by_logit);
@@ -148,6 +177,28 @@ mod tests {
             4,
         );
         assert_eq!(s.sample(&[0.1, 3.0, 3.0, -1.0]), 1);
+    }
+
+    #[test]
+    fn banned_tokens_are_never_sampled() {
+        // Token 2 has almost all the mass; banned, it never comes out.
+        let logits = [0.0f32, 0.5, 30.0, 0.2];
+        for temperature in [0.0, 1.0] {
+            let cfg = SamplerConfig {
+                temperature,
+                top_k: 0,
+                top_p: 1.0,
+                seed: 3,
+            };
+            let mut free = Sampler::new(cfg, 4);
+            assert_eq!(free.sample(&logits), 2);
+            let mut s = Sampler::new(cfg, 4).banning([2]);
+            let picks: Vec<u32> = (0..200).map(|_| s.sample(&logits)).collect();
+            assert!(picks.iter().all(|&t| t != 2), "{temperature}: {picks:?}");
+            if temperature == 0.0 {
+                assert!(picks.iter().all(|&t| t == 1), "greedy takes the best allowed");
+            }
+        }
     }
 
     #[test]

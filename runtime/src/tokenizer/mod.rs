@@ -194,6 +194,11 @@ impl Tokenizer {
         self.vocab.eog.get(id as usize).copied().unwrap_or(false)
     }
 
+    /// Every id that ends a generation (EOS, EOT, ...).
+    pub fn end_of_generation_ids(&self) -> impl Iterator<Item = u32> + '_ {
+        (0..self.vocab.eog.len() as u32).filter(|&i| self.is_end_of_generation(i))
+    }
+
     /// Whether `id` is a control token (BOS, `<|im_start|>`, ...), which
     /// detokenizers usually hide.
     pub fn is_control(&self, id: u32) -> bool {

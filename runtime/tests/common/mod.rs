@@ -82,3 +82,63 @@ pub fn pack_down(
     leanstream_runtime::flash::pack(src, &out, &opts).unwrap();
     out
 }
+
+/// A tmpfs of a few bytes mounted over a directory: a disk that really
+/// fills (ENOSPC from the kernel). Unmounted on drop.
+pub struct SmallDisk {
+    pub dir: PathBuf,
+}
+
+impl SmallDisk {
+    /// Mounts a `size`-byte tmpfs on `dir`; `None` (with the reason on
+    /// stderr) where this process may not mount, e.g. without root.
+    pub fn mount(dir: &std::path::Path, size: u64) -> Option<SmallDisk> {
+        std::fs::create_dir_all(dir).unwrap();
+        let _ = std::process::Command::new("umount").arg(dir).output();
+        let out = std::process::Command::new("mount")
+            .args(["-t", "tmpfs", "-o", &format!("size={size}"), "tmpfs"])
+            .arg(dir)
+            .output();
+        match out {
+            Ok(o) if o.status.success() => Some(SmallDisk { dir: dir.to_path_buf() }),
+            Ok(o) => {
+                eprintln!(
+                    "SKIPPED the real full disk: mount: {}",
+                    String::from_utf8_lossy(&o.stderr).trim()
+                );
+                None
+            }
+            Err(e) => {
+                eprintln!("SKIPPED the real full disk: mount: {e}");
+                None
+            }
+        }
+    }
+}
+
+impl Drop for SmallDisk {
+    fn drop(&mut self) {
+        let _ = std::process::Command::new("umount").arg(&self.dir).status();
+    }
+}
+
+/// Makes writes of `cmd`'s process fail past `bytes` per file (EFBIG, the
+/// way a quota or a full disk fails a write), without root.
+pub fn limit_file_size(cmd: &mut std::process::Command, bytes: u64) {
+    use std::os::unix::process::CommandExt;
+    // SAFETY: only async-signal-safe calls between fork and exec.
+    unsafe {
+        cmd.pre_exec(move || {
+            // Ignored, SIGXFSZ would kill the process instead of failing the write.
+            libc::signal(libc::SIGXFSZ, libc::SIG_IGN);
+            let lim = libc::rlimit {
+                rlim_cur: bytes,
+                rlim_max: bytes,
+            };
+            if libc::setrlimit(libc::RLIMIT_FSIZE, &lim) != 0 {
+                return Err(std::io::Error::last_os_error());
+            }
+            Ok(())
+        });
+    }
+}

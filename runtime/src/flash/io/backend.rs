@@ -58,6 +58,9 @@ pub enum Fault {
     Errno(i32),
     /// The read succeeds but reports at most this many bytes.
     Short(u32),
+    /// The read succeeds, but its completion is held back until this long
+    /// after it was submitted (a device that stalls).
+    Stall(std::time::Duration),
 }
 
 /// A test hook: wraps a backend and injects faults into chosen reads.
@@ -71,6 +74,10 @@ pub struct FaultyBackend {
     injected: VecDeque<ReadResult>,
     shorten: HashMap<u64, u32>,
     shuffle: Option<Shuffle>,
+    /// Tags of stalled reads and when their completions may be handed out.
+    stall_until: HashMap<u64, std::time::Instant>,
+    /// Completions of stalled reads, held until then.
+    stalled: Vec<(std::time::Instant, ReadResult)>,
     /// Where each submitted read's file offset is appended, in submission order.
     log: Option<std::sync::Arc<std::sync::Mutex<Vec<u64>>>>,
 }
@@ -103,6 +110,8 @@ impl FaultyBackend {
             injected: VecDeque::new(),
             shorten: HashMap::new(),
             shuffle: None,
+            stall_until: HashMap::new(),
+            stalled: Vec::new(),
             log: None,
         }
     }
@@ -128,6 +137,38 @@ impl FaultyBackend {
     /// Reads submitted through this wrapper so far.
     pub fn submitted(&self) -> u64 {
         self.submitted
+    }
+
+    /// Hands out the held completions of stalled reads that are due.
+    fn release_due(&mut self, out: &mut Vec<ReadResult>) {
+        let now = std::time::Instant::now();
+        let mut k = 0;
+        while k < self.stalled.len() {
+            if self.stalled[k].0 <= now {
+                out.push(self.stalled.swap_remove(k).1);
+            } else {
+                k += 1;
+            }
+        }
+    }
+
+    /// Shortens the completions in `out[from..]` that a fault shortens, and
+    /// moves those of stalled reads not yet due into `self.stalled`.
+    fn hold_stalled(&mut self, from: usize, out: &mut Vec<ReadResult>) {
+        let now = std::time::Instant::now();
+        let mut k = from;
+        while k < out.len() {
+            let r = &mut out[k];
+            if let Some(cap) = self.shorten.remove(&r.tag) {
+                if r.result > cap as i32 {
+                    r.result = cap as i32;
+                }
+            }
+            match self.stall_until.remove(&r.tag) {
+                Some(t) if t > now => self.stalled.push((t, out.swap_remove(k))),
+                _ => k += 1,
+            }
+        }
     }
 }
 
@@ -155,6 +196,11 @@ impl Backend for FaultyBackend {
                 // SAFETY: forwarded unchanged under the caller's guarantee.
                 unsafe { self.inner.submit(op) }
             }
+            Some(Fault::Stall(d)) => {
+                self.stall_until.insert(op.tag, std::time::Instant::now() + *d);
+                // SAFETY: forwarded unchanged under the caller's guarantee.
+                unsafe { self.inner.submit(op) }
+            }
             None => {
                 // SAFETY: forwarded unchanged under the caller's guarantee.
                 unsafe { self.inner.submit(op) }
@@ -168,11 +214,29 @@ impl Backend for FaultyBackend {
         let start = out.len();
         let need = min.saturating_sub(injected);
         let held = self.shuffle.as_ref().map_or(0, |s| s.held.len());
-        self.inner.complete(need.saturating_sub(held), out)?;
-        for r in &mut out[start..] {
-            if let Some(cap) = self.shorten.remove(&r.tag) {
-                if r.result > cap as i32 {
-                    r.result = cap as i32;
+        self.inner
+            .complete(need.saturating_sub(held + self.stalled.len()), out)?;
+        self.hold_stalled(start, out);
+        self.release_due(out);
+        // Stalled completions count towards `min` only once released: wait
+        // for the earliest, or for the inner backend, until enough are out.
+        while out.len() - start + held < need {
+            match self.stalled.iter().map(|(t, _)| *t).min() {
+                Some(t) => {
+                    // Other reads land while one stalls, as on a device.
+                    let from = out.len();
+                    self.inner.complete(0, out)?;
+                    self.hold_stalled(from, out);
+                    if out.len() - start + held < need {
+                        let left = t.saturating_duration_since(std::time::Instant::now());
+                        std::thread::sleep(left.min(std::time::Duration::from_micros(200)));
+                    }
+                    self.release_due(out);
+                }
+                None => {
+                    let from = out.len();
+                    self.inner.complete(1, out)?;
+                    self.hold_stalled(from, out);
                 }
             }
         }
