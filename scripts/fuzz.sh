@@ -8,7 +8,8 @@
 #   scripts/fuzz.sh run TARGET SECONDS    fuzz one target; findings under $FUZZ_OUT/TARGET
 #   scripts/fuzz.sh all SECONDS [JOBS]    every target for SECONDS, JOBS at a time (default: cores)
 #   scripts/fuzz.sh report                executions, crashes, hangs and coverage per target
-# Env: FUZZ_OUT (default ~/.cache/leanstream/fuzz), AFL_MEM_MB (address-space
+# Env: FUZZ_OUT (default ~/.cache/leanstream/fuzz), AFL_PROFILE (cargo profile
+# of the instrumented build, ci), AFL_MEM_MB (address-space
 # limit per run, 4096: a reader that asks for more on a small input is a bug).
 #
 # A crash found: reproduce with `leanstream-fuzz replay TARGET FILE`, fix the
@@ -19,7 +20,9 @@ cd "$(dirname "$0")/.."
 export CARGO_TARGET_DIR=${CARGO_TARGET_DIR:-$HOME/.cache/leanstream/target}
 afl_target=${AFL_TARGET_DIR:-$HOME/.cache/leanstream/target-afl}
 out=${FUZZ_OUT:-$HOME/.cache/leanstream/fuzz}
-bin=$afl_target/release/leanstream-fuzz-afl
+# No LTO (the `ci` profile): the instrumented link of polars is slow enough.
+profile=${AFL_PROFILE:-ci}
+bin=$afl_target/$profile/leanstream-fuzz-afl
 
 ensure_afl() {
   command -v cargo-afl >/dev/null || cargo install --locked cargo-afl
@@ -45,7 +48,8 @@ case ${1:-} in
     ;;
   build)
     ensure_afl
-    CARGO_TARGET_DIR=$afl_target cargo afl build --release -p leanstream-fuzz --features afl --bin leanstream-fuzz-afl
+    CARGO_TARGET_DIR=$afl_target cargo afl build --profile "$profile" -p leanstream-fuzz --features afl \
+      --bin leanstream-fuzz-afl
     ;;
   run)
     fuzz_one "$2" "$3"

@@ -8,21 +8,24 @@
 # (137 = OOM-killed), the cgroup's peak, RSS at the first sample, at its
 # highest and at the end, and growth from token 500 to the end.
 #
-# Usage: scripts/soak.sh [MODEL] [BUDGET_MIB]   (default: smollm2 112)
+# Usage: scripts/soak.sh [MODEL] [BUDGET_MIB]   (default: smollm2 160; a
+#        2000-token context's KV cache alone is 54 MiB of it for SmolLM2)
 # Env: TOKENS (2000), POLICIES (the seven streaming ones), SPARSITY (0.5),
-#      SLACK_MIB (16), REQUESTS (300), OUT (default $LEANSTREAM_HOME/soak).
+#      SLACK_MIB (16), REQUESTS (300), OUT (default $LEANSTREAM_HOME/soak),
+#      PROFILE (cargo profile of the binaries, release).
 # Needs root (cgroup memory controller). Artifacts are made as in
 # scripts/bench_speculate.sh and land beside the packed file.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 export CARGO_TARGET_DIR=${CARGO_TARGET_DIR:-$HOME/.cache/leanstream/target}
 home=${LEANSTREAM_HOME:-$HOME/.cache/leanstream}
-model=${1:-smollm2} budget=${2:-112}
+model=${1:-smollm2} budget=${2:-160}
 tokens=${TOKENS:-2000} sparsity=${SPARSITY:-0.5} slack=${SLACK_MIB:-16} requests=${REQUESTS:-300}
 policies=${POLICIES:-dense-stream,oracle,gate-first,speculate,dejavu,llm-in-a-flash,powerinfer2}
 out=${OUT:-$home/soak}
-cargo build --release --bin leanstream --bin leanstream-profile --bin leanstream-synth >&2
-bin=$CARGO_TARGET_DIR/release
+profile=${PROFILE:-release}
+cargo build --profile "$profile" --bin leanstream --bin leanstream-profile --bin leanstream-synth >&2
+bin=$CARGO_TARGET_DIR/$profile
 read -r train heldout < <(scripts/prepare_text.sh)
 mkdir -p "$out" "$home/flash"
 gguf=$("$bin/leanstream" fetch "$model")
@@ -101,9 +104,14 @@ port=$((20000 + $$ % 10000))
 err=$out/$name.serve.log
 samples=$out/$name.serve.rss
 : > "$samples"
+: > "$err"
 (in_cgroup $((budget + slack)) "$bin/leanstream" serve --model "$flash" --policy speculate \
   --mem-budget "${budget}MiB" --sparsity "$sparsity" --port "$port" --ctx 1024 > "$out/$name.serve.exit") &
-for _ in $(seq 600); do grep -q listening "$err" 2>/dev/null && break; sleep 0.5; done
+server=$!
+until grep -q listening "$err" 2>/dev/null; do
+  kill -0 "$server" 2>/dev/null || { echo "the server did not start:" >&2; tail -3 "$err" >&2; exit 1; }
+  sleep 0.5
+done
 pid=$(pgrep -f "serve --model $flash --policy speculate" | head -1)
 (
   t=0

@@ -42,7 +42,7 @@ pub fn run(target: Target, data: &[u8], scratch: &Scratch) -> Result<(), String>
             let t = RetentionTable::from_bytes(&with_trailing_checksum(data), Path::new("fuzz.lsevict"))
                 .map_err(|e| s(&e))?;
             for age in [0, 1, 7, 1000, u64::MAX] {
-                t.priority(t.n_layer - 1, t.n_ff - 1, age);
+                t.priority(t.n_layer.saturating_sub(1), t.n_ff.saturating_sub(1), age);
             }
             t.model_sha();
             Ok(())
@@ -178,7 +178,7 @@ fn lspred(bytes: &[u8]) -> Result<(), String> {
         let mut out = vec![0.0f32; c.n_groups()];
         for path in [ComputePath::Scalar, ComputePath::Simd] {
             for (u, _) in p.uses.iter().enumerate() {
-                p.scores(u, c.n_layer - 1, &x, path, &mut scratch, &mut out)
+                p.scores(u, c.n_layer.saturating_sub(1), &x, path, &mut scratch, &mut out)
                     .map_err(|e| e.to_string())?;
             }
         }

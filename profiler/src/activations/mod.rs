@@ -102,7 +102,8 @@ pub struct Split {
 
 impl Split {
     pub fn recorded_tokens(&self) -> usize {
-        self.shards.iter().map(|s| s.tokens).sum()
+        // Saturating: a damaged manifest's counts must not overflow.
+        self.shards.iter().fold(0usize, |a, s| a.saturating_add(s.tokens))
     }
 }
 

@@ -91,13 +91,19 @@ impl Trace {
         if layer >= l {
             return Err(ProfileError::Invalid(format!("layer {layer} of a {l}-layer trace")));
         }
-        let mut data = Vec::with_capacity(s.recorded_tokens() * width);
-        let mut bytes = Vec::new();
+        // Every shard's file is checked against the manifest before anything
+        // is sized by the manifest's counts: the files bound them.
+        let mut files = Vec::with_capacity(s.shards.len());
         for shard in &s.shards {
             let path = self.dir.join(&shard.dir).join(array.file_name());
-            let mut f = NpyFile::open(&path)?;
+            let f = NpyFile::open(&path)?;
             f.expect(&path, Dtype::F16, &[l, shard.tokens, width])?;
-            f.read_elements(&path, layer * shard.tokens * width, shard.tokens * width, &mut bytes)?;
+            files.push((path, f, shard.tokens));
+        }
+        let mut data = Vec::with_capacity(s.recorded_tokens() * width);
+        let mut bytes = Vec::new();
+        for (path, mut f, tokens) in files {
+            f.read_elements(&path, layer * tokens * width, tokens * width, &mut bytes)?;
             data.extend(bytes.chunks_exact(2).map(|b| f16::from_le_bytes([b[0], b[1]]).to_f32()));
         }
         Ok(Rows {
@@ -110,7 +116,8 @@ impl Trace {
     /// Token ids of `split`, in recording order.
     pub fn tokens(&self, split: &str) -> Result<Vec<u32>> {
         let s = self.split(split)?;
-        let mut out = Vec::with_capacity(s.recorded_tokens());
+        // Not sized by the manifest's counts: the files are checked one by one.
+        let mut out = Vec::new();
         for shard in &s.shards {
             let path = self.dir.join(&shard.dir).join("tokens.npy");
             let (shape, t) = npy::read_u32(&path)?;

@@ -36,8 +36,8 @@ impl KvCache {
         let ctx = ctx.div_ceil(LANES) * LANES;
         let n = c.n_layer * ctx * c.kv_dim();
         Self {
-            k: vec![f16::ZERO; n],
-            v: vec![f16::ZERO; n],
+            k: zeroed_f16(n),
+            v: zeroed_f16(n),
             ctx,
             kv_dim: c.kv_dim(),
             head_dim: c.head_dim,
@@ -137,6 +137,18 @@ const LANES: usize = 64;
 /// Attention score scratch is processed in waves of (token, head) pairs so
 /// its size is bounded whatever the batch and context.
 const SCORE_SCRATCH: usize = 1 << 20;
+
+/// `n` zeros in one zeroed allocation, whose pages the OS maps only when
+/// first written: a cache sized for a long context holds memory only for the
+/// positions used, and a process refused by its memory budget (or killed by
+/// a cgroup) is not charged for it up front. (`vec![f16::ZERO; n]` writes
+/// every element.)
+fn zeroed_f16(n: usize) -> Vec<f16> {
+    let mut v = std::mem::ManuallyDrop::new(vec![0u16; n]);
+    // SAFETY: `f16` is `repr(transparent)` over `u16` (same size, alignment
+    // and bit pattern for 0), and the allocation is handed over whole.
+    unsafe { Vec::from_raw_parts(v.as_mut_ptr().cast::<f16>(), v.len(), v.capacity()) }
+}
 
 pub struct RunState {
     pub ctx: usize,
