@@ -817,7 +817,7 @@ fn run(
     let mut generated = 0usize;
     let stats = generate_with(model, &mut st, &ids, n, &mut sampler, ffn, |tok| {
         generated += 1;
-        if gen.rss_every.is_some_and(|k| k > 0 && generated % k == 0) {
+        if gen.rss_every.is_some_and(|k| k > 0 && generated.is_multiple_of(k)) {
             let rss = leanstream_runtime::cache::rss_bytes();
             eprintln!("{}", serde_json::json!({"token": generated, "rss_bytes": rss}));
         }
