@@ -8,7 +8,8 @@
 #   scripts/fuzz.sh run TARGET SECONDS    fuzz one target; findings under $FUZZ_OUT/TARGET
 #   scripts/fuzz.sh all SECONDS [JOBS]    every target for SECONDS, JOBS at a time (default: cores)
 #   scripts/fuzz.sh report                executions, crashes, hangs and coverage per target
-# Env: FUZZ_OUT (default ~/.cache/leanstream/fuzz), AFL_PROFILE (cargo profile
+# Env: TARGETS (comma list for `all`; default every target),
+#      FUZZ_OUT (default ~/.cache/leanstream/fuzz), AFL_PROFILE (cargo profile
 # of the instrumented build, ci), AFL_MEM_MB (address-space
 # limit per run, 4096: a reader that asks for more on a small input is a bug).
 #
@@ -57,7 +58,8 @@ case ${1:-} in
   all)
     secs=$2 jobs=${3:-$(nproc)}
     cargo build --profile ci -p leanstream-fuzz --bin leanstream-fuzz
-    for t in $("$CARGO_TARGET_DIR/ci/leanstream-fuzz" list); do
+    targets=${TARGETS:-$("$CARGO_TARGET_DIR/ci/leanstream-fuzz" list)}
+    for t in ${targets//,/ }; do
       while [ "$(jobs -rp | wc -l)" -ge "$jobs" ]; do wait -n || true; done
       echo "fuzzing $t for ${secs}s" >&2
       fuzz_one "$t" "$secs" &

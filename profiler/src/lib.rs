@@ -13,6 +13,7 @@ pub mod compute_sweep;
 pub mod device;
 pub mod error;
 pub mod io_sweep;
+pub mod parquet_check;
 pub mod plan;
 pub mod plot;
 pub mod runner;

@@ -171,46 +171,6 @@ impl std::fmt::Display for ShardProblem {
     }
 }
 
-/// Checks what polars would size its buffers by before it decodes: it
-/// reserves memory by the value counts in page headers, and a damaged header
-/// (2^61 values, found by fuzzing) aborts the process on a failed allocation
-/// instead of giving an error. Every data page must hold at most its row
-/// group's rows, and the row groups together the manifest's `rows`.
-fn check_pages(bytes: &[u8], rows: u64) -> PolarsResult<()> {
-    use polars_parquet::parquet::page::CompressedPage;
-    use polars_parquet::parquet::read::{get_page_iterator, read_metadata};
-    let bad = |what: String| polars::prelude::PolarsError::ComputeError(what.into());
-    let meta = read_metadata(&mut std::io::Cursor::new(bytes)).map_err(|e| bad(e.to_string()))?;
-    let total: u64 = meta.row_groups.iter().map(|g| g.num_rows() as u64).sum();
-    if total != rows || meta.num_rows as u64 != rows {
-        return Err(bad(format!(
-            "its metadata says {total} rows in row groups, {} in all; the manifest says {rows}",
-            meta.num_rows
-        )));
-    }
-    let buffer = polars_buffer::Buffer::from(bytes.to_vec());
-    for (g, group) in meta.row_groups.iter().enumerate() {
-        for column in group.parquet_columns() {
-            let pages = get_page_iterator(column, std::io::Cursor::new(buffer.clone()), Vec::new(), bytes.len())
-                .map_err(|e| bad(e.to_string()))?;
-            for page in pages {
-                // A dictionary page's size is checked by its reader.
-                let values = match page.map_err(|e| bad(e.to_string()))? {
-                    CompressedPage::Data(p) => p.num_values(),
-                    CompressedPage::Dict(_) => 0,
-                };
-                if values > group.num_rows() {
-                    return Err(bad(format!(
-                        "a page of row group {g} claims {values} values, the group has {} rows",
-                        group.num_rows()
-                    )));
-                }
-            }
-        }
-    }
-    Ok(())
-}
-
 /// The shard store of one run directory.
 pub struct ShardStore {
     dir: PathBuf,
@@ -340,7 +300,7 @@ impl ShardStore {
         // The Parquet reader panics on some damaged files (found by fuzzing,
         // e.g. a thrift field of the wrong type); that is a bad shard too.
         let read = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
-            check_pages(&bytes, s.rows)?;
+            crate::parquet_check::check(&bytes, s.rows)?;
             ParquetReader::new(std::io::Cursor::new(bytes))
                 .with_columns(columns.map(|c| c.iter().map(|s| s.to_string()).collect()))
                 .finish()
