@@ -15,10 +15,10 @@ use std::time::{Duration, Instant};
 
 use leanstream_kernels::GgmlType;
 use leanstream_runtime::engine::{
-    ActiveTrace, BackendFactory, CachePolicy, Controller, EngineOptions, FlashEngine, FlashModel, Policy, Speculation,
+    ActiveTrace, BackendFactory, Controller, EngineOptions, FlashEngine, FlashModel, Policy, Speculation,
 };
 use leanstream_runtime::flash::io::{make_backend, Backend, Fault, FaultyBackend, IoConfig};
-use leanstream_runtime::flash::{DownType, PackOptions, SparsityLevel};
+use leanstream_runtime::flash::{DownType, PackOptions};
 use leanstream_runtime::predict::{Predictor, PredictorConfig};
 use leanstream_runtime::synthetic::SyntheticSpec;
 
@@ -76,12 +76,6 @@ fn options(fx: &Fixture, policy: Policy, controller: Controller) -> EngineOption
         .collect();
     p.provenance = serde_json::json!({"model": {"sha256": sha}}).to_string();
     EngineOptions {
-        policy,
-        cache_bytes: fm.ffn_bytes() / 4,
-        cache_policy: CachePolicy::Lru,
-        merge_gap_bytes: 0,
-        level: SparsityLevel::dense(fm.flash.n_layer()),
-        record: false,
         // The oracle replays the dense run's sets.
         trace: (policy == Policy::Oracle).then(|| fx.trace.clone()),
         speculation: Some(Speculation {
@@ -89,7 +83,7 @@ fn options(fx: &Fixture, policy: Policy, controller: Controller) -> EngineOption
             predictor_name: "random.lspred".into(),
             controller,
         }),
-        retention: None,
+        ..common::plain_options(fm, policy, fm.ffn_bytes() / 4)
     }
 }
 
@@ -116,26 +110,12 @@ fn fixture(path: &Path) -> Fixture {
     let mut dense = fm
         .engine_with(EngineOptions {
             record: true,
-            ..options_for_dense(&fm)
+            ..common::plain_options(&fm, Policy::Dense, fm.ffn_bytes())
         })
         .unwrap();
     let want = common::greedy_flash(&fm, &mut dense, &PROMPT, N).unwrap();
     let trace = dense.take_trace().unwrap();
     Fixture { fm, want, trace }
-}
-
-fn options_for_dense(fm: &FlashModel) -> EngineOptions {
-    EngineOptions {
-        policy: Policy::Dense,
-        cache_bytes: fm.ffn_bytes(),
-        cache_policy: CachePolicy::Lru,
-        merge_gap_bytes: 0,
-        level: SparsityLevel::dense(fm.flash.n_layer()),
-        record: false,
-        trace: None,
-        speculation: None,
-        retention: None,
-    }
 }
 
 impl Fixture {

@@ -286,17 +286,7 @@ fn multi_read_model_down(name: &str, down: DownType) -> FlashModel {
 /// Streaming options that split every layer into many requests: an LRU cache
 /// holding part of the FFN leaves scattered misses, and no gap is merged.
 fn scattered(fm: &FlashModel, share: f64) -> EngineOptions {
-    EngineOptions {
-        policy: Policy::DenseStream,
-        cache_bytes: (fm.ffn_bytes() as f64 * share) as u64,
-        cache_policy: CachePolicy::Lru,
-        merge_gap_bytes: 0,
-        level: SparsityLevel::dense(fm.flash.n_layer()),
-        record: false,
-        trace: None,
-        speculation: None,
-        retention: None,
-    }
+    common::plain_options(fm, Policy::DenseStream, (fm.ffn_bytes() as f64 * share) as u64)
 }
 
 fn shuffled_backend(seed: u64) -> BackendFactory {

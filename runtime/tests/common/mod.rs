@@ -142,3 +142,23 @@ pub fn limit_file_size(cmd: &mut std::process::Command, bytes: u64) {
         });
     }
 }
+
+/// `policy` over `fm` with `cache_bytes` of LRU cache, no merged gaps,
+/// sparsity 0 and no artifacts: the plain engine tests vary from.
+pub fn plain_options(
+    fm: &leanstream_runtime::engine::FlashModel,
+    policy: leanstream_runtime::engine::Policy,
+    cache_bytes: u64,
+) -> leanstream_runtime::engine::EngineOptions {
+    leanstream_runtime::engine::EngineOptions {
+        policy,
+        cache_bytes,
+        cache_policy: leanstream_runtime::engine::CachePolicy::Lru,
+        merge_gap_bytes: 0,
+        level: leanstream_runtime::flash::SparsityLevel::dense(fm.flash.n_layer()),
+        record: false,
+        trace: None,
+        speculation: None,
+        retention: None,
+    }
+}
