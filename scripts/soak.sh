@@ -11,7 +11,7 @@
 # Usage: scripts/soak.sh [MODEL] [BUDGET_MIB]   (default: smollm2 160; a
 #        2000-token context's KV cache alone is 54 MiB of it for SmolLM2)
 # Env: TOKENS (2000), POLICIES (the seven streaming ones), SPARSITY (0.5),
-#      SLACK_MIB (16), REQUESTS (300), OUT (default $LEANSTREAM_HOME/soak),
+#      SLACK_MIB (16), REQUESTS (100), OUT (default $LEANSTREAM_HOME/soak),
 #      PROFILE (cargo profile of the binaries, release).
 # Needs root (cgroup memory controller). Artifacts are made as in
 # scripts/bench_speculate.sh and land beside the packed file.
@@ -20,7 +20,7 @@ cd "$(dirname "$0")/.."
 export CARGO_TARGET_DIR=${CARGO_TARGET_DIR:-$HOME/.cache/leanstream/target}
 home=${LEANSTREAM_HOME:-$HOME/.cache/leanstream}
 model=${1:-smollm2} budget=${2:-160}
-tokens=${TOKENS:-2000} sparsity=${SPARSITY:-0.5} slack=${SLACK_MIB:-16} requests=${REQUESTS:-300}
+tokens=${TOKENS:-2000} sparsity=${SPARSITY:-0.5} slack=${SLACK_MIB:-16} requests=${REQUESTS:-100}
 policies=${POLICIES:-dense-stream,oracle,gate-first,speculate,dejavu,llm-in-a-flash,powerinfer2}
 out=${OUT:-$home/soak}
 profile=${PROFILE:-release}
