@@ -9,7 +9,6 @@
 //! replays every seed and every input a fuzzer ever crashed on, kept under
 //! `data/fuzz/<target>/`.
 
-pub mod seeds;
 mod targets;
 
 use std::path::{Path, PathBuf};
@@ -143,7 +142,8 @@ impl Drop for Scratch {
     }
 }
 
-fn copy_tree(from: &Path, to: &Path) -> std::io::Result<()> {
+/// Copies the directory tree `from` to `to`.
+pub fn copy_tree(from: &Path, to: &Path) -> std::io::Result<()> {
     std::fs::create_dir_all(to)?;
     for e in std::fs::read_dir(from)? {
         let e = e?;

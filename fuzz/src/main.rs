@@ -5,7 +5,9 @@ use std::path::PathBuf;
 
 use anyhow::{anyhow, Context, Result};
 use clap::{Parser, Subcommand};
-use leanstream_fuzz::{corpus_root, run, seeds, Scratch, Target};
+use leanstream_fuzz::{corpus_root, run, Scratch, Target};
+
+mod seeds;
 
 #[derive(Parser)]
 #[command(about = "Seeds and replay for LeanStream's fuzz targets")]

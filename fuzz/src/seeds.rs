@@ -15,7 +15,7 @@ use leanstream_runtime::sparsity::{calibrate, Calibration};
 use leanstream_runtime::synthetic::{SyntheticSpec, VOCAB};
 use leanstream_synth::{eviction, placement, predictor};
 
-use crate::Target;
+use leanstream_fuzz::{copy_tree, Target};
 
 /// The smallest model every reader takes: 2 layers, width 32, 64 neurons,
 /// Q4_0 (a quantized type, as real models have), byte-level vocabulary.
@@ -121,7 +121,7 @@ pub fn write_all(out: &Path, repo: &Path, profile_bin: &Path) -> Result<()> {
     let trace = Trace::open(&trace_dir)?;
     let base = out.join(Target::TraceManifest.name()).join("base");
     let _ = fs::remove_dir_all(&base);
-    crate::copy_tree(&trace_dir, &base)?;
+    copy_tree(&trace_dir, &base)?;
     put(Target::TraceManifest, "manifest.json", &trace_dir.join("manifest.json"))?;
     let shard = trace_dir.join(&trace.split("train")?.shards[0].dir);
     for f in ["tokens.npy", "act.npy", "ffn_in.npy"] {
