@@ -65,7 +65,7 @@ pub fn run(target: Target, data: &[u8], scratch: &Scratch) -> Result<(), String>
             let entry = store.manifest.shards.first_mut().ok_or("base run has no shard")?;
             // The manifest vouches for these bytes: what reaches the Parquet reader.
             entry.bytes = data.len() as u64;
-            entry.sha256 = Sha256::digest(data).iter().map(|b| format!("{b:02x}")).collect();
+            entry.sha256 = leanstream_runtime::fetch::hex(&Sha256::digest(data));
             scratch.file(&format!("base/{}", entry.file), data)?;
             store.write_manifest().map_err(|e| s(&e))?;
             profile(&dir)

@@ -133,10 +133,6 @@ pub const MANIFEST: &str = "manifest.json";
 pub const SHARDS: &str = "shards";
 pub const QUARANTINE: &str = "quarantine";
 
-fn hex(d: &[u8]) -> String {
-    d.iter().map(|b| format!("{b:02x}")).collect()
-}
-
 fn sync_dir(dir: &Path) -> Result<()> {
     File::open(dir)
         .and_then(|d| d.sync_all())
@@ -275,7 +271,7 @@ impl ShardStore {
             file: rel,
             rows: df.height() as u64,
             bytes: buf.len() as u64,
-            sha256: hex(&Sha256::digest(&buf)),
+            sha256: leanstream_runtime::fetch::hex(&Sha256::digest(&buf)),
             first_round,
             last_round,
         });
@@ -293,7 +289,7 @@ impl ShardStore {
                 s.bytes
             ));
         }
-        let sum = hex(&Sha256::digest(&bytes));
+        let sum = leanstream_runtime::fetch::hex(&Sha256::digest(&bytes));
         if sum != s.sha256 {
             return Err(format!("checksum mismatch (sha256 {sum}, manifest says {})", s.sha256));
         }

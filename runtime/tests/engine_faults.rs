@@ -67,13 +67,7 @@ fn options(fx: &Fixture, policy: Policy, controller: Controller) -> EngineOption
     let c = &fm.model.config;
     let cfg = PredictorConfig::hashing(c.n_embd, c.n_ff, 32, c.n_layer, 32, 16, 8, 2);
     let mut p = Predictor::random(cfg, &["speculate", "refine"], 3).unwrap();
-    let sha: String = fm
-        .flash
-        .header()
-        .source_sha256
-        .iter()
-        .map(|b| format!("{b:02x}"))
-        .collect();
+    let sha = leanstream_runtime::fetch::hex(&fm.flash.header().source_sha256);
     p.provenance = serde_json::json!({"model": {"sha256": sha}}).to_string();
     EngineOptions {
         // The oracle replays the dense run's sets.

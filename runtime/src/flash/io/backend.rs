@@ -154,7 +154,7 @@ impl FaultyBackend {
 
     /// Shortens the completions in `out[from..]` that a fault shortens, and
     /// moves those of stalled reads not yet due into `self.stalled`.
-    fn hold_stalled(&mut self, from: usize, out: &mut Vec<ReadResult>) {
+    fn apply_faults(&mut self, from: usize, out: &mut Vec<ReadResult>) {
         let now = std::time::Instant::now();
         let mut k = from;
         while k < out.len() {
@@ -216,7 +216,7 @@ impl Backend for FaultyBackend {
         let held = self.shuffle.as_ref().map_or(0, |s| s.held.len());
         self.inner
             .complete(need.saturating_sub(held + self.stalled.len()), out)?;
-        self.hold_stalled(start, out);
+        self.apply_faults(start, out);
         self.release_due(out);
         // Stalled completions count towards `min` only once released: wait
         // for the earliest, or for the inner backend, until enough are out.
@@ -226,7 +226,7 @@ impl Backend for FaultyBackend {
                     // Other reads land while one stalls, as on a device.
                     let from = out.len();
                     self.inner.complete(0, out)?;
-                    self.hold_stalled(from, out);
+                    self.apply_faults(from, out);
                     if out.len() - start + held < need {
                         let left = t.saturating_duration_since(std::time::Instant::now());
                         std::thread::sleep(left.min(std::time::Duration::from_micros(200)));
@@ -236,7 +236,7 @@ impl Backend for FaultyBackend {
                 None => {
                     let from = out.len();
                     self.inner.complete(1, out)?;
-                    self.hold_stalled(from, out);
+                    self.apply_faults(from, out);
                 }
             }
         }
