@@ -302,6 +302,7 @@ fn quality(
             cache_bytes,
             cache_policy: CachePolicy::Lru,
             merge_gap_bytes: leanstream_runtime::engine::DEFAULT_MERGE_GAP,
+            staging_bytes: None,
             level,
             record: false,
             trace: None,
@@ -373,6 +374,9 @@ fn sweep(a: &BenchArgs) -> Result<()> {
             }
             if let Some(g) = &a.flash.merge_gap {
                 cmd.args(["--merge-gap", g]);
+            }
+            if let Some(g) = &a.flash.staging {
+                cmd.args(["--staging", g]);
             }
             if let Some(q) = &a.quality_file {
                 cmd.arg("--quality-file").arg(q);

@@ -318,10 +318,10 @@ pub(crate) struct FlashArgs {
     /// Fraction of FFN neurons to skip: a level calibrated at pack time (0: none).
     #[arg(long, default_value_t = 0.0)]
     pub(crate) sparsity: f32,
-    /// Neuron cache eviction: lru, hot (calibrated hot set), learned
-    /// (retention table) or window[:K]. Default: llm-in-a-flash window:5,
-    /// powerinfer2 hot, dejavu lru; otherwise hot when the file has
-    /// calibrated scores, else lru.
+    /// Neuron cache eviction: lru, hot (a static set: the calibrated hot
+    /// set, or each layer's leading bundles in a file without scores),
+    /// learned (retention table) or window[:K]. Default: llm-in-a-flash
+    /// window:5, dejavu lru, otherwise hot.
     #[arg(long)]
     pub(crate) cache_policy: Option<CachePolicy>,
     /// The learned cache policy's retention table (.lsevict); naming one
@@ -333,6 +333,11 @@ pub(crate) struct FlashArgs {
     /// e.g. 64KiB): larger trades bandwidth for fewer requests.
     #[arg(long)]
     pub(crate) merge_gap: Option<String>,
+    /// I/O staging (bytes, e.g. 8MiB): the read buffers that hold reads in
+    /// flight and landed bundles not yet computed, the only staging the
+    /// flash path has. Default: about two layers, at most 16 MiB.
+    #[arg(long)]
+    pub(crate) staging: Option<String>,
 }
 
 impl FlashArgs {
@@ -359,6 +364,7 @@ impl FlashArgs {
             cache_policy: self.cache_policy,
             eviction: self.eviction.clone(),
             merge_gap: bytes("--merge-gap", &self.merge_gap)?.map(|b| b as usize),
+            staging: bytes("--staging", &self.staging)?,
             predictor: self.predictor.clone(),
             controller: self.controller.clone(),
         })

@@ -181,3 +181,61 @@ fn tile_calls_with_bad_input_are_errors() {
     assert!(run_down(f, &ids, &a, 128, |i| layer.bundle(i), &mut y).is_err());
     assert!(BundleFormat::new(GgmlType::Q8_0, GgmlType::Q8_0, GgmlType::Q8K, DownLayout::Tiles, 64).is_err());
 }
+
+/// Parts put one neuron at a time, in any order, over a matrix an earlier
+/// layer of another type left behind, give `run`'s bits for the same groups.
+#[test]
+fn parts_put_in_any_order_give_the_gathered_product() {
+    let mut rng = Rng::new(14);
+    let mut tiles = DownTiles::new();
+    for ty in TYPES {
+        let n_ff = ty.block_size() * 6;
+        let layer = Tiled::new(ty, 64, n_ff, &mut rng);
+        let g = layer.format.group();
+        for groups in [vec![0u32, 1, 2, 3, 4, 5], vec![1, 4], vec![]] {
+            // Whatever the last layer left: every neuron of this one.
+            tiles.begin(&layer.format, n_ff).unwrap();
+            for i in 0..n_ff {
+                tiles.put(&layer.format, i, layer.bundle(i)).unwrap();
+            }
+            let _ = tiles.run_gathered(&layer.format, &[], &vec![0.0; n_ff], n_ff, &mut vec![0.0; 64]);
+            // Now only `groups`, their members in a scrambled order.
+            let mut members: Vec<usize> = groups
+                .iter()
+                .flat_map(|&grp| (grp as usize * g..(grp as usize + 1) * g).collect::<Vec<_>>())
+                .collect();
+            for k in (1..members.len()).rev() {
+                members.swap(k, rng.next_u64() as usize % (k + 1));
+            }
+            let a = rng.activations(3 * n_ff);
+            tiles.begin(&layer.format, n_ff).unwrap();
+            for &i in &members {
+                tiles.put(&layer.format, i, layer.bundle(i)).unwrap();
+            }
+            let mut put = vec![0.0; 3 * 64];
+            tiles.run_gathered(&layer.format, &groups, &a, n_ff, &mut put).unwrap();
+            let mut gathered = vec![0.0; 3 * 64];
+            DownTiles::new()
+                .run(&layer.format, &groups, &a, n_ff, |i| layer.bundle(i), &mut gathered)
+                .unwrap();
+            assert_eq!(bits(&put), bits(&gathered), "{ty}, groups {groups:?}");
+        }
+    }
+    // A part outside a begun layer, or a product of a layer not begun, is an error.
+    let layer = Tiled::new(GgmlType::Q4_0, 64, 128, &mut rng);
+    let mut t = DownTiles::new();
+    assert!(t.put(&layer.format, 0, layer.bundle(0)).is_err(), "not begun");
+    t.begin(&layer.format, 128).unwrap();
+    assert!(t.put(&layer.format, 128, layer.bundle(0)).is_err(), "neuron past n_ff");
+    assert!(t.put(&layer.format, 0, &layer.bundle(0)[1..]).is_err(), "short bundle");
+    assert!(t
+        .run_gathered(&layer.format, &[1, 0], &[0.0; 128], 128, &mut [0.0; 64])
+        .is_err());
+    t.run_gathered(&layer.format, &[0], &[0.0; 128], 128, &mut [0.0; 64])
+        .unwrap();
+    assert!(
+        t.run_gathered(&layer.format, &[0], &[0.0; 128], 128, &mut [0.0; 64])
+            .is_err(),
+        "a second product without begin"
+    );
+}

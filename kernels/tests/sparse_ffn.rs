@@ -543,6 +543,12 @@ fn blocked_kernels_equal_per_neuron_stages_and_their_scalar_twins() {
                         bits(&ys_scalar),
                         "{gate_ty}/{up_ty}/{down_ty} n={n}: run_down twins"
                     );
+                    // The columns kept apart from their bundles: the same bits.
+                    let down_at = f.gate_bytes() + f.up_bytes();
+                    let mut ys_columns = vec![0.25f32; n * COLS];
+                    let column = |i: usize| &layer.bundle(i)[down_at..down_at + f.down_bytes()];
+                    run_down_columns(&f, &ids, &a, N_FF, column, &mut ys_columns).unwrap();
+                    assert_eq!(bits(&ys), bits(&ys_columns), "{down_ty} n={n}: run_down_columns");
                     for t in 0..n {
                         let mut la = LayerActivations::new(N_FF);
                         for &i in &ids {

@@ -18,6 +18,7 @@ use std::sync::Barrier;
 use std::time::{Duration, Instant};
 
 use io_uring::{opcode, types, IoUring};
+use leanstream_runtime::aligned::AlignedBytes;
 use leanstream_runtime::flash::format::LsFlash;
 use rand::rngs::StdRng;
 use rand::seq::SliceRandom;
@@ -44,39 +45,9 @@ pub struct IoSetup {
     pub replay_fraction: f64,
 }
 
-/// A page-aligned heap buffer for O_DIRECT.
-pub struct AlignedBuf {
-    ptr: *mut u8,
-    layout: std::alloc::Layout,
-}
-
-impl AlignedBuf {
-    pub fn new(len: usize) -> Self {
-        let layout = std::alloc::Layout::from_size_align(len.max(ALIGN as usize), ALIGN as usize)
-            .expect("buffer size overflows a Layout");
-        // SAFETY: non-zero size.
-        let ptr = unsafe { std::alloc::alloc_zeroed(layout) };
-        if ptr.is_null() {
-            std::alloc::handle_alloc_error(layout);
-        }
-        Self { ptr, layout }
-    }
-
-    pub fn as_mut_ptr(&mut self) -> *mut u8 {
-        self.ptr
-    }
-
-    pub fn as_mut_slice(&mut self) -> &mut [u8] {
-        // SAFETY: ptr owns layout.size() initialised bytes.
-        unsafe { std::slice::from_raw_parts_mut(self.ptr, self.layout.size()) }
-    }
-}
-
-impl Drop for AlignedBuf {
-    fn drop(&mut self) {
-        // SAFETY: allocated with this layout.
-        unsafe { std::alloc::dealloc(self.ptr, self.layout) }
-    }
+/// A page-aligned, zeroed heap buffer of `len` bytes (at least a page) for O_DIRECT.
+fn aligned_buf(len: usize) -> AlignedBytes {
+    AlignedBytes::zeroed(len.max(ALIGN as usize), ALIGN as usize)
 }
 
 /// Opens `path` for O_DIRECT reads, or says why it cannot be.
@@ -92,7 +63,7 @@ pub fn open_direct(path: &Path) -> Result<File> {
             )
         })?;
     // Some filesystems accept the flag and refuse the read.
-    let mut b = AlignedBuf::new(ALIGN as usize);
+    let mut b = aligned_buf(ALIGN as usize);
     f.read_at(&mut b.as_mut_slice()[..ALIGN as usize], 0).map_err(|e| {
         ProfileError::io(
             path,
@@ -166,7 +137,7 @@ fn uring_worker(
 ) -> Result<WorkerOut> {
     let max_len = reqs.iter().map(|r| r.1).max().unwrap_or(ALIGN as u32) as usize;
     let mut ring = IoUring::new((qd as u32).max(2).next_power_of_two())?;
-    let mut bufs: Vec<AlignedBuf> = (0..qd).map(|_| AlignedBuf::new(max_len)).collect();
+    let bufs: Vec<AlignedBytes> = (0..qd).map(|_| aligned_buf(max_len)).collect();
     let mut free: Vec<usize> = (0..qd).rev().collect();
     // Per slot: (request index, submit time).
     let mut slot_req = vec![(0usize, Instant::now()); qd];
@@ -261,7 +232,7 @@ fn pread_worker(
             .map(|_| {
                 let (cursor, inner) = (&cursor, &inner);
                 s.spawn(move || -> Result<Vec<Done>> {
-                    let mut buf = AlignedBuf::new(max_len);
+                    let mut buf = aligned_buf(max_len);
                     let mut done = Vec::new();
                     inner.wait();
                     loop {

@@ -1,6 +1,7 @@
 //! The slim LeanStream engine: GGUF loading, tokenizers, the dense forward
 //! pass, sampling and generation. The `leanstream` binary sits on top.
 
+pub mod aligned;
 pub mod artifacts;
 pub mod binread;
 pub mod cache;

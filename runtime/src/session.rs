@@ -24,12 +24,14 @@ pub struct StreamSettings {
     /// A calibrated sparsity level (0: none).
     pub sparsity: f32,
     /// Default: the prior systems' own (see [`eviction`](Self::eviction)),
-    /// else `hot` when the file has calibrated scores, else `lru`.
+    /// else `hot`.
     pub cache_policy: Option<CachePolicy>,
     /// The learned cache policy's retention table (default: the one beside the model).
     pub eviction: Option<PathBuf>,
     /// Default [`DEFAULT_MERGE_GAP`].
     pub merge_gap: Option<usize>,
+    /// Bytes of I/O staging (default: about two layers, at most 16 MiB).
+    pub staging: Option<u64>,
     /// `speculate`'s predictor (default: the one beside the model).
     pub predictor: Option<PathBuf>,
     /// `speculate`'s controller: a table file or `fixed:K=..,b=..,d=..,q=..`
@@ -58,7 +60,7 @@ impl StreamSettings {
         };
         let weights = fm.flash.resident_range().1 + fm.model.tokenizer.heap_bytes();
         let state = st.bytes() as u64;
-        let engine = fm.engine_overhead_bytes(policy, st.max_batch) + trace_bytes;
+        let engine = fm.engine_overhead_bytes(policy, st.max_batch, self.staging) + trace_bytes;
         let fixed = weights + state + engine;
         if fixed > total {
             return Err(RuntimeError::Invalid(format!(
@@ -105,6 +107,7 @@ impl StreamSettings {
             cache_bytes: self.cache_bytes(fm, policy, st, trace_bytes)?,
             cache_policy,
             merge_gap_bytes: self.merge_gap.unwrap_or(DEFAULT_MERGE_GAP),
+            staging_bytes: self.staging,
             level: fm.sparsity_level(self.sparsity)?,
             record,
             trace,
@@ -117,11 +120,12 @@ impl StreamSettings {
     /// its retention table (the one named, else the one beside the model).
     /// The prior systems' policies default to their own: a sliding window
     /// for `llm-in-a-flash`, the hot set for `powerinfer2`, LRU for `dejavu`;
-    /// the others to the hot set when the file has scores, else LRU.
-    /// (`learned` is not the default: on a hot-first file its scattered hits
-    /// sit inside merged reads and save fewer bytes than the hot prefix.)
+    /// the others to the hot set (by calibrated score, or each layer's
+    /// leading bundles in a file without scores; LRU keeps nothing under the
+    /// dense scan of `dense-stream`). (`learned` is not the default: on a
+    /// hot-first file its scattered hits sit inside merged reads and save
+    /// fewer bytes than the hot prefix.)
     pub fn eviction(&self, fm: &FlashModel, policy: Policy) -> Result<(CachePolicy, Option<RetentionTable>)> {
-        let has_scores = !fm.flash.header().neuron_scores.is_empty();
         let policy = match (self.cache_policy, &self.eviction) {
             (Some(c), Some(table)) if c != CachePolicy::Learned => {
                 return Err(RuntimeError::Invalid(format!(
@@ -132,11 +136,10 @@ impl StreamSettings {
             (Some(c), _) => c,
             // Naming a table asks for the policy that reads it.
             (None, Some(_)) => CachePolicy::Learned,
-            (None, None) => match (policy, has_scores) {
-                (Policy::LlmInAFlash, _) => CachePolicy::Window(5),
-                (Policy::PowerInfer2, _) => CachePolicy::Hot,
-                (Policy::DejaVu, _) | (_, false) => CachePolicy::Lru,
-                (_, true) => CachePolicy::Hot,
+            (None, None) => match policy {
+                Policy::LlmInAFlash => CachePolicy::Window(5),
+                Policy::DejaVu => CachePolicy::Lru,
+                _ => CachePolicy::Hot,
             },
         };
         if policy != CachePolicy::Learned {

@@ -141,6 +141,7 @@ fn check_exact(fm: &FlashModel, gguf: &Run, prompt: &[u32], n: usize) {
         cache_bytes: (fm.ffn_bytes() as f64 * share) as u64,
         cache_policy: CachePolicy::Lru,
         merge_gap_bytes: leanstream_runtime::engine::DEFAULT_MERGE_GAP,
+        staging_bytes: None,
         level: SparsityLevel::dense(fm.flash.n_layer()),
         record,
         trace,
@@ -326,10 +327,66 @@ fn arrival_order_case(down: DownType) {
     }
 }
 
+/// Staging far below a layer (two 128 KiB read buffers against 1.7 MB
+/// layers) still gives the dense bits, in shuffled arrival order too.
+#[test]
+fn staging_smaller_than_a_layer_gives_the_same_bits() {
+    for down in [DownType::Q8_0, DownType::Source] {
+        let fm = multi_read_model_down(&format!("small_staging_{down}"), down);
+        let prompt = [1u32, 20, 33, 47, 5, 9];
+        let mut dense = fm.engine(Policy::Dense, FfnBudget::Percent(100.0)).unwrap();
+        let reference = greedy_flash(&fm, &mut dense, &prompt, 6);
+        let layer_bytes = fm.ffn_bytes() / fm.flash.n_layer() as u64;
+        for (seed, share) in [(4u64, 0.0), (5, 0.3)] {
+            let o = EngineOptions {
+                staging_bytes: Some(256 << 10),
+                ..scattered(&fm, share)
+            };
+            let mut e = fm.engine_on(o, Some(shuffled_backend(seed))).unwrap();
+            let run = greedy_flash(&fm, &mut e, &prompt, 6);
+            let io = fm.memory(&fm.model.new_state(64, 8, 1), &e).io_buffers;
+            assert!(
+                io < layer_bytes / 2,
+                "{io} bytes of I/O buffers against {layer_bytes}-byte layers"
+            );
+            assert!(
+                common::same_bits(&run, &reference),
+                "{down}: seed {seed}, cache share {share}"
+            );
+        }
+    }
+}
+
+/// What is staged is bounded by the pool: with nobody taking runs the reads
+/// stop once every buffer is held, and go on as compute takes them.
+#[test]
+fn staging_is_bounded_by_the_pool() {
+    let fm = multi_read_model("bounded");
+    let staging = 256u64 << 10;
+    let mut s = Streamer::new(&fm, 0, CachePolicy::Lru, None, 0, Some(staging), None).unwrap();
+    assert_eq!(s.staging_bytes(), staging);
+    s.ensure(0, Want::All).unwrap();
+    s.prefetch(1, Want::All).unwrap();
+    std::thread::sleep(Duration::from_millis(300));
+    let st = s.stats();
+    eprintln!("held without a call: {st:?}");
+    assert!(st.bytes_read > 0 && st.bytes_read <= staging, "{st:?}");
+    for l in 0..2 {
+        let mut bundles = 0;
+        while let Some(run) = s.next_run(l).unwrap() {
+            bundles += run.neurons.len();
+        }
+        assert_eq!(bundles, fm.flash.n_ff(), "layer {l}");
+        s.finish(l, false);
+    }
+    let layer_bytes = fm.ffn_bytes() / fm.flash.n_layer() as u64;
+    assert!(s.stats().bytes_read >= 2 * layer_bytes);
+}
+
 #[test]
 fn reads_progress_while_the_compute_thread_is_busy() {
     let fm = multi_read_model("progress");
-    let mut s = Streamer::new(&fm, 0, CachePolicy::Lru, None, 0, None).unwrap();
+    let mut s = Streamer::new(&fm, 0, CachePolicy::Lru, None, 0, None, None).unwrap();
     s.ensure(0, Want::All).unwrap();
     s.prefetch(1, Want::All).unwrap();
     let layer_bytes = fm.ffn_bytes() / fm.flash.n_layer() as u64;

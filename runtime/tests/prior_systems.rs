@@ -90,6 +90,7 @@ fn options(fm: &FlashModel, policy: Policy, cache: CachePolicy, level: SparsityL
         cache_bytes: fm.ffn_bytes() / 4,
         cache_policy: cache,
         merge_gap_bytes: 0,
+        staging_bytes: None,
         level,
         record: false,
         trace: None,

@@ -65,6 +65,7 @@ fn engine_cached(
         cache_bytes: (fm.ffn_bytes() as f64 * budget_pct / 100.0) as u64,
         cache_policy,
         merge_gap_bytes: leanstream_runtime::engine::DEFAULT_MERGE_GAP,
+        staging_bytes: None,
         level: fm.sparsity_level(sparsity).unwrap(),
         record: trace.is_none() && matches!(policy, Policy::Dense | Policy::DenseStream),
         trace,

@@ -82,6 +82,7 @@ fn options(fm: &FlashModel, share: f64, level: SparsityLevel, sp: Option<Specula
         cache_bytes: (fm.ffn_bytes() as f64 * share) as u64,
         cache_policy: CachePolicy::Lru,
         merge_gap_bytes: 0,
+        staging_bytes: None,
         level,
         record: false,
         trace: None,

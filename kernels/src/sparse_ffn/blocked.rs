@@ -216,9 +216,7 @@ fn stage1_on(
         out: &mut scratch[..values],
     };
     like_matmul(format.up_ty, rows.matrix_rows, path, up)?;
-    for (g, &u) in out[..values].iter_mut().zip(&scratch[..values]) {
-        *g = act.apply(*g, u);
-    }
+    act.apply_slice(&mut out[..values], &scratch[..values]);
     Ok(())
 }
 
@@ -330,7 +328,16 @@ pub fn run_down<'b>(
     bundle: impl Fn(usize) -> &'b [u8] + Sync,
     ys: &mut [f32],
 ) -> Result<(), KernelError> {
-    down_on(format, ids, a, n_ff, bundle, ys, has_avx2(), true)
+    down_on(
+        format,
+        ids,
+        a,
+        n_ff,
+        bundle_columns(format, bundle),
+        ys,
+        has_avx2(),
+        true,
+    )
 }
 
 /// Single-threaded scalar twin of [`run_down`] (same bits).
@@ -342,7 +349,54 @@ pub fn run_down_scalar<'b>(
     bundle: impl Fn(usize) -> &'b [u8] + Sync,
     ys: &mut [f32],
 ) -> Result<(), KernelError> {
-    down_on(format, ids, a, n_ff, bundle, ys, false, false)
+    down_on(format, ids, a, n_ff, bundle_columns(format, bundle), ys, false, false)
+}
+
+/// [`run_down`] with each neuron's down column given alone (`column(i)`:
+/// [`BundleFormat::down_bytes`] bytes), for a caller that keeps the columns
+/// apart from their bundles (a streamed layer, whose bundles are released
+/// as soon as stage 1 has seen them). Same bits as [`run_down`].
+pub fn run_down_columns<'b>(
+    format: &BundleFormat,
+    ids: &[u32],
+    a: &[f32],
+    n_ff: usize,
+    column: impl Fn(usize) -> &'b [u8] + Sync,
+    ys: &mut [f32],
+) -> Result<(), KernelError> {
+    let down_bytes = format.down_bytes();
+    let column = move |i: usize| -> Result<&'b [u8], KernelError> {
+        let c = column(i);
+        if c.len() != down_bytes {
+            return Err(KernelError::ByteLength {
+                what: "down column",
+                expected: down_bytes,
+                got: c.len(),
+            });
+        }
+        Ok(c)
+    };
+    down_on(format, ids, a, n_ff, column, ys, has_avx2(), true)
+}
+
+/// Neuron i's down column out of its whole bundle (`bundle(i)`), checked.
+fn bundle_columns<'b>(
+    format: &BundleFormat,
+    bundle: impl Fn(usize) -> &'b [u8] + Sync,
+) -> impl Fn(usize) -> Result<&'b [u8], KernelError> + Sync {
+    let down_at = format.gate_bytes() + format.up_bytes();
+    let (down_bytes, bb) = (format.down_bytes(), format.bundle_bytes());
+    move |i: usize| {
+        let b = bundle(i);
+        if b.len() != bb {
+            return Err(KernelError::ByteLength {
+                what: "neuron bundle",
+                expected: bb,
+                got: b.len(),
+            });
+        }
+        Ok(&b[down_at..down_at + down_bytes])
+    }
 }
 
 #[allow(clippy::too_many_arguments)]
@@ -351,7 +405,7 @@ fn down_on<'b>(
     ids: &[u32],
     a: &[f32],
     n_ff: usize,
-    bundle: impl Fn(usize) -> &'b [u8] + Sync,
+    column: impl Fn(usize) -> Result<&'b [u8], KernelError> + Sync,
     ys: &mut [f32],
     simd: bool,
     parallel: bool,
@@ -373,19 +427,7 @@ fn down_on<'b>(
         });
     }
     let n = ys.len() / d;
-    let down_at = format.gate_bytes() + format.up_bytes();
-    let (down_ty, down_bytes, bb) = (format.down_ty, format.down_bytes(), format.bundle_bytes());
-    let column = |i: usize| -> Result<&'b [u8], KernelError> {
-        let b = bundle(i);
-        if b.len() != bb {
-            return Err(KernelError::ByteLength {
-                what: "neuron bundle",
-                expected: bb,
-                got: b.len(),
-            });
-        }
-        Ok(&b[down_at..down_at + down_bytes])
-    };
+    let (down_ty, down_bytes) = (format.down_ty, format.down_bytes());
     let blk = down_ty.block_size();
     let blk_bytes = down_ty.row_bytes(blk)?;
     // One output row over every neuron, columns `cols` of each down column.

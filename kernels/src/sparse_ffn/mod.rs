@@ -45,7 +45,10 @@
 mod blocked;
 pub mod tiles;
 
-pub use blocked::{run_activations, run_activations_scalar, run_activations_split, run_down, run_down_scalar, FfnRows};
+pub use blocked::{
+    run_activations, run_activations_scalar, run_activations_split, run_down, run_down_columns, run_down_scalar,
+    FfnRows,
+};
 pub use tiles::DownTiles;
 
 /// A type the dot kernels take as weights (the activation-only types are not).
@@ -79,6 +82,17 @@ impl FfnActivation {
         match self {
             Self::Silu => ops::swiglu_element(g, u),
             Self::GeluTanh => ops::geglu_element(g, u),
+        }
+    }
+
+    /// [`apply`](Self::apply) over slices (`gate[i] = act(gate[i]) * up[i]`),
+    /// through the dense path's own slice functions: the same bits, with the
+    /// fused multiply-adds inlined where the CPU has FMA (the per-element
+    /// form outside such a function calls libm's `fmaf`).
+    pub fn apply_slice(self, gate: &mut [f32], up: &[f32]) {
+        match self {
+            Self::Silu => ops::swiglu(gate, up),
+            Self::GeluTanh => ops::geglu(gate, up),
         }
     }
 }

@@ -112,6 +112,9 @@ pub struct DownTiles {
     values: Vec<f32>,
     acts: ActBuffer,
     acts_len: usize,
+    /// The layer shape (down type, n_embd, n_ff) the matrix was begun for
+    /// by [`begin`](DownTiles::begin), while parts are put into it one by one.
+    begun: Option<(GgmlType, usize, usize)>,
 }
 
 impl Default for DownTiles {
@@ -127,6 +130,7 @@ impl DownTiles {
             values: Vec::new(),
             acts: ActBuffer::with_capacity(0, 0),
             acts_len: 0,
+            begun: None,
         }
     }
 
@@ -207,16 +211,140 @@ impl DownTiles {
                 format.down_ty
             )));
         }
+        let (ty, d) = (format.down_ty, format.n_embd);
+        check_rows(d, n_ff, a, ys)?;
+        let row_bytes = ty.row_bytes(n_ff)?;
+        let matrix = self.matrix_for(d * row_bytes);
+        gather(format, n_ff, groups, &bundle, matrix, fast)?;
+        self.begun = None;
+        self.product(format, groups, a, n_ff, ys, fast)
+    }
+
+    /// Starts a layer whose tiles arrive one neuron at a time: [`put`](Self::put)
+    /// each wanted neuron's bundle (in any order), then
+    /// [`run_gathered`](Self::run_gathered). Holds one layer's down matrix,
+    /// the same scratch [`run`](Self::run) gathers into.
+    pub fn begin(&mut self, format: &BundleFormat, n_ff: usize) -> Result<(), KernelError> {
+        format.validate()?;
+        if format.down_layout != DownLayout::Tiles || !n_ff.is_multiple_of(format.group()) {
+            return Err(KernelError::UnsupportedType(format!(
+                "{} down columns (or n_ff {n_ff} not in whole groups) in the tile product",
+                format.down_ty
+            )));
+        }
+        let (ty, d) = (format.down_ty, format.n_embd);
+        self.matrix_for(d * ty.row_bytes(n_ff)?);
+        self.begun = Some((ty, d, n_ff));
+        Ok(())
+    }
+
+    /// Copies neuron `i`'s tile part out of its whole `bundle` into its place
+    /// in the matrix [`begin`](Self::begin) started.
+    pub fn put(&mut self, format: &BundleFormat, i: usize, bundle: &[u8]) -> Result<(), KernelError> {
+        let (ty, d) = (format.down_ty, format.n_embd);
+        let Some((_, _, n_ff)) = self.begun.filter(|&(t, e, n)| t == ty && e == d && i < n) else {
+            return Err(KernelError::Length {
+                what: "tile part of a neuron outside the begun layer",
+                expected: self.begun.map_or(0, |b| b.2),
+                got: i,
+            });
+        };
+        if bundle.len() != format.bundle_bytes() {
+            return Err(KernelError::ByteLength {
+                what: "neuron bundle (down tile part)",
+                expected: format.bundle_bytes(),
+                got: bundle.len(),
+            });
+        }
+        let (g, blk, p) = (format.group(), block_bytes(ty)?, format.down_bytes());
+        let row_bytes = ty.row_bytes(n_ff)?;
+        let down_at = format.gate_bytes() + format.up_bytes();
+        let part = &bundle[down_at..down_at + p];
+        let (grp, k) = (i / g, i % g);
+        let matrix = &mut bytemuck::cast_slice_mut::<u64, u8>(&mut self.matrix)[..d * row_bytes];
+        // The part is tile bytes [k·P, (k+1)·P), cut at the tile's end; tile
+        // byte t is byte t % B of row t / B's block of this group.
+        let (start, end) = ((k * p).min(d * blk), ((k + 1) * p).min(d * blk));
+        let mut t = start;
+        while t < end {
+            let (r, o) = (t / blk, t % blk);
+            let take = (blk - o).min(end - t);
+            let at = r * row_bytes + grp * blk + o;
+            matrix[at..at + take].copy_from_slice(&part[t - start..t - start + take]);
+            t += take;
+        }
+        Ok(())
+    }
+
+    /// `ys[t] = down · a[t]` over the neurons of `groups` (ascending) from
+    /// the parts [`put`](Self::put) since [`begin`](Self::begin): every
+    /// member of each group must have been put. The other groups count as
+    /// 0 (their blocks are zeroed here, whatever an earlier layer left), so
+    /// the bits are [`run`](Self::run)'s for the same groups.
+    pub fn run_gathered(
+        &mut self,
+        format: &BundleFormat,
+        groups: &[u32],
+        a: &[f32],
+        n_ff: usize,
+        ys: &mut [f32],
+    ) -> Result<(), KernelError> {
+        let (ty, d, g) = (format.down_ty, format.n_embd, format.group());
+        if self.begun != Some((ty, d, n_ff)) {
+            return Err(KernelError::UnsupportedType(format!(
+                "a {ty} tile product over a layer that was not begun"
+            )));
+        }
+        let n_groups = n_ff / g;
+        if groups.windows(2).any(|w| w[0] >= w[1]) || groups.last().is_some_and(|&x| x as usize >= n_groups) {
+            return Err(KernelError::Length {
+                what: "tile groups (ascending, below n_ff / group)",
+                expected: n_groups,
+                got: groups.last().map_or(0, |&x| x as usize),
+            });
+        }
+        check_rows(d, n_ff, a, ys)?;
+        if groups.len() < n_groups {
+            let (blk, row_bytes) = (block_bytes(ty)?, ty.row_bytes(n_ff)?);
+            let matrix = &mut bytemuck::cast_slice_mut::<u64, u8>(&mut self.matrix)[..d * row_bytes];
+            let mut present = groups.iter().peekable();
+            for grp in 0..n_groups {
+                if present.next_if(|&&x| x as usize == grp).is_some() {
+                    continue;
+                }
+                for row in matrix.chunks_exact_mut(row_bytes) {
+                    row[grp * blk..(grp + 1) * blk].fill(0);
+                }
+            }
+        }
+        self.begun = None;
+        self.product(format, groups, a, n_ff, ys, true)
+    }
+
+    /// The gathered matrix's first `len` bytes (grown, never shrunk).
+    fn matrix_for(&mut self, len: usize) -> &mut [u8] {
+        let words = len.div_ceil(8);
+        if self.matrix.len() < words {
+            self.matrix.resize(words, 0);
+        }
+        &mut bytemuck::cast_slice_mut::<u64, u8>(&mut self.matrix)[..len]
+    }
+
+    /// The product over the gathered matrix, the activations of the groups
+    /// not in `groups` taken as 0.
+    fn product(
+        &mut self,
+        format: &BundleFormat,
+        groups: &[u32],
+        a: &[f32],
+        n_ff: usize,
+        ys: &mut [f32],
+        fast: bool,
+    ) -> Result<(), KernelError> {
         let (ty, d, g) = (format.down_ty, format.n_embd, format.group());
         let n = check_rows(d, n_ff, a, ys)?;
         let n_groups = n_ff / g;
         let row_bytes = ty.row_bytes(n_ff)?;
-        let words = (d * row_bytes).div_ceil(8);
-        if self.matrix.len() < words {
-            self.matrix.resize(words, 0);
-        }
-        let matrix = &mut bytemuck::cast_slice_mut::<u64, u8>(&mut self.matrix)[..d * row_bytes];
-        gather(format, n_ff, groups, &bundle, matrix, fast)?;
         // Absent groups count as 0 whatever `a` holds there. The product
         // keeps the full width: dropping columns would move the remaining
         // blocks to other SIMD lanes and change the rounding.

@@ -60,6 +60,9 @@ pub struct EngineOptions {
     /// Unneeded bytes between two needed bundles that one read may span
     /// ([`DEFAULT_MERGE_GAP`] unless tuned for the device).
     pub merge_gap_bytes: usize,
+    /// Bytes of I/O staging (the read buffers that hold reads in flight and
+    /// landed runs not yet computed); `None`: about two layers, at most 16 MiB.
+    pub staging_bytes: Option<u64>,
     /// Thresholds (all zero: no sparsity).
     pub level: SparsityLevel,
     /// Record each FFN call's kept sets (`dense` and `dense-stream` only),
@@ -130,6 +133,7 @@ impl FlashModel {
             cache_bytes: budget.resolve(self.ffn_bytes()),
             cache_policy: CachePolicy::Lru,
             merge_gap_bytes: DEFAULT_MERGE_GAP,
+            staging_bytes: None,
             level: SparsityLevel::dense(self.flash.n_layer()),
             record: false,
             trace: None,
@@ -152,27 +156,29 @@ impl FlashModel {
     }
 
     /// Bytes an engine under `policy` holds besides its neuron cache: I/O
-    /// staging and read buffers, resident gate rows, or all bundles for
-    /// `Dense`; gate-first's scratch for batches of up to `max_batch` rows.
-    /// With the resident weights and the run state, what a `--mem-budget`
-    /// must cover before the cache gets anything.
-    pub fn engine_overhead_bytes(&self, policy: Policy, max_batch: usize) -> u64 {
+    /// staging (`staging_bytes`, or the default), resident gate rows, or all
+    /// bundles for `Dense`; the FFN scratch and the policy's for batches of
+    /// up to `max_batch` rows. With the resident weights and the run state,
+    /// what a `--mem-budget` must cover before the cache gets anything.
+    pub fn engine_overhead_bytes(&self, policy: Policy, max_batch: usize, staging_bytes: Option<u64>) -> u64 {
         let n_ff = self.flash.n_ff() as u64;
-        let tail = Tail::bytes_for(&self.formats, self.flash.n_ff(), max_batch);
+        let streamed = policy != Policy::Dense;
+        let tail = Tail::bytes_for(&self.formats, self.flash.n_ff(), max_batch, streamed);
+        let stream = Streamer::overhead_bytes(self, staging_bytes);
         tail + match policy {
             Policy::Dense => self.ffn_bytes(),
-            Policy::DenseStream | Policy::Oracle => Streamer::overhead_bytes(self),
+            Policy::DenseStream | Policy::Oracle => stream,
             Policy::Speculate | Policy::DejaVu | Policy::LlmInAFlash | Policy::PowerInfer2 => {
                 // Per row its group scores, the urgency and rank scratch, and
                 // two rows of residual and estimate (the predictor's own
                 // weights are counted where it is loaded).
                 let scratch = max_batch as u64 * (n_ff * 4 + 2 * self.model.config.n_embd as u64 * 4) + n_ff * 8;
-                Streamer::overhead_bytes(self) + scratch
+                stream + scratch
             }
             Policy::GateFirst => {
                 // Per row its gate values and candidate bitmap, and the union.
                 let scratch = (max_batch as u64 + 1) * (n_ff * 4 + n_ff.div_ceil(64) * 8);
-                Streamer::overhead_bytes(self) + self.gate_rows_bytes() + scratch
+                stream + self.gate_rows_bytes() + scratch
             }
         }
     }
@@ -280,6 +286,7 @@ impl FlashModel {
                     o.cache_policy,
                     o.retention.clone(),
                     o.merge_gap_bytes,
+                    o.staging_bytes,
                     backend,
                 )?;
                 if let Some(h) = held {

@@ -2,18 +2,26 @@
 //! with the reads driven by the I/O thread ([`IoWorker`]).
 //!
 //! Two stages alternate: while layer l computes from one, the next layer's
-//! reads land in the other. A policy asks for a layer with a set of neurons
+//! reads land for the other. A policy asks for a layer with a set of neurons
 //! ([`Want`]): all of them (`dense-stream`), a set known in advance
 //! (`oracle`), or a set decided after attention (`gate-first`). Each wanted
 //! bundle is looked up in the neuron cache (a hit or a miss in its counters);
 //! hits are pinned until the layer is done, so that inserts cannot evict them;
 //! misses become one request per run of neighbouring positions on flash (the
 //! I/O engine then coalesces nearby runs within its gap and amplification
-//! limits). The I/O thread lands each finished run in the stage's buffer at
-//! its flash position and appends the run to the stage's [`ArrivalLog`];
-//! compute takes runs from the log as they come ([`Streamer::next_runs`]), so
-//! a layer's FFN starts on the first bundles that land. When the layer is
-//! done its arrivals are offered to the cache.
+//! limits).
+//!
+//! Staging is the I/O engine's read buffers and nothing else: a landed run
+//! stays in its pool buffer, is published in the stage's [`ArrivalLog`], and
+//! compute takes runs from the log as they come ([`Streamer::next_run`]), so
+//! a layer's FFN starts on the first bundles that land. Compute keeps what
+//! stage 2 needs of a run (its down parts), the run is offered to the cache,
+//! and its buffer goes back to the pool when compute takes the next one. So
+//! the bytes staged are the bytes in flight plus those landed and not yet
+//! computed, bounded by the pool ([`staging_bytes`](super::EngineOptions::staging_bytes)), whatever
+//! the layer size. The stage behind the front may hold at most half the
+//! pool's buffers until it is the front (or the front has every read back),
+//! so the layer being computed always gets buffers.
 
 use std::collections::VecDeque;
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -24,7 +32,7 @@ use super::{EngineStats, FlashModel};
 use crate::cache::{
     CacheShape, EvictionPolicy, Learned, Lru, NeuronCache, NeuronFreq, RetentionTable, SlidingWindow, StaticHot,
 };
-use crate::flash::io::{ArrivalLog, Delivery, IoConfig, IoEngine, IoWorker, Request, Sink};
+use crate::flash::io::{ArrivalLog, Completed, Delivery, IoConfig, IoEngine, IoWorker, Request, Sink};
 use crate::flash::runs::{max_run_bytes, RunRule};
 use crate::{Result, RuntimeError};
 
@@ -36,7 +44,10 @@ pub enum CachePolicy {
     Lru,
     /// The neurons with the highest calibrated mean |activation| (relative
     /// to their layer's mean), loaded at start and never evicted
-    /// (PowerInfer's hot set); needs the scores `pack --calibrate` stores.
+    /// (PowerInfer's hot set), from the scores `pack --calibrate` stores. A
+    /// file without scores gets each layer's leading bundles on flash: a
+    /// static set, which is what saves reads under a dense scan (where LRU
+    /// keeps nothing), and it leaves each layer's reads one contiguous tail.
     Hot,
     /// Neurons used in the last k tokens (LLM in a Flash).
     Window(usize),
@@ -91,69 +102,48 @@ impl Want<'_> {
     }
 }
 
-/// One layer's bundles at their flash positions: written by the I/O thread,
-/// read by compute. Who touches which bytes when is governed by the stage
-/// protocol: the I/O thread writes a run's range once, before publishing it
-/// in the log; compute reads only published ranges, and re-requests a stage
-/// only once every read of its previous use has settled.
-struct StagingBuf {
-    ptr: *mut u8,
-    layout: std::alloc::Layout,
-}
-
-// SAFETY: plain bytes; access is ordered by the arrival log (see above).
-unsafe impl Send for StagingBuf {}
-unsafe impl Sync for StagingBuf {}
-
-impl StagingBuf {
-    fn new(len: usize) -> Self {
-        let layout = std::alloc::Layout::from_size_align(len.max(1), 64).expect("staging layout");
-        // SAFETY: non-zero size; freed in Drop.
-        let ptr = unsafe { std::alloc::alloc_zeroed(layout) };
-        if ptr.is_null() {
-            std::alloc::handle_alloc_error(layout);
-        }
-        Self { ptr, layout }
-    }
-
-    fn len(&self) -> usize {
-        self.layout.size()
-    }
-
-    /// Bytes `range`; only for a range the log has published (see the type's doc).
-    fn get(&self, range: std::ops::Range<usize>) -> &[u8] {
-        assert!(range.start <= range.end && range.end <= self.len(), "staging range");
-        // SAFETY: in bounds; no writer touches a published range.
-        unsafe { std::slice::from_raw_parts(self.ptr.add(range.start), range.len()) }
-    }
-
-    /// Writes `src` at `at`.
-    ///
-    /// # Safety
-    /// No read has been asked to land on these bytes in the stage's current
-    /// use (so the I/O thread does not write them) and compute does not read
-    /// them before this returns.
-    unsafe fn write(&self, at: usize, src: &[u8]) {
-        assert!(at + src.len() <= self.len(), "staging range");
-        std::ptr::copy_nonoverlapping(src.as_ptr(), self.ptr.add(at), src.len());
-    }
-}
-
-impl Drop for StagingBuf {
-    fn drop(&mut self) {
-        // SAFETY: allocated in `new` with this layout.
-        unsafe { std::alloc::dealloc(self.ptr, self.layout) }
-    }
+/// Landed runs of one stage that compute has not taken yet, by run index:
+/// each holds its share of an I/O pool buffer. Closed (and emptied) when the
+/// stage is finished or dropped, so a read that lands late is let go at once.
+struct Held {
+    runs: Vec<Option<Completed>>,
+    open: bool,
 }
 
 /// What the I/O thread and compute share of one stage.
 struct Landing {
-    buf: StagingBuf,
+    held: Mutex<Held>,
     /// Runs (indices into the stage's run list) in arrival order.
     log: ArrivalLog,
-    /// Runs landed, failed or cancelled.
+    /// Runs landed, failed or cancelled (or cancelled before they were posted).
     settled: AtomicUsize,
     failed: Mutex<Option<RuntimeError>>,
+}
+
+impl Landing {
+    fn new(n_ff: usize) -> Self {
+        Self {
+            held: Mutex::new(Held {
+                runs: (0..n_ff).map(|_| None).collect(),
+                open: false,
+            }),
+            log: ArrivalLog::new(n_ff),
+            settled: AtomicUsize::new(0),
+            failed: Mutex::new(None),
+        }
+    }
+
+    /// Lets go of every run held and, with `open`, takes new arrivals.
+    fn reset(&self, open: bool) {
+        let mut h = lock(&self.held);
+        h.open = open;
+        h.runs.iter_mut().for_each(|r| *r = None);
+    }
+
+    /// Takes landed run `r` (published in the log) from its holder.
+    fn take(&self, r: usize) -> Option<Completed> {
+        lock(&self.held).runs.get_mut(r).and_then(Option::take)
+    }
 }
 
 struct Landings {
@@ -163,42 +153,42 @@ struct Landings {
     arrived: Condvar,
 }
 
-/// Lands each finished read in its stage (request id = run << 1 | stage;
-/// `dest` = the run's byte offset in the stage buffer).
+impl Landings {
+    /// Counts one more run of stage `k` settled and wakes compute.
+    fn settle(&self, k: usize) {
+        self.stages[k].settled.fetch_add(1, Ordering::Release);
+        *lock(&self.signal) += 1;
+        self.arrived.notify_all();
+    }
+}
+
+/// Holds each finished read for compute (request id = run << 1 | stage).
 struct LandingSink(Arc<Landings>);
 
 impl Sink for LandingSink {
-    fn deliver(&mut self, d: Delivery<'_>) {
-        let stage = |id: u32| &self.0.stages[id as usize & 1];
-        let st = match d {
-            Delivery::Landed { id, dest, data } => {
-                let st = stage(id);
-                let end = dest as usize + data.len();
-                if end <= st.buf.len() {
-                    // SAFETY: in bounds; compute does not read this range
-                    // until the push below publishes it.
-                    unsafe { std::ptr::copy_nonoverlapping(data.as_ptr(), st.buf.ptr.add(dest as usize), data.len()) };
+    fn deliver(&mut self, d: Delivery) {
+        let k = match d {
+            Delivery::Landed { id, data, .. } => {
+                let (k, run) = (id as usize & 1, (id >> 1) as usize);
+                let st = &self.0.stages[k];
+                let mut h = lock(&st.held);
+                if h.open && run < h.runs.len() {
+                    h.runs[run] = Some(data);
+                    drop(h);
+                    // Published after it is held: compute that sees the run
+                    // in the log finds its bytes.
                     st.log.push(id >> 1);
-                } else {
-                    lock(&st.failed).get_or_insert_with(|| {
-                        RuntimeError::Invalid(format!(
-                            "read {id} of {} bytes lands past its staging buffer",
-                            data.len()
-                        ))
-                    });
                 }
-                st
+                k
             }
             Delivery::Failed { id, error, .. } => {
-                let st = stage(id);
-                lock(&st.failed).get_or_insert(error);
-                st
+                let k = id as usize & 1;
+                lock(&self.0.stages[k].failed).get_or_insert(error);
+                k
             }
-            Delivery::Cancelled { id, .. } => stage(id),
+            Delivery::Cancelled { id, .. } => id as usize & 1,
         };
-        st.settled.fetch_add(1, Ordering::Release);
-        *lock(&self.0.signal) += 1;
-        self.0.arrived.notify_all();
+        self.0.settle(k);
     }
 }
 
@@ -211,7 +201,7 @@ struct Stage {
     layer: usize,
     /// By neuron: a miss of this stage whose read is requested.
     requested: Vec<bool>,
-    /// By neuron: landed in the stage buffer and taken by compute.
+    /// By neuron: requested, landed and taken by compute.
     staged: Vec<bool>,
     /// Neurons wanted (bitmap).
     want: Vec<u64>,
@@ -233,6 +223,12 @@ struct Stage {
     /// The deadline passed: reads still out were cancelled, and what lands
     /// later is not taken.
     expired: bool,
+    /// Runs handed to the I/O thread, or cancelled before they were: the
+    /// runs that will settle.
+    posted: usize,
+    /// Runs held back while this stage is not the front (priority, run),
+    /// most urgent first.
+    deferred: Vec<(u32, usize)>,
 }
 
 const RUN_QUEUED: u8 = 0;
@@ -268,11 +264,9 @@ pub struct Streamer {
     /// group; 1 for down columns), and the expanded want of a request.
     group: Vec<usize>,
     grouped: Vec<u64>,
-    /// Per layer: offset of its first bundle, the neuron at each position and
-    /// the position of each neuron.
+    /// Per layer: offset of its first bundle and the neuron at each position.
     layer_offset: Vec<u64>,
     placement: Vec<Vec<u32>>,
-    position: Vec<Vec<u32>>,
     /// Most bundle bytes in one request.
     max_run_bytes: usize,
     /// A gap of unneeded bundles at most this long joins two runs into one
@@ -295,28 +289,22 @@ pub struct Streamer {
     seq: u32,
     /// Time compute spent blocked on arrivals.
     wait_ns: u64,
+    /// The run compute took last: offered to the cache and let go (its pool
+    /// buffer back to the I/O engine) when compute takes the next.
+    current: Option<TakenRun>,
+    /// The run with its held prefix filled in (`gate-first`; empty otherwise).
+    assembled: Vec<u8>,
+    /// Runs the stage behind the front may have posted (half the pool's buffers).
+    ahead_runs: usize,
+    /// Runs to post (priority, run), reused.
+    to_post: Vec<(u32, usize)>,
 }
 
-/// Read access to the bundles of the layer being computed.
-pub struct LayerView<'a> {
-    streamer: &'a Streamer,
-    stage: &'a Stage,
-    bb: usize,
-    k: usize,
-}
-
-impl LayerView<'_> {
-    /// Neuron `i`'s bundle; empty when `i` was neither cached nor has landed.
-    pub fn bundle(&self, i: usize) -> &[u8] {
-        if self.stage.staged[i] {
-            let p = self.streamer.position[self.stage.layer][i] as usize;
-            self.streamer.landings.stages[self.k]
-                .buf
-                .get(p * self.bb..(p + 1) * self.bb)
-        } else {
-            self.streamer.cache.peek(self.stage.layer, i).unwrap_or(&[])
-        }
-    }
+/// A landed run compute is working on.
+struct TakenRun {
+    stage: usize,
+    run: usize,
+    data: Completed,
 }
 
 /// A run that has landed: its bundles back to back, the neuron at each, and
@@ -335,6 +323,7 @@ impl Streamer {
         policy: CachePolicy,
         retention: Option<Arc<RetentionTable>>,
         merge_gap_bytes: usize,
+        staging_bytes: Option<u64>,
         backend: Option<super::BackendFactory>,
     ) -> Result<Self> {
         let f = &m.flash;
@@ -349,14 +338,22 @@ impl Streamer {
                     f.path().display()
                 ))
             })?)),
+            CachePolicy::Hot if f.header().neuron_scores.is_empty() => {
+                // Position p of every layer before position p + 1 of any.
+                let n_ff = f.n_ff();
+                let ranking = (0..f.n_layer())
+                    .flat_map(|l| {
+                        (0..n_ff).map(move |p| NeuronFreq {
+                            layer: l as u32,
+                            neuron: f.neuron_at(l, p) as u32,
+                            freq: (n_ff - p) as f32,
+                        })
+                    })
+                    .collect();
+                Box::new(StaticHot::new(ranking))
+            }
             CachePolicy::Hot => {
                 let scores = &f.header().neuron_scores;
-                if scores.is_empty() {
-                    return Err(RuntimeError::Invalid(format!(
-                        "{}: the hot cache policy needs calibrated neuron scores; re-pack with --calibrate TEXT",
-                        f.path().display()
-                    )));
-                }
                 let ranking = scores
                     .iter()
                     .enumerate()
@@ -377,19 +374,12 @@ impl Streamer {
         let mut cache = NeuronCache::new(&shape, budget, eviction).map_err(|e| RuntimeError::Invalid(e.to_string()))?;
         prefill(m, &mut cache)?;
         let (n_ff, n_layer) = (f.n_ff(), f.n_layer());
-        let max_bb = shape.bundle_bytes.iter().copied().max().unwrap_or(0);
-        let landing = || Landing {
-            buf: StagingBuf::new(n_ff * max_bb),
-            log: ArrivalLog::new(n_ff),
-            settled: AtomicUsize::new(0),
-            failed: Mutex::new(None),
-        };
         let landings = Arc::new(Landings {
-            stages: [landing(), landing()],
+            stages: [Landing::new(n_ff), Landing::new(n_ff)],
             signal: Mutex::new(0),
             arrived: Condvar::new(),
         });
-        let cfg = Self::io_config(m);
+        let cfg = Self::io_config(m, staging_bytes);
         let engine = match backend {
             None => IoEngine::open(f.path(), cfg)?,
             Some(make) => {
@@ -398,6 +388,7 @@ impl Streamer {
             }
         };
         let max_run_bytes = max_run_bytes(engine.config());
+        let ahead_runs = (engine.config().pool_buffers / 2).max(1);
         let io = IoWorker::spawn(engine, LandingSink(Arc::clone(&landings)))?;
         let stage = || Stage {
             layer: usize::MAX,
@@ -412,19 +403,11 @@ impl Streamer {
             run_state: Vec::with_capacity(n_ff),
             requested_count: 0,
             expired: false,
+            posted: 0,
+            deferred: Vec::with_capacity(n_ff),
         };
         let placement: Vec<Vec<u32>> = (0..n_layer)
             .map(|l| (0..n_ff).map(|p| f.neuron_at(l, p) as u32).collect())
-            .collect();
-        let position = placement
-            .iter()
-            .map(|order| {
-                let mut pos = vec![0u32; n_ff];
-                for (p, &i) in order.iter().enumerate() {
-                    pos[i as usize] = p as u32;
-                }
-                pos
-            })
             .collect();
         Ok(Self {
             merge_gap_bytes,
@@ -437,7 +420,6 @@ impl Streamer {
             n_ff,
             layer_offset: (0..n_layer).map(|l| f.layer_extent(l).0).collect(),
             placement,
-            position,
             max_run_bytes,
             bundle_bytes: shape.bundle_bytes,
             group: m.formats.iter().map(|f| f.group()).collect(),
@@ -450,6 +432,10 @@ impl Streamer {
             next_stage: 0,
             seq: 0,
             wait_ns: 0,
+            current: None,
+            assembled: Vec::new(),
+            ahead_runs,
+            to_post: Vec::with_capacity(n_ff),
         })
     }
 
@@ -471,6 +457,7 @@ impl Streamer {
         }
         let bytes = rows.iter().map(|r| r.len() / self.n_ff).collect();
         self.held = Some(HeldPrefix { rows, bytes });
+        self.assembled = vec![0; self.max_run_bytes];
         Ok(())
     }
 
@@ -513,22 +500,34 @@ impl Streamer {
         self.cache.policy_name()
     }
 
-    /// Bytes the streamer holds besides the cache: staging and read buffers.
+    /// Bytes the streamer holds besides the cache: the I/O engine's read
+    /// buffers (all of its staging) and the run scratch of a held prefix.
     /// Known before construction, for `--mem-budget`.
-    pub fn overhead_bytes(m: &FlashModel) -> u64 {
-        let shape = CacheShape::from_flash(&m.flash);
-        let max_bb = shape.bundle_bytes.iter().copied().max().unwrap_or(0);
-        let cfg = Self::io_config(m);
-        (2 * m.flash.n_ff() * max_bb + cfg.pool_buffers * cfg.max_read_bytes) as u64
+    pub fn overhead_bytes(m: &FlashModel, staging_bytes: Option<u64>) -> u64 {
+        let cfg = Self::io_config(m, staging_bytes);
+        let pool = cfg.pool_buffers.max(cfg.max_in_flight) * cfg.max_read_bytes;
+        (pool + max_run_bytes(&cfg)) as u64
     }
 
-    /// The I/O settings for `m`'s layer size.
-    fn io_config(m: &FlashModel) -> IoConfig {
+    /// The I/O settings for `m`'s layer size, with a pool of about
+    /// `staging_bytes` where given (at least two reads).
+    fn io_config(m: &FlashModel, staging_bytes: Option<u64>) -> IoConfig {
         let layer = (0..m.flash.n_layer())
             .map(|l| m.flash.layer_extent(l).1)
             .max()
             .unwrap_or(0);
-        IoConfig::for_layer_bytes(layer)
+        let cfg = IoConfig::for_layer_bytes(layer);
+        match staging_bytes {
+            None => cfg,
+            Some(bytes) => {
+                let buffers = (bytes / cfg.max_read_bytes as u64).clamp(2, 1 << 16) as usize;
+                IoConfig {
+                    pool_buffers: buffers,
+                    max_in_flight: cfg.max_in_flight.min(buffers),
+                    ..cfg
+                }
+            }
+        }
     }
 
     pub fn budget_bytes(&self) -> u64 {
@@ -539,11 +538,16 @@ impl Streamer {
         self.cache.capacity_bytes()
     }
 
-    /// Staging buffers plus the I/O engine's read buffers.
+    /// The I/O engine's read buffers (the staging) and the run scratch.
     pub fn buffer_bytes(&self) -> u64 {
-        let staged: usize = self.landings.stages.iter().map(|s| s.buf.len()).sum();
         let cfg = self.io.config();
-        (staged + cfg.pool_buffers * cfg.max_read_bytes) as u64
+        (cfg.pool_buffers * cfg.max_read_bytes + self.assembled.len()) as u64
+    }
+
+    /// Bytes of landed runs and reads in flight the pool can hold at once.
+    pub fn staging_bytes(&self) -> u64 {
+        let cfg = self.io.config();
+        (cfg.pool_buffers * cfg.max_read_bytes) as u64
     }
 
     pub fn stats(&self) -> EngineStats {
@@ -571,9 +575,9 @@ impl Streamer {
         self.io.set_depth(reads, bytes);
     }
 
-    /// Blocks until stage `k` has settled every read it asked for.
+    /// Blocks until stage `k` has settled every read it posted.
     fn quiesce(&mut self, k: usize) {
-        let want = self.stages[k].runs.len();
+        let want = self.stages[k].posted;
         let landing = &self.landings.stages[k];
         let mut g = lock(&self.landings.signal);
         while landing.settled.load(Ordering::Acquire) < want {
@@ -621,6 +625,7 @@ impl Streamer {
         // The stage is not queued, so nothing of it is outstanding; make sure.
         self.quiesce(k);
         let landing = &self.landings.stages[k];
+        landing.reset(true);
         landing.log.clear();
         landing.settled.store(0, Ordering::Release);
         *lock(&landing.failed) = None;
@@ -636,6 +641,8 @@ impl Streamer {
         s.covered.fill(0);
         s.requested_count = 0;
         s.expired = false;
+        s.posted = 0;
+        s.deferred.clear();
         s.seq = self.seq;
         self.queue.push_back(k);
         // An empty stage extended by `want`: nothing is covered yet.
@@ -645,17 +652,17 @@ impl Streamer {
 
     /// Marks runs `first..` of stage `k` as covering their positions and
     /// hands them to the I/O thread, each at the priority of its most urgent
-    /// requested neuron.
+    /// requested neuron; behind the front, only as many as its share of the
+    /// pool allows (the rest wait in `deferred`, most urgent first).
     fn submit_runs(&mut self, k: usize, first: usize, urgency: Option<&[u16]>) {
         let s = &mut self.stages[k];
         let l = s.layer;
-        let (bb, skip) = (self.bundle_bytes[l], self.held.as_ref().map_or(0, |h| h.bytes[l]));
         let order = &self.placement[l];
         for (r, &(p0, n)) in s.runs.iter().enumerate().skip(first) {
             s.covered[p0..p0 + n].fill(r as u32 + 1);
         }
         s.run_state.resize(s.runs.len(), RUN_QUEUED);
-        let (base, seq, requested) = (self.layer_offset[l], s.seq, &s.requested);
+        let (seq, requested) = (s.seq, &s.requested);
         let urgent = |p0: usize, n: usize| {
             urgency.map_or(0, |u| {
                 order[p0..p0 + n]
@@ -666,15 +673,49 @@ impl Streamer {
                     .unwrap_or(u16::MAX)
             })
         };
-        self.io.read(s.runs.iter().enumerate().skip(first).map(|(r, &(p0, n))| {
+        let new = s.runs.iter().enumerate().skip(first);
+        s.deferred
+            .extend(new.map(|(r, &(p0, n))| (Self::priority(seq, urgent(p0, n)), r)));
+        s.deferred.sort_unstable();
+        self.post_deferred(k);
+    }
+
+    /// Posts stage `k`'s deferred runs that its share of the pool allows:
+    /// all of them at the front, or once the front has every read back.
+    fn post_deferred(&mut self, k: usize) {
+        let front = self.queue.front().copied();
+        let unlimited = front == Some(k)
+            || front.is_some_and(|f| {
+                let st = &self.stages[f];
+                st.deferred.is_empty() && self.landings.stages[f].settled.load(Ordering::Acquire) >= st.runs.len()
+            });
+        let s = &mut self.stages[k];
+        let room = if unlimited {
+            s.deferred.len()
+        } else {
+            self.ahead_runs.saturating_sub(s.posted).min(s.deferred.len())
+        };
+        if room == 0 {
+            return;
+        }
+        let mut batch = std::mem::take(&mut self.to_post);
+        batch.clear();
+        batch.extend(s.deferred.drain(..room));
+        s.posted += batch.len();
+        let l = s.layer;
+        let (bb, skip) = (self.bundle_bytes[l], self.held.as_ref().map_or(0, |h| h.bytes[l]));
+        let (base, runs) = (self.layer_offset[l], &s.runs);
+        self.io.read(batch.iter().map(|&(priority, r)| {
+            let (p0, n) = runs[r];
             let req = Request {
                 id: Self::request_id(k, r),
                 offset: base + (p0 * bb + skip) as u64,
                 len: (n * bb - skip) as u32,
-                priority: Self::priority(seq, urgent(p0, n)),
+                priority,
             };
-            (req, (p0 * bb + skip) as u64)
+            (req, 0)
         }));
+        self.to_post = batch;
     }
 
     /// The queued stage of layer `l`, if any.
@@ -753,20 +794,39 @@ impl Streamer {
         let Some(k) = self.stage_of(l) else { return 0 };
         let s = &mut self.stages[k];
         let order = &self.placement[l];
-        let mut ids = Vec::new();
-        for (r, &(p0, n)) in s.runs.iter().enumerate() {
-            if s.run_state[r] != RUN_QUEUED {
-                continue;
-            }
-            let needed = order[p0..p0 + n]
+        let (requested, runs) = (&s.requested, &s.runs);
+        let needed = |r: usize| {
+            let (p0, n) = runs[r];
+            order[p0..p0 + n]
                 .iter()
-                .any(|&i| s.requested[i as usize] && bit_is_set(keep, i as usize));
-            if !needed {
-                s.run_state[r] = RUN_CANCELLED;
+                .any(|&i| requested[i as usize] && bit_is_set(keep, i as usize))
+        };
+        // Runs never posted are dropped here and settle at once.
+        let before = s.deferred.len();
+        let state = &mut s.run_state;
+        s.deferred.retain(|&(_, r)| {
+            let drop = !needed(r);
+            if drop {
+                state[r] = RUN_CANCELLED;
+            }
+            !drop
+        });
+        let unposted = before - s.deferred.len();
+        s.posted += unposted;
+        // The posted ones settle when the I/O thread confirms (or land
+        // anyway, already submitted).
+        let mut ids = Vec::new();
+        for (r, st) in state.iter_mut().enumerate() {
+            // (What stays deferred is needed.)
+            if *st == RUN_QUEUED && !needed(r) {
+                *st = RUN_CANCELLED;
                 ids.push(Self::request_id(k, r));
             }
         }
-        let n = ids.len();
+        for _ in 0..unposted {
+            self.landings.settle(k);
+        }
+        let n = ids.len() + unposted;
         self.io.cancel(ids);
         n
     }
@@ -827,12 +887,15 @@ impl Streamer {
     /// Drops every outstanding stage: requests not yet submitted are
     /// cancelled, reads in flight are drained.
     fn reset(&mut self) -> Result<()> {
+        self.retire();
         for &k in &self.queue {
             let n = self.stages[k].runs.len();
+            self.stages[k].deferred.clear();
             self.io.cancel((0..n).map(|r| Self::request_id(k, r)));
         }
         while let Some(k) = self.queue.pop_front() {
             self.quiesce(k);
+            self.landings.stages[k].reset(false);
             self.unpin(k);
         }
         Ok(())
@@ -933,7 +996,14 @@ impl Streamer {
     /// still out are cancelled (those submitted land unused), their bundles
     /// count as skipped late, and the layer goes on with what it has.
     pub fn next_run_until(&mut self, l: usize, deadline: Option<std::time::Instant>) -> Result<Option<LandedRun<'_>>> {
+        self.retire();
         let k = self.front(l)?;
+        // The stage behind may post what it held back once this one has every read back.
+        if let Some(&next) = self.queue.get(1) {
+            if !self.stages[next].deferred.is_empty() {
+                self.post_deferred(next);
+            }
+        }
         if self.stages[k].expired {
             return Ok(None);
         }
@@ -997,6 +1067,9 @@ impl Streamer {
             }
             return Ok(None);
         };
+        let data = landing
+            .take(r)
+            .ok_or_else(|| RuntimeError::Invalid(format!("layer {l}: read {r} was published without its bytes")))?;
         let s = &mut self.stages[k];
         s.taken += 1;
         // A run asked to cancel after it was submitted lands anyway, and is used.
@@ -1004,10 +1077,12 @@ impl Streamer {
         let (p0, n) = s.runs[r];
         let bb = self.bundle_bytes[l];
         if let Some(h) = &self.held {
+            // The read started after the first bundle's held prefix: put the
+            // run back together behind it.
             let (hb, i) = (h.bytes[l], self.placement[l][p0] as usize);
-            // SAFETY: the run's read starts after this prefix, so no read
-            // lands on it, and compute takes the run only below.
-            unsafe { landing.buf.write(p0 * bb, &h.rows[l][i * hb..(i + 1) * hb]) };
+            let run = &mut self.assembled[..n * bb];
+            run[..hb].copy_from_slice(&h.rows[l][i * hb..(i + 1) * hb]);
+            run[hb..].copy_from_slice(data.data());
         }
         let neurons = &self.placement[l][p0..p0 + n];
         for &i in neurons {
@@ -1015,45 +1090,62 @@ impl Streamer {
                 s.staged[i as usize] = true;
             }
         }
-        let s = &self.stages[k];
+        self.current = Some(TakenRun { stage: k, run: r, data });
+        let bytes = self.run_bytes().unwrap_or(&[]);
         Ok(Some(LandedRun {
-            bytes: landing.buf.get(p0 * bb..(p0 + n) * bb),
+            bytes,
             neurons,
-            requested: &s.requested,
+            requested: &self.stages[k].requested,
         }))
     }
 
-    /// The bundles of layer `l` once [`next_run`](Self::next_run) has given
-    /// every run: cached and landed ones by neuron id.
-    pub fn view(&self, l: usize) -> Result<LayerView<'_>> {
-        let k = self.front(l)?;
-        Ok(LayerView {
-            streamer: self,
-            stage: &self.stages[k],
-            bb: self.bundle_bytes[l],
-            k,
-        })
+    /// The bundles of the run compute took last, back to back.
+    fn run_bytes(&self) -> Option<&[u8]> {
+        let t = self.current.as_ref()?;
+        if self.held.is_some() {
+            let (l, (_, n)) = (self.stages[t.stage].layer, self.stages[t.stage].runs[t.run]);
+            Some(&self.assembled[..n * self.bundle_bytes[l]])
+        } else {
+            Some(t.data.data())
+        }
     }
 
-    /// Releases the layer computed last, offering what landed to the cache
-    /// (in arrival order); `end_of_token` after the last layer.
-    pub fn finish(&mut self, l: usize, end_of_token: bool) {
-        if let Some(k) = self.queue.pop_front() {
-            debug_assert_eq!(self.stages[k].layer, l);
-            let (s, landing) = (&self.stages[k], &self.landings.stages[k]);
-            let bb = self.bundle_bytes[l];
-            for t in 0..s.taken {
-                let (p0, n) = s.runs[landing.log.get(t) as usize];
-                for p in p0..p0 + n {
-                    let i = self.placement[l][p] as usize;
-                    if s.staged[i] {
-                        if let Some(slot) = self.cache.insert(l, i) {
-                            slot.copy_from_slice(landing.buf.get(p * bb..(p + 1) * bb));
-                        }
-                    }
+    /// Offers the run compute took last to the cache (its requested
+    /// bundles, in arrival order) and lets go of its pool buffer.
+    fn retire(&mut self) {
+        let Some(t) = self.current.take() else { return };
+        let s = &self.stages[t.stage];
+        let (l, (p0, n)) = (s.layer, s.runs[t.run]);
+        let bb = self.bundle_bytes[l];
+        let bytes = if self.held.is_some() {
+            &self.assembled[..n * bb]
+        } else {
+            t.data.data()
+        };
+        debug_assert_eq!(bytes.len(), n * bb);
+        for (j, &i) in self.placement[l][p0..p0 + n].iter().enumerate() {
+            let i = i as usize;
+            if s.staged[i] {
+                if let Some(slot) = self.cache.insert(l, i) {
+                    slot.copy_from_slice(&bytes[j * bb..(j + 1) * bb]);
                 }
             }
+        }
+        // Dropping `t` gives its pool buffer back.
+    }
+
+    /// Releases the layer computed last (the run taken last goes to the
+    /// cache); `end_of_token` after the last layer. The next stage, now the
+    /// front, posts the reads it held back.
+    pub fn finish(&mut self, l: usize, end_of_token: bool) {
+        self.retire();
+        if let Some(k) = self.queue.pop_front() {
+            debug_assert_eq!(self.stages[k].layer, l);
+            self.landings.stages[k].reset(false);
             self.unpin(k);
+        }
+        if let Some(&k) = self.queue.front() {
+            self.post_deferred(k);
         }
         if end_of_token {
             self.cache.end_token();

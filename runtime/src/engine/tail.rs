@@ -4,7 +4,10 @@
 //! blocked kernels, keep what the selection says, then stage 2 over the kept
 //! neurons in ascending id (down columns), or the source's own down product
 //! over the groups used (down tiles: with every group, the GGUF engine's
-//! bits). Stage 1's values are pure functions of a bundle and a row, and
+//! bits). A streamed run's bundles are let go once stage 1 has seen them,
+//! so stage 2's operand is copied out as each run is taken: the kept
+//! neurons' down columns, or every neuron's tile part into the gathered
+//! down matrix. Stage 1's values are pure functions of a bundle and a row, and
 //! stage 2's order is fixed, so the output does not depend on arrival order,
 //! run boundaries, batch size or thread count: every policy that keeps the
 //! same neurons gets the same bits.
@@ -12,7 +15,8 @@
 use std::time::Instant;
 
 use leanstream_kernels::sparse_ffn::{
-    run_activations, run_activations_split, run_down, BundleFormat, DownLayout, DownTiles, FfnActivation, FfnRows,
+    run_activations, run_activations_split, run_down, run_down_columns, BundleFormat, DownLayout, DownTiles,
+    FfnActivation, FfnRows,
 };
 use leanstream_kernels::ActBuffer;
 use rayon::prelude::*;
@@ -24,8 +28,10 @@ use crate::Result;
 /// Stage-1 values per piece of a run (bundles × rows): bounds the scratch
 /// while letting one decode row take a whole layer in one parallel call.
 const PIECE_VALUES: usize = 1 << 15;
-/// Bundles per parallel task of stage 1.
+/// Fewest bundles per parallel task of stage 1.
 const TASK: usize = 32;
+/// Stage-1 tasks per worker thread of a piece.
+const TASKS_PER_THREAD: usize = 4;
 
 /// Which neurons a row keeps.
 #[derive(Clone, Copy)]
@@ -182,6 +188,9 @@ pub struct Tail {
     /// Neurons stage 2 visits, ascending (down columns), or the groups (tiles).
     ids: Vec<u32>,
     down_tiles: DownTiles,
+    /// A streamed layer's kept down columns by neuron id (`n_ff` × the
+    /// column bytes; grown on the first streamed layer with columns).
+    columns: Vec<u8>,
     /// What a streamed layer computes with (its stage's want, less what did not land).
     have: Vec<u64>,
     /// Neurons computed since the last refinement, and the partial output.
@@ -212,6 +221,7 @@ impl Tail {
             scratch: Vec::new(),
             ids: Vec::with_capacity(n_ff),
             down_tiles: DownTiles::new(),
+            columns: Vec::new(),
             have: vec![0; n_ff.div_ceil(64)],
             fresh: Vec::new(),
             collect: false,
@@ -234,12 +244,13 @@ impl Tail {
 
     /// Bytes of scratch held.
     pub fn bytes(&self) -> u64 {
-        Self::base_bytes(self.n_embd, self.n_ff, self.rows) + self.down_tiles.bytes()
+        Self::base_bytes(self.n_embd, self.n_ff, self.rows) + self.down_tiles.bytes() + self.columns.len() as u64
     }
 
     /// Bytes of scratch for calls of up to `rows` rows over layers of
-    /// `formats` (known before construction).
-    pub fn bytes_for(formats: &[BundleFormat], n_ff: usize, rows: usize) -> u64 {
+    /// `formats` (known before construction); `streamed` adds the store of
+    /// a streamed layer's down columns.
+    pub fn bytes_for(formats: &[BundleFormat], n_ff: usize, rows: usize, streamed: bool) -> u64 {
         let n_embd = formats.first().map_or(0, |f| f.n_embd);
         let tiles = formats
             .iter()
@@ -247,7 +258,22 @@ impl Tail {
             .map(|f| DownTiles::bytes_for(f.down_ty, n_embd, n_ff, rows))
             .max()
             .unwrap_or(0);
-        Self::base_bytes(n_embd, n_ff, rows) + tiles
+        let columns = if streamed {
+            Self::columns_bytes(formats, n_ff)
+        } else {
+            0
+        };
+        Self::base_bytes(n_embd, n_ff, rows) + tiles + columns as u64
+    }
+
+    /// Bytes of the down-column store for layers of `formats`.
+    fn columns_bytes(formats: &[BundleFormat], n_ff: usize) -> usize {
+        formats
+            .iter()
+            .filter(|f| f.down_layout == DownLayout::Columns)
+            .map(|f| f.down_bytes() * n_ff)
+            .max()
+            .unwrap_or(0)
     }
 
     fn base_bytes(n_embd: usize, n_ff: usize, rows: usize) -> u64 {
@@ -358,24 +384,20 @@ impl Tail {
                     self.partial.clear();
                     self.partial.resize(n * self.n_embd, 0.0);
                 }
+                self.begin_down(f)?;
                 let expected = s.progress(l)?.1;
                 let (mut done, mut stage) = (0usize, 0usize);
                 for &i in s.hits(l)? {
-                    self.stage1(
-                        f,
-                        Rows::Bundles(s.cached(l, i)),
-                        |_| i as u32,
-                        n,
-                        select,
-                        record.as_deref_mut(),
-                    )?;
+                    let bundle = s.cached(l, i);
+                    self.stage1(f, Rows::Bundles(bundle), |_| i as u32, n, select, record.as_deref_mut())?;
+                    self.keep_down(f, n, i, bundle)?;
                 }
                 done += s.hits(l)?.len();
                 loop {
                     // After each of the first K-1 parts of the layer: refine.
                     while stage + 1 < k_stages && done * k_stages >= expected * (stage + 1) {
                         if let Some(h) = stages.as_deref_mut() {
-                            let partial = self.partial_output(f, n, s, l)?;
+                            let partial = self.partial_output(f, n)?;
                             h.refine(l, stage, partial, s)?;
                         }
                         stage += 1;
@@ -401,6 +423,10 @@ impl Tail {
                         let ids = &neurons[p..q];
                         let run = Rows::Bundles(&bytes[p * bb..q * bb]);
                         self.stage1(f, run, |k| ids[k], n, select, record.as_deref_mut())?;
+                        for (k, &i) in ids.iter().enumerate() {
+                            let at = (p + k) * bb;
+                            self.keep_down(f, n, i as usize, &bytes[at..at + bb])?;
+                        }
                         done += q - p;
                         p = q;
                     }
@@ -416,8 +442,7 @@ impl Tail {
                 if let Some(w) = want {
                     have.iter_mut().zip(w).for_each(|(h, w)| *h &= w);
                 }
-                let view = s.view(l)?;
-                let r = self.finish(f, n, out, Some(&have), |i| view.bundle(i), None);
+                let r = self.finish_streamed(f, n, out, &have);
                 self.have = have;
                 r?;
             }
@@ -439,22 +464,82 @@ impl Tail {
 
     /// The FFN output of the neurons computed since the last call, added
     /// to the running partial output (down columns only; `None` otherwise).
-    fn partial_output(&mut self, f: &BundleFormat, n: usize, s: &Streamer, l: usize) -> Result<Option<&[f32]>> {
+    fn partial_output(&mut self, f: &BundleFormat, n: usize) -> Result<Option<&[f32]>> {
         if !self.collect {
             return Ok(None);
         }
         self.fresh.sort_unstable();
-        let view = s.view(l)?;
-        run_down(
+        let (columns, db) = (&self.columns, f.down_bytes());
+        run_down_columns(
             f,
             &self.fresh,
             &self.a[..n * self.n_ff],
             self.n_ff,
-            |i| view.bundle(i),
+            |i| &columns[i * db..(i + 1) * db],
             &mut self.partial[..n * self.n_embd],
         )?;
         self.fresh.clear();
         Ok(Some(&self.partial[..n * self.n_embd]))
+    }
+
+    /// Readies stage 2's operand for a streamed layer of format `f`.
+    fn begin_down(&mut self, f: &BundleFormat) -> Result<()> {
+        match f.down_layout {
+            DownLayout::Tiles => self.down_tiles.begin(f, self.n_ff)?,
+            DownLayout::Columns => {
+                let len = f.down_bytes() * self.n_ff;
+                if self.columns.len() < len {
+                    self.columns.resize(len, 0);
+                }
+            }
+            DownLayout::Matrix => {}
+        }
+        Ok(())
+    }
+
+    /// Copies what stage 2 needs of neuron `i`'s `bundle` (taken by stage 1
+    /// just now): its down column where a row kept it, its tile part always
+    /// (a group's product needs every member).
+    fn keep_down(&mut self, f: &BundleFormat, n: usize, i: usize, bundle: &[u8]) -> Result<()> {
+        match f.down_layout {
+            DownLayout::Tiles => self.down_tiles.put(f, i, bundle)?,
+            DownLayout::Columns => {
+                if (0..n).any(|t| self.a[t * self.n_ff + i] != 0.0) {
+                    let (at, db) = (f.gate_bytes() + f.up_bytes(), f.down_bytes());
+                    self.columns[i * db..(i + 1) * db].copy_from_slice(&bundle[at..at + db]);
+                }
+            }
+            DownLayout::Matrix => {}
+        }
+        Ok(())
+    }
+
+    /// Stage 2 of a streamed layer over `have`, from the operand the runs
+    /// left ([`keep_down`](Self::keep_down)): the same bits as [`finish`](Self::finish)
+    /// over the same bundles.
+    fn finish_streamed(&mut self, f: &BundleFormat, n: usize, out: &mut [f32], have: &[u64]) -> Result<()> {
+        let (a, y) = (&self.a[..n * self.n_ff], &mut out[..n * self.n_embd]);
+        self.ids.clear();
+        match f.down_layout {
+            DownLayout::Columns => {
+                self.ids.extend(super::trace::set_bits(have).map(|i| i as u32));
+                y.fill(0.0);
+                let (columns, db) = (&self.columns, f.down_bytes());
+                run_down_columns(f, &self.ids, a, self.n_ff, |i| &columns[i * db..(i + 1) * db], y)?;
+            }
+            DownLayout::Tiles => {
+                let g = f.group();
+                self.ids
+                    .extend(super::trace::groups_touched(have, self.n_ff, g).map(|grp| grp as u32));
+                self.down_tiles.run_gathered(f, &self.ids, a, self.n_ff, y)?;
+            }
+            DownLayout::Matrix => {
+                return Err(crate::RuntimeError::Invalid(
+                    "a streamed layer cannot hold its down matrix whole".into(),
+                ))
+            }
+        }
+        Ok(())
     }
 
     /// Where reads were skipped or cancelled, a down-tile group can be
@@ -510,13 +595,18 @@ impl Tail {
             let vals = &mut self.piece[..count * n];
             let scratch = &mut self.scratch[..count * n];
             if count > TASK {
-                vals.par_chunks_mut(TASK * n)
-                    .zip(scratch.par_chunks_mut(TASK * n))
+                // A few tasks per thread: enough to balance, few enough that
+                // a decode row's layer is not hundreds of tiny rayon jobs.
+                let task = count
+                    .div_ceil(TASKS_PER_THREAD * rayon::current_num_threads())
+                    .next_multiple_of(TASK);
+                vals.par_chunks_mut(task * n)
+                    .zip(scratch.par_chunks_mut(task * n))
                     .enumerate()
                     .try_for_each(|(t, (v, s))| {
-                        let k = t * TASK;
+                        let k = t * task;
                         chunk
-                            .slice(f, k, (k + TASK).min(count))
+                            .slice(f, k, (k + task).min(count))
                             .activations(f, &rows, act, v, s)
                     })?;
             } else {

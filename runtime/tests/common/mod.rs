@@ -155,6 +155,7 @@ pub fn plain_options(
         cache_bytes,
         cache_policy: leanstream_runtime::engine::CachePolicy::Lru,
         merge_gap_bytes: 0,
+        staging_bytes: None,
         level: leanstream_runtime::flash::SparsityLevel::dense(fm.flash.n_layer()),
         record: false,
         trace: None,

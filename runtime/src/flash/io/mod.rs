@@ -316,20 +316,16 @@ fn warn_buffered(path: &Path, why: &str) {
 /// Probes one aligned O_DIRECT read (some filesystems accept the flag at open
 /// and refuse the reads).
 fn direct_read_works(f: &File, align: usize) -> bool {
-    let Ok(layout) = std::alloc::Layout::from_size_align(align, align) else {
-        return false;
-    };
-    // SAFETY: non-zero size; freed below.
-    let buf = unsafe { std::alloc::alloc(layout) };
-    if buf.is_null() {
+    if !align.is_power_of_two() {
         return false;
     }
+    let buf = crate::aligned::AlignedBytes::zeroed(align, align);
     // A signal or a busy device must not demote the whole run to buffered reads.
     let mut n;
     let mut tries = 0;
     loop {
-        // SAFETY: buf is valid for `align` bytes.
-        n = unsafe { libc::pread(f.as_raw_fd(), buf.cast(), align, 0) };
+        // SAFETY: buf is valid for `align` bytes and nothing else touches it.
+        n = unsafe { libc::pread(f.as_raw_fd(), buf.as_mut_ptr().cast(), align, 0) };
         let transient = n < 0
             && matches!(
                 std::io::Error::last_os_error().raw_os_error(),
@@ -340,8 +336,6 @@ fn direct_read_works(f: &File, align: usize) -> bool {
             break;
         }
     }
-    // SAFETY: allocated above with this layout.
-    unsafe { std::alloc::dealloc(buf, layout) };
     n >= 0
 }
 
@@ -448,6 +442,17 @@ impl IoEngine {
     pub fn set_depth(&mut self, reads: usize, bytes: u64) {
         self.cfg.max_in_flight = reads.clamp(1, self.pool.count());
         self.cfg.max_bytes_in_flight = bytes;
+    }
+
+    /// Work is pending but cannot start: nothing is in flight or ready and
+    /// every pool buffer is held by completed reads (the caller must free one).
+    pub fn is_stalled(&self) -> bool {
+        self.in_flight == 0 && self.ready.is_empty() && !self.pending.is_empty() && self.pool.free_count() == 0
+    }
+
+    /// Calls `f` whenever a holder of a completed read frees its buffer.
+    pub fn on_buffer_free(&self, f: impl Fn() + Send + Sync + 'static) {
+        self.pool.set_on_free(Box::new(f));
     }
 
     /// Nothing pending, in flight, or waiting to be popped.

@@ -1,39 +1,32 @@
 //! A fixed pool of aligned read buffers, allocated once.
 
-use std::alloc::{alloc_zeroed, dealloc, Layout};
+use crate::aligned::AlignedBytes;
 use std::sync::atomic::{AtomicU32, Ordering};
-use std::sync::Arc;
+use std::sync::{Arc, OnceLock};
 
 /// `count` buffers of `size` bytes, each aligned to `align`, in one allocation.
 ///
 /// `refs[i]` is 0 when buffer i is free; the engine holds 1 while a read is in
 /// flight, and every `Completed` view holds 1 until dropped.
 pub(crate) struct Pool {
-    base: *mut u8,
-    layout: Layout,
+    bytes: AlignedBytes,
     pub(crate) size: usize,
     refs: Box<[AtomicU32]>,
+    /// Called when a holder outside the engine frees a buffer (the I/O
+    /// thread sleeps while every buffer is held and wakes on it).
+    on_free: OnceLock<Box<dyn Fn() + Send + Sync>>,
 }
-
-// SAFETY: the memory is plain bytes; who may touch which buffer is governed by
-// `refs` (written by one reader while in flight, shared read-only afterwards).
-unsafe impl Send for Pool {}
-unsafe impl Sync for Pool {}
 
 impl Pool {
     pub(crate) fn new(count: usize, size: usize, align: usize) -> Arc<Self> {
         assert!(count > 0 && size > 0 && align.is_power_of_two() && size.is_multiple_of(align));
-        let layout = Layout::from_size_align(count * size, align).expect("buffer pool layout");
-        // SAFETY: the layout has a non-zero size.
-        let base = unsafe { alloc_zeroed(layout) };
-        if base.is_null() {
-            std::alloc::handle_alloc_error(layout);
-        }
+        // Who may touch which buffer is governed by `refs` (written by one
+        // read while in flight, shared read-only afterwards).
         Arc::new(Self {
-            base,
-            layout,
+            bytes: AlignedBytes::zeroed(count * size, align),
             size,
             refs: (0..count).map(|_| AtomicU32::new(0)).collect(),
+            on_free: OnceLock::new(),
         })
     }
 
@@ -57,7 +50,16 @@ impl Pool {
     }
 
     pub(crate) fn release(&self, buf: usize) {
-        self.refs[buf].fetch_sub(1, Ordering::Release);
+        if self.refs[buf].fetch_sub(1, Ordering::Release) == 1 {
+            if let Some(f) = self.on_free.get() {
+                f();
+            }
+        }
+    }
+
+    /// Sets the callback for buffers freed by their holders (once).
+    pub(crate) fn set_on_free(&self, f: Box<dyn Fn() + Send + Sync>) {
+        let _ = self.on_free.set(f);
     }
 
     pub(crate) fn free_count(&self) -> usize {
@@ -65,15 +67,9 @@ impl Pool {
     }
 
     pub(crate) fn ptr(&self, buf: usize) -> *mut u8 {
+        assert!(buf < self.count(), "pool buffer {buf} of {}", self.count());
         // SAFETY: buf < count, so the offset stays inside the allocation.
-        unsafe { self.base.add(buf * self.size) }
-    }
-}
-
-impl Drop for Pool {
-    fn drop(&mut self) {
-        // SAFETY: allocated in `new` with this layout.
-        unsafe { dealloc(self.base, self.layout) }
+        unsafe { self.bytes.as_mut_ptr().add(buf * self.size) }
     }
 }
 

@@ -1,9 +1,11 @@
 //! The I/O engine on a thread of its own, so reads are submitted and reaped
 //! while compute runs: the caller only posts commands (read, cancel, change
 //! the depth) and never has to call in for the queue to move. Each finished
-//! request goes to a [`Sink`] on the worker thread, which lands the bytes where
-//! compute will look for them and publishes the arrival (see
-//! [`ArrivalLog`](super::ArrivalLog)).
+//! request goes to a [`Sink`] on the worker thread with its pool buffer
+//! ([`Completed`]), which the sink holds for compute and publishes (see
+//! [`ArrivalLog`](super::ArrivalLog)); the buffer returns to the pool when
+//! the last holder drops it, so reads stop when compute falls behind by a
+//! whole pool.
 
 use std::collections::{HashMap, VecDeque};
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -11,16 +13,17 @@ use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::thread::JoinHandle;
 use std::time::Instant;
 
-use super::{IoConfig, IoEngine, IoStats, Request};
+use super::{Completed, IoConfig, IoEngine, IoStats, Request};
 use crate::{Result, RuntimeError};
 
 /// What happened to one request, handed to the [`Sink`] on the worker thread.
-pub enum Delivery<'a> {
-    /// `data` holds the request's bytes; `dest` is what the command carried.
+pub enum Delivery {
+    /// `data` holds the request's bytes (a share of a pool buffer); `dest` is
+    /// what the command carried.
     Landed {
         id: u32,
         dest: u64,
-        data: &'a [u8],
+        data: Completed,
     },
     Failed {
         id: u32,
@@ -37,7 +40,7 @@ pub enum Delivery<'a> {
 /// Receives deliveries on the worker thread. It must not block for long: the
 /// worker submits nothing while it runs.
 pub trait Sink: Send + 'static {
-    fn deliver(&mut self, d: Delivery<'_>);
+    fn deliver(&mut self, d: Delivery);
 }
 
 enum Cmd {
@@ -84,6 +87,12 @@ impl IoWorker {
             busy_ns: AtomicU64::new(0),
         });
         let (config, direct, backend) = (engine.config().clone(), engine.is_direct(), engine.backend_name());
+        // A buffer freed by compute may unblock a stalled queue.
+        let woken = Arc::clone(&shared);
+        engine.on_buffer_free(move || {
+            let _inbox = lock(&woken.inbox);
+            woken.wake.notify_one();
+        });
         let s = Arc::clone(&shared);
         let thread = std::thread::Builder::new()
             .name("leanstream-io".into())
@@ -159,7 +168,10 @@ fn run(mut io: IoEngine, mut sink: impl Sink, shared: &Shared) {
     loop {
         {
             let mut inbox = lock(&shared.inbox);
-            while inbox.cmds.is_empty() && !inbox.shutdown && io.is_idle() {
+            // Asleep when there is nothing to do, or nothing that can start
+            // until compute frees a pool buffer (checked under the inbox lock,
+            // which the freeing side takes before it wakes us).
+            while inbox.cmds.is_empty() && !inbox.shutdown && (io.is_idle() || io.is_stalled()) {
                 inbox = shared.wake.wait(inbox).unwrap_or_else(|e| e.into_inner());
             }
             if inbox.shutdown {
@@ -188,7 +200,7 @@ fn run(mut io: IoEngine, mut sink: impl Sink, shared: &Shared) {
                 Cmd::Depth { reads, bytes } => io.set_depth(reads, bytes),
             }
         }
-        if io.is_idle() {
+        if io.is_idle() || io.is_stalled() {
             continue;
         }
         if busy_since.is_none() {
@@ -227,7 +239,7 @@ fn run(mut io: IoEngine, mut sink: impl Sink, shared: &Shared) {
                     sink.deliver(Delivery::Landed {
                         id: c.id,
                         dest: d,
-                        data: c.data(),
+                        data: c,
                     });
                 }
                 Err(f) => {
