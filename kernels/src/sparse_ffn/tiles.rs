@@ -296,13 +296,7 @@ impl DownTiles {
             )));
         }
         let n_groups = n_ff / g;
-        if groups.windows(2).any(|w| w[0] >= w[1]) || groups.last().is_some_and(|&x| x as usize >= n_groups) {
-            return Err(KernelError::Length {
-                what: "tile groups (ascending, below n_ff / group)",
-                expected: n_groups,
-                got: groups.last().map_or(0, |&x| x as usize),
-            });
-        }
+        check_groups(groups, n_groups)?;
         check_rows(d, n_ff, a, ys)?;
         if groups.len() < n_groups {
             let (blk, row_bytes) = (block_bytes(ty)?, ty.row_bytes(n_ff)?);
@@ -386,6 +380,18 @@ impl DownTiles {
     }
 }
 
+/// Group ids of a call: strictly ascending and below `n_groups`.
+fn check_groups(groups: &[u32], n_groups: usize) -> Result<(), KernelError> {
+    if groups.windows(2).any(|w| w[0] >= w[1]) || groups.last().is_some_and(|&x| x as usize >= n_groups) {
+        return Err(KernelError::Length {
+            what: "tile groups (ascending, below n_ff / group)",
+            expected: n_groups,
+            got: groups.last().map_or(0, |&x| x as usize),
+        });
+    }
+    Ok(())
+}
+
 /// Rows of a down call: `a` is `[n][n_ff]` and `ys` `[n][n_embd]`.
 fn check_rows(n_embd: usize, n_ff: usize, a: &[f32], ys: &[f32]) -> Result<usize, KernelError> {
     if n_embd == 0 || n_ff == 0 || !ys.len().is_multiple_of(n_embd) || a.len() != ys.len() / n_embd * n_ff {
@@ -425,13 +431,7 @@ pub fn gather<'b>(
             got: dst.len(),
         });
     }
-    if groups.windows(2).any(|w| w[0] >= w[1]) || groups.last().is_some_and(|&x| x as usize >= n_groups) {
-        return Err(KernelError::Length {
-            what: "tile groups (ascending, below n_ff / group)",
-            expected: n_groups,
-            got: groups.last().map_or(0, |&x| x as usize),
-        });
-    }
+    check_groups(groups, n_groups)?;
     if groups.len() < n_groups {
         dst.fill(0);
     }
