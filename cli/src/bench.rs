@@ -240,6 +240,7 @@ pub fn run(a: BenchArgs) -> Result<()> {
         });
         if let Some(d) = engine.decisions() {
             report["speculate"] = decisions_json(&d, s.late_skipped);
+            report["speculate"]["late_skipped_per_token"] = json!(s.late_skipped as f64 / tokens);
         }
         if let Some(p) = engine.predictor_name() {
             report["predictor"] = json!(p);
