@@ -111,8 +111,9 @@ impl Default for IoConfig {
 
 impl IoConfig {
     /// The defaults, with reads (and so pool buffers) no larger than a
-    /// share of two layers of `layer_bytes`: the pool never holds much more
-    /// than the two stages it fills, so a small model's floor stays small.
+    /// share of two layers of `layer_bytes`: the pool, which is all of the
+    /// streamer's staging, holds about the two stages it fills (at most
+    /// 16 MiB), so a small model's floor stays small.
     pub fn for_layer_bytes(layer_bytes: u64) -> Self {
         let d = Self::default();
         let share = (2 * layer_bytes / d.pool_buffers as u64).max(1);
