@@ -32,6 +32,8 @@ const PIECE_VALUES: usize = 1 << 15;
 const TASK: usize = 32;
 /// Stage-1 tasks per worker thread of a piece.
 const TASKS_PER_THREAD: usize = 4;
+/// Cache hits gathered per stage-1 call.
+const HIT_BATCH: usize = 256;
 
 /// Which neurons a row keeps.
 #[derive(Clone, Copy)]
@@ -191,6 +193,9 @@ pub struct Tail {
     /// A streamed layer's kept down columns by neuron id (`n_ff` × the
     /// column bytes; grown on the first streamed layer with columns).
     columns: Vec<u8>,
+    /// A batch of cache hits gathered back to back (`HIT_BATCH` bundles;
+    /// u64-backed, so block fields stay aligned as in a read buffer).
+    hit_bundles: Vec<u64>,
     /// What a streamed layer computes with (its stage's want, less what did not land).
     have: Vec<u64>,
     /// Neurons computed since the last refinement, and the partial output.
@@ -222,6 +227,7 @@ impl Tail {
             ids: Vec::with_capacity(n_ff),
             down_tiles: DownTiles::new(),
             columns: Vec::new(),
+            hit_bundles: Vec::new(),
             have: vec![0; n_ff.div_ceil(64)],
             fresh: Vec::new(),
             collect: false,
@@ -244,12 +250,14 @@ impl Tail {
 
     /// Bytes of scratch held.
     pub fn bytes(&self) -> u64 {
-        Self::base_bytes(self.n_embd, self.n_ff, self.rows) + self.down_tiles.bytes() + self.columns.len() as u64
+        Self::base_bytes(self.n_embd, self.n_ff, self.rows)
+            + self.down_tiles.bytes()
+            + (self.columns.len() + self.hit_bundles.len() * 8) as u64
     }
 
     /// Bytes of scratch for calls of up to `rows` rows over layers of
     /// `formats` (known before construction); `streamed` adds the store of
-    /// a streamed layer's down columns.
+    /// a streamed layer's down columns and the batch of gathered cache hits.
     pub fn bytes_for(formats: &[BundleFormat], n_ff: usize, rows: usize, streamed: bool) -> u64 {
         let n_embd = formats.first().map_or(0, |f| f.n_embd);
         let tiles = formats
@@ -259,7 +267,8 @@ impl Tail {
             .max()
             .unwrap_or(0);
         let columns = if streamed {
-            Self::columns_bytes(formats, n_ff)
+            let max_bundle = formats.iter().map(|f| f.bundle_bytes()).max().unwrap_or(0);
+            Self::columns_bytes(formats, n_ff) + HIT_BATCH * max_bundle
         } else {
             0
         };
@@ -387,11 +396,32 @@ impl Tail {
                 self.begin_down(f)?;
                 let expected = s.progress(l)?.1;
                 let (mut done, mut stage) = (0usize, 0usize);
-                for &i in s.hits(l)? {
-                    let bundle = s.cached(l, i);
-                    self.stage1(f, Rows::Bundles(bundle), |_| i as u32, n, select, record.as_deref_mut())?;
-                    self.keep_down(f, n, i, bundle)?;
+                // Cache hits sit in scattered slots: gathered a batch at a
+                // time, they go through the blocked kernels like a landed
+                // run (a bundle at a time costs more in calls than in copies).
+                let mut words = std::mem::take(&mut self.hit_bundles);
+                if words.len() * 8 < HIT_BATCH * bb {
+                    words.resize((HIT_BATCH * bb).div_ceil(8), 0);
                 }
+                let batch = bytemuck::cast_slice_mut::<u64, u8>(&mut words);
+                for ids in s.hits(l)?.chunks(HIT_BATCH) {
+                    for (k, &i) in ids.iter().enumerate() {
+                        batch[k * bb..(k + 1) * bb].copy_from_slice(s.cached(l, i));
+                    }
+                    let run = &batch[..ids.len() * bb];
+                    self.stage1(
+                        f,
+                        Rows::Bundles(run),
+                        |k| ids[k] as u32,
+                        n,
+                        select,
+                        record.as_deref_mut(),
+                    )?;
+                    for (k, &i) in ids.iter().enumerate() {
+                        self.keep_down(f, n, i, &run[k * bb..(k + 1) * bb])?;
+                    }
+                }
+                self.hit_bundles = words;
                 done += s.hits(l)?.len();
                 loop {
                     // After each of the first K-1 parts of the layer: refine.
