@@ -380,12 +380,14 @@ pub fn run_down_columns<'b>(
 }
 
 /// Neuron i's down column out of its whole bundle (`bundle(i)`), checked.
+/// (The sizes are worked out once here, not per neuron as
+/// [`BundleFormat::down_part`] would: this runs per neuron and task.)
 fn bundle_columns<'b>(
     format: &BundleFormat,
     bundle: impl Fn(usize) -> &'b [u8] + Sync,
 ) -> impl Fn(usize) -> Result<&'b [u8], KernelError> + Sync {
     let down_at = format.gate_bytes() + format.up_bytes();
-    let (down_bytes, bb) = (format.down_bytes(), format.bundle_bytes());
+    let bb = format.bundle_bytes();
     move |i: usize| {
         let b = bundle(i);
         if b.len() != bb {
@@ -395,7 +397,7 @@ fn bundle_columns<'b>(
                 got: b.len(),
             });
         }
-        Ok(&b[down_at..down_at + down_bytes])
+        Ok(&b[down_at..])
     }
 }
 

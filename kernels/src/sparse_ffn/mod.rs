@@ -232,6 +232,19 @@ impl BundleFormat {
         self.gate_bytes() + self.up_bytes() + self.down_bytes()
     }
 
+    /// The down part (column or tile part) of one whole `bundle`; an error
+    /// when `bundle` is not exactly one bundle long.
+    pub fn down_part<'a>(&self, bundle: &'a [u8]) -> Result<&'a [u8], KernelError> {
+        if bundle.len() != self.bundle_bytes() {
+            return Err(KernelError::ByteLength {
+                what: "neuron bundle",
+                expected: self.bundle_bytes(),
+                got: bundle.len(),
+            });
+        }
+        Ok(&bundle[self.gate_bytes() + self.up_bytes()..])
+    }
+
     /// Splits one bundle into (gate row, up row, down column); an error when
     /// the format is invalid or `bundle` is not exactly one bundle long.
     pub fn split<'a>(&self, bundle: &'a [u8]) -> Result<BundleParts<'a>, KernelError> {

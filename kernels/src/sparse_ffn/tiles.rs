@@ -249,17 +249,9 @@ impl DownTiles {
                 got: i,
             });
         };
-        if bundle.len() != format.bundle_bytes() {
-            return Err(KernelError::ByteLength {
-                what: "neuron bundle (down tile part)",
-                expected: format.bundle_bytes(),
-                got: bundle.len(),
-            });
-        }
+        let part = format.down_part(bundle)?;
         let (g, blk, p) = (format.group(), block_bytes(ty)?, format.down_bytes());
         let row_bytes = ty.row_bytes(n_ff)?;
-        let down_at = format.gate_bytes() + format.up_bytes();
-        let part = &bundle[down_at..down_at + p];
         let (grp, k) = (i / g, i % g);
         let matrix = &mut bytemuck::cast_slice_mut::<u64, u8>(&mut self.matrix)[..d * row_bytes];
         // The part is tile bytes [k·P, (k+1)·P), cut at the tile's end; tile
@@ -420,8 +412,7 @@ pub fn gather<'b>(
 ) -> Result<(), KernelError> {
     format.validate()?;
     let (ty, d, g) = (format.down_ty, format.n_embd, format.group());
-    let (bb, p, bundle_bytes) = (block_bytes(ty)?, format.down_bytes(), format.bundle_bytes());
-    let down_at = format.gate_bytes() + format.up_bytes();
+    let (bb, p) = (block_bytes(ty)?, format.down_bytes());
     let n_groups = n_ff / g;
     let row_bytes = n_groups * bb;
     if format.down_layout != DownLayout::Tiles || !n_ff.is_multiple_of(g) || dst.len() != d * row_bytes {
@@ -442,15 +433,7 @@ pub fn gather<'b>(
             let j = grp as usize;
             let parts = &mut part_refs[..g];
             for (k, slot) in parts.iter_mut().enumerate() {
-                let b = bundle(grp as usize * g + k);
-                if b.len() != bundle_bytes {
-                    return Err(KernelError::ByteLength {
-                        what: "neuron bundle (down tile part)",
-                        expected: bundle_bytes,
-                        got: b.len(),
-                    });
-                }
-                *slot = &b[down_at..down_at + p];
+                *slot = format.down_part(bundle(grp as usize * g + k))?;
             }
             for (i, row) in out.chunks_exact_mut(row_bytes).enumerate() {
                 copy_from_parts(parts, p, (r0 + i) * bb, &mut row[j * bb..(j + 1) * bb]);

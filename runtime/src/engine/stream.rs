@@ -154,9 +154,9 @@ struct Landings {
 }
 
 impl Landings {
-    /// Counts one more run of stage `k` settled and wakes compute.
-    fn settle(&self, k: usize) {
-        self.stages[k].settled.fetch_add(1, Ordering::Release);
+    /// Counts `runs` more runs of stage `k` settled and wakes compute.
+    fn settle(&self, k: usize, runs: usize) {
+        self.stages[k].settled.fetch_add(runs, Ordering::Release);
         *lock(&self.signal) += 1;
         self.arrived.notify_all();
     }
@@ -188,7 +188,7 @@ impl Sink for LandingSink {
             }
             Delivery::Cancelled { id, .. } => id as usize & 1,
         };
-        self.0.settle(k);
+        self.0.settle(k, 1);
     }
 }
 
@@ -305,6 +305,18 @@ struct TakenRun {
     stage: usize,
     run: usize,
     data: Completed,
+}
+
+impl TakenRun {
+    /// Its bundles back to back (`len` bytes): the read itself, or the run
+    /// put back together behind a held prefix (`assembled`, empty without one).
+    fn bytes<'a>(&'a self, assembled: &'a [u8], len: usize) -> &'a [u8] {
+        if assembled.is_empty() {
+            self.data.data()
+        } else {
+            &assembled[..len]
+        }
+    }
 }
 
 /// A run that has landed: its bundles back to back, the neuron at each, and
@@ -540,8 +552,7 @@ impl Streamer {
 
     /// The I/O engine's read buffers (the staging) and the run scratch.
     pub fn buffer_bytes(&self) -> u64 {
-        let cfg = self.io.config();
-        (cfg.pool_buffers * cfg.max_read_bytes + self.assembled.len()) as u64
+        self.staging_bytes() + self.assembled.len() as u64
     }
 
     /// Bytes of landed runs and reads in flight the pool can hold at once.
@@ -823,8 +834,8 @@ impl Streamer {
                 ids.push(Self::request_id(k, r));
             }
         }
-        for _ in 0..unposted {
-            self.landings.settle(k);
+        if unposted > 0 {
+            self.landings.settle(k, unposted);
         }
         let n = ids.len() + unposted;
         self.io.cancel(ids);
@@ -1090,24 +1101,12 @@ impl Streamer {
                 s.staged[i as usize] = true;
             }
         }
-        self.current = Some(TakenRun { stage: k, run: r, data });
-        let bytes = self.run_bytes().unwrap_or(&[]);
+        let taken = self.current.insert(TakenRun { stage: k, run: r, data });
         Ok(Some(LandedRun {
-            bytes,
+            bytes: taken.bytes(&self.assembled, n * bb),
             neurons,
             requested: &self.stages[k].requested,
         }))
-    }
-
-    /// The bundles of the run compute took last, back to back.
-    fn run_bytes(&self) -> Option<&[u8]> {
-        let t = self.current.as_ref()?;
-        if self.held.is_some() {
-            let (l, (_, n)) = (self.stages[t.stage].layer, self.stages[t.stage].runs[t.run]);
-            Some(&self.assembled[..n * self.bundle_bytes[l]])
-        } else {
-            Some(t.data.data())
-        }
     }
 
     /// Offers the run compute took last to the cache (its requested
@@ -1117,11 +1116,7 @@ impl Streamer {
         let s = &self.stages[t.stage];
         let (l, (p0, n)) = (s.layer, s.runs[t.run]);
         let bb = self.bundle_bytes[l];
-        let bytes = if self.held.is_some() {
-            &self.assembled[..n * bb]
-        } else {
-            t.data.data()
-        };
+        let bytes = t.bytes(&self.assembled, n * bb);
         debug_assert_eq!(bytes.len(), n * bb);
         for (j, &i) in self.placement[l][p0..p0 + n].iter().enumerate() {
             let i = i as usize;

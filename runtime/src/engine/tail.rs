@@ -535,8 +535,8 @@ impl Tail {
             DownLayout::Tiles => self.down_tiles.put(f, i, bundle)?,
             DownLayout::Columns => {
                 if (0..n).any(|t| self.a[t * self.n_ff + i] != 0.0) {
-                    let (at, db) = (f.gate_bytes() + f.up_bytes(), f.down_bytes());
-                    self.columns[i * db..(i + 1) * db].copy_from_slice(&bundle[at..at + db]);
+                    let db = f.down_bytes();
+                    self.columns[i * db..(i + 1) * db].copy_from_slice(f.down_part(bundle)?);
                 }
             }
             DownLayout::Matrix => {}
@@ -549,16 +549,16 @@ impl Tail {
     /// over the same bundles.
     fn finish_streamed(&mut self, f: &BundleFormat, n: usize, out: &mut [f32], have: &[u64]) -> Result<()> {
         let (a, y) = (&self.a[..n * self.n_ff], &mut out[..n * self.n_embd]);
-        self.ids.clear();
         match f.down_layout {
             DownLayout::Columns => {
-                self.ids.extend(super::trace::set_bits(have).map(|i| i as u32));
+                column_ids(&mut self.ids, self.n_ff, Some(have));
                 y.fill(0.0);
                 let (columns, db) = (&self.columns, f.down_bytes());
                 run_down_columns(f, &self.ids, a, self.n_ff, |i| &columns[i * db..(i + 1) * db], y)?;
             }
             DownLayout::Tiles => {
                 let g = f.group();
+                self.ids.clear();
                 self.ids
                     .extend(super::trace::groups_touched(have, self.n_ff, g).map(|grp| grp as u32));
                 self.down_tiles.run_gathered(f, &self.ids, a, self.n_ff, y)?;
@@ -668,9 +668,10 @@ impl Tail {
         Ok(())
     }
 
-    /// Stage 2: the kept neurons' down columns in ascending id, or the
-    /// source's down product over the groups of the wanted neurons (tiles),
-    /// or over `matrix`, the layer's down held whole.
+    /// Stage 2 of a resident layer: the kept neurons' down columns in
+    /// ascending id, or the source's down product over `matrix`, the layer's
+    /// down held whole (tiled layers are held so; streamed ones go through
+    /// [`finish_streamed`](Self::finish_streamed)).
     fn finish<'b>(
         &mut self,
         f: &BundleFormat,
@@ -681,26 +682,16 @@ impl Tail {
         matrix: Option<&[u8]>,
     ) -> Result<()> {
         let (a, y) = (&self.a[..n * self.n_ff], &mut out[..n * self.n_embd]);
-        self.ids.clear();
         match f.down_layout {
             DownLayout::Columns => {
-                match want {
-                    None => self.ids.extend(0..self.n_ff as u32),
-                    Some(w) => self.ids.extend(super::trace::set_bits(w).map(|i| i as u32)),
-                }
+                column_ids(&mut self.ids, self.n_ff, want);
                 y.fill(0.0);
                 run_down(f, &self.ids, a, self.n_ff, bundle, y)?;
             }
             DownLayout::Tiles => {
-                let g = f.group();
-                let n_groups = self.n_ff / g;
-                match want {
-                    None => self.ids.extend(0..n_groups as u32),
-                    Some(w) => self
-                        .ids
-                        .extend(super::trace::groups_touched(w, self.n_ff, g).map(|grp| grp as u32)),
-                }
-                self.down_tiles.run(f, &self.ids, a, self.n_ff, bundle, y)?;
+                return Err(crate::RuntimeError::Invalid(
+                    "a resident layer holds its down tiles gathered into the down matrix".into(),
+                ))
             }
             DownLayout::Matrix => {
                 let m = matrix.ok_or_else(|| {
@@ -710,5 +701,15 @@ impl Tail {
             }
         }
         Ok(())
+    }
+}
+
+/// Stage 2's neurons over down columns into `ids`, ascending: those of
+/// `want` (every one of `n_ff` without it).
+fn column_ids(ids: &mut Vec<u32>, n_ff: usize, want: Option<&[u64]>) {
+    ids.clear();
+    match want {
+        None => ids.extend(0..n_ff as u32),
+        Some(w) => ids.extend(super::trace::set_bits(w).map(|i| i as u32)),
     }
 }
