@@ -232,6 +232,9 @@ fn run(mut io: IoEngine, mut sink: impl Sink, shared: &Shared) {
             }
             return;
         }
+        // Published before the deliveries, so whoever has a run in hand sees
+        // its bytes counted.
+        *lock(&shared.stats) = io.stats();
         while let Some(r) = io.pop() {
             match r {
                 Ok(c) => {
