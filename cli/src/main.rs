@@ -12,7 +12,7 @@ use leanstream_runtime::engine::{CachePolicy, Policy};
 use leanstream_runtime::fetch::{self, resolve_model};
 use leanstream_runtime::flash;
 use leanstream_runtime::generate::{generate_with, ChatTemplate, Sampler, SamplerConfig};
-use leanstream_runtime::model::{DenseFfn, LayerHook, Model};
+use leanstream_runtime::model::{DenseFfn, FlashAttn, LayerHook, Model};
 use leanstream_runtime::perplexity::perplexity_with;
 use leanstream_runtime::session::{Session, StreamSettings};
 use leanstream_runtime::sparsity::{calibrate_run, Calibration, CalibrationRun, Sparsifier};
@@ -99,6 +99,9 @@ enum Cmd {
         /// Which calibrated sparsity level of --thresholds to apply.
         #[arg(long, requires = "thresholds")]
         sparsity: Option<f32>,
+        /// Attention path: auto (flash attention on a CPU, llama.cpp's default), on or off.
+        #[arg(long, default_value = "auto")]
+        flash_attn: FlashAttn,
     },
     /// Calibrate per-layer activation-sparsity thresholds on real text; writes JSON.
     Calibrate {
@@ -290,9 +293,14 @@ impl EngineArgs {
     }
 }
 
-/// How a `.lsflash` model streams its FFN.
+/// How a `.lsflash` model streams its FFN, and any model's attention path.
 #[derive(clap::Args, Clone, Default)]
 pub(crate) struct FlashArgs {
+    /// Attention path, as llama.cpp's --flash-attn: auto (llama.cpp's
+    /// default, flash attention on a CPU), on or off. Each matches
+    /// llama.cpp's output for the same setting bit for bit.
+    #[arg(long, default_value = "auto")]
+    pub(crate) flash_attn: FlashAttn,
     /// FFN policy of a .lsflash model: dense, dense-stream, oracle,
     /// gate-first, speculate, or the prior systems dejavu, llm-in-a-flash,
     /// powerinfer2.
@@ -367,6 +375,7 @@ impl FlashArgs {
             staging: bytes("--staging", &self.staging)?,
             predictor: self.predictor.clone(),
             controller: self.controller.clone(),
+            flash_attn: self.flash_attn,
         })
     }
 }
@@ -452,8 +461,10 @@ fn real_main(cli: Cli) -> Result<()> {
             chunks,
             thresholds,
             sparsity,
+            flash_attn,
         } => {
-            let model = load(&model)?;
+            let mut model = load(&model)?;
+            model.flash_attn = flash_attn;
             let text = std::fs::read_to_string(&file).with_context(|| format!("reading {}", file.display()))?;
             let mut sparsifier = None;
             if let (Some(path), Some(s)) = (&thresholds, sparsity) {

@@ -33,7 +33,7 @@ pub fn dot_f16_gemm_scalar(x: &[f16], y: &[f16]) -> f32 {
 }
 
 #[cfg(target_arch = "x86_64")]
-fn has_f16c() -> bool {
+pub(crate) fn has_f16c() -> bool {
     use std::sync::OnceLock;
     static F16C: OnceLock<bool> = OnceLock::new();
     *F16C.get_or_init(|| crate::dot::has_avx2() && std::arch::is_x86_feature_detected!("f16c"))

@@ -11,6 +11,7 @@ pub mod device;
 pub mod dot;
 pub mod error;
 pub mod f16dot;
+pub mod flash_attn;
 pub mod ggml_type;
 pub mod matmul;
 pub mod ops;

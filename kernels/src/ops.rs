@@ -91,6 +91,18 @@ unsafe fn softmax_fma(x: &mut [f32]) {
 #[inline(always)]
 fn softmax_body(x: &mut [f32]) {
     let max = x.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+    let sum = exp_sum(x, max);
+    let inv = (1.0 / sum) as f32;
+    for v in x.iter_mut() {
+        *v *= inv;
+    }
+}
+
+/// `x[i] = exp(x[i] - max)` and their sum, as `ggml_vec_soft_max_f32` on
+/// AVX-512: sixteen lanes reduced in a fixed tree in f32, each group added
+/// into an f64 total.
+#[inline(always)]
+pub fn exp_sum(x: &mut [f32], max: f32) -> f64 {
     let mut sum = 0.0f64;
     for group in x.chunks_mut(16) {
         let mut lanes = [0.0f32; 16];
@@ -100,10 +112,7 @@ fn softmax_body(x: &mut [f32]) {
         }
         sum += crate::f16dot::reduce16(&lanes) as f64;
     }
-    let inv = (1.0 / sum) as f32;
-    for v in x.iter_mut() {
-        *v *= inv;
-    }
+    sum
 }
 
 /// SiLU-gated unit: `gate[i] = silu(gate[i]) * up[i]`, with GGML's exp.

@@ -9,7 +9,7 @@ use crate::cache::{fmt_bytes, FfnBudget, RetentionTable};
 use crate::engine::{
     is_lsflash, ActiveTrace, CachePolicy, EngineOptions, FlashEngine, FlashModel, Policy, DEFAULT_MERGE_GAP,
 };
-use crate::model::{DenseFfn, LayerHook, Model, RunState};
+use crate::model::{DenseFfn, FlashAttn, LayerHook, Model, RunState};
 use crate::{Result, RuntimeError};
 
 /// How a `.lsflash` model streams its FFN; the defaults suit a first run.
@@ -37,12 +37,19 @@ pub struct StreamSettings {
     /// `speculate`'s controller: a table file or `fixed:K=..,b=..,d=..,q=..`
     /// (default: the table beside the model, else the built-in one).
     pub controller: Option<String>,
+    /// The attention path, for any model (llama.cpp's `--flash-attn`).
+    pub flash_attn: FlashAttn,
 }
 
 impl StreamSettings {
-    /// Whether anything differs from the defaults (they apply to `.lsflash` models only).
+    /// Whether any streaming setting differs from its default (they apply
+    /// to `.lsflash` models only).
     pub fn is_set(&self) -> bool {
-        *self != Self::default()
+        *self
+            != Self {
+                flash_attn: self.flash_attn,
+                ..Self::default()
+            }
     }
 
     pub fn policy(&self) -> Policy {
@@ -184,7 +191,8 @@ impl Session {
             )));
         }
         if is_lsflash(path) {
-            let fm = FlashModel::open(path)?;
+            let mut fm = FlashModel::open(path)?;
+            fm.model.flash_attn = settings.flash_attn;
             let st = state(&fm.model)?;
             // The oracle's engine is made once its trace is recorded; until
             // then a dense-stream engine of the same budget stands in.
@@ -202,7 +210,8 @@ impl Session {
                 path.display()
             )));
         }
-        let m = Model::load(path)?;
+        let mut m = Model::load(path)?;
+        m.flash_attn = settings.flash_attn;
         let st = state(&m)?;
         Ok((Self::Gguf(Box::new(m), DenseFfn), st))
     }

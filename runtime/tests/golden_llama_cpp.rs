@@ -1,11 +1,14 @@
 //! The dense engine against llama.cpp's recorded outputs (data/golden/, made
 //! by scripts/golden/make_goldens.sh): prompt token ids, logits after the
-//! prompt, greedy 32-token continuations, and perplexity at ctx 256.
+//! prompt, greedy 32-token continuations, and perplexity at ctx 256, with
+//! flash attention off (the files without a suffix) and on (`-fa-on`,
+//! llama.cpp's default on a CPU). The goldens come from an AMD EPYC with
+//! AVX-512 (no AVX512-FP16); elsewhere the stated tolerances apply.
 
 mod common;
 
 use leanstream_runtime::generate::{argmax, generate, ingest, Sampler, SamplerConfig};
-use leanstream_runtime::model::Model;
+use leanstream_runtime::model::{FlashAttn, Model};
 use leanstream_runtime::perplexity::perplexity;
 use serde_json::Value;
 
@@ -15,8 +18,20 @@ fn golden_path(name: &str) -> std::path::PathBuf {
         .join(name)
 }
 
-fn cases(model: &str) -> Vec<Value> {
-    let text = std::fs::read_to_string(golden_path(&format!("generate-{model}.jsonl"))).unwrap();
+/// The golden file `stem` + suffix + `ext` recorded with attention path `fa`.
+fn golden_for(stem: &str, fa: FlashAttn, ext: &str) -> std::path::PathBuf {
+    let suffix = if fa.enabled() { "-fa-on" } else { "" };
+    golden_path(&format!("{stem}{suffix}{ext}"))
+}
+
+fn load(path: &std::path::Path, fa: FlashAttn) -> Model {
+    let mut model = Model::load(path).unwrap();
+    model.flash_attn = fa;
+    model
+}
+
+fn cases(model: &str, fa: FlashAttn) -> Vec<Value> {
+    let text = std::fs::read_to_string(golden_for(&format!("generate-{model}"), fa, ".jsonl")).unwrap();
     text.lines().map(|l| serde_json::from_str(l).unwrap()).collect()
 }
 
@@ -47,13 +62,13 @@ fn exact_kernels() -> bool {
 /// A greedy step is a near-tie when llama.cpp's best two logits are closer than this.
 const NEAR_TIE: f32 = 0.25;
 
-fn check_model(name: &str) {
+fn check_model(name: &str, fa: FlashAttn) {
     let Some(path) = common::model_path(name) else { return };
-    let model = Model::load(&path).unwrap();
+    let model = load(&path, fa);
     let mut diverged = Vec::new();
     let mut worst_prompt = 0.0f32;
     let mut worst_decode = 0.0f32;
-    for case in cases(name) {
+    for case in cases(name, fa) {
         let prompt = case["prompt"].as_str().unwrap();
         let want_prompt = ids(&case["prompt_ids"]);
         let got_prompt = model.tokenizer.encode(prompt, true, true);
@@ -136,11 +151,11 @@ fn check_model(name: &str) {
 }
 
 /// Free-running generation must reproduce the recorded continuation of at least one prompt exactly.
-fn check_free_running(name: &str) {
+fn check_free_running(name: &str, fa: FlashAttn) {
     let Some(path) = common::model_path(name) else { return };
-    let model = Model::load(&path).unwrap();
+    let model = load(&path, fa);
     let mut exact = 0;
-    let all = cases(name);
+    let all = cases(name, fa);
     for case in &all {
         let prompt = model.tokenizer.encode(case["prompt"].as_str().unwrap(), true, true);
         let mut st = model.new_state(512, 512, 1);
@@ -171,13 +186,17 @@ fn check_free_running(name: &str) {
     );
 }
 
-fn check_perplexity(name: &str) {
+fn check_perplexity(name: &str, fa: FlashAttn) {
     let Some(path) = common::model_path(name) else { return };
     let golden: Value =
-        serde_json::from_str(&std::fs::read_to_string(golden_path(&format!("perplexity-{name}.json"))).unwrap())
+        serde_json::from_str(&std::fs::read_to_string(golden_for(&format!("perplexity-{name}"), fa, ".json")).unwrap())
             .unwrap();
+    assert_eq!(
+        golden["flash_attn"].as_str(),
+        Some(if fa.enabled() { "on" } else { "off" })
+    );
     let text = std::fs::read_to_string(golden_path("../text/gpl-3.0-excerpt.txt")).unwrap();
-    let model = Model::load(&path).unwrap();
+    let model = load(&path, fa);
     let ctx = golden["ctx"].as_u64().unwrap() as usize;
     let p = perplexity(&model, &text, ctx, None, false).unwrap();
     let want = golden["ppl"].as_f64().unwrap();
@@ -199,30 +218,60 @@ fn check_perplexity(name: &str) {
 
 #[test]
 fn smollm2_matches_llama_cpp_ids_logits_and_greedy_text() {
-    check_model("smollm2");
+    check_model("smollm2", FlashAttn::Off);
 }
 
 #[test]
 fn gemma3_matches_llama_cpp_ids_logits_and_greedy_text() {
-    check_model("gemma3");
+    check_model("gemma3", FlashAttn::Off);
 }
 
 #[test]
 fn smollm2_free_running_greedy_matches_llama_cpp() {
-    check_free_running("smollm2");
+    check_free_running("smollm2", FlashAttn::Off);
 }
 
 #[test]
 fn gemma3_free_running_greedy_matches_llama_cpp() {
-    check_free_running("gemma3");
+    check_free_running("gemma3", FlashAttn::Off);
 }
 
 #[test]
 fn smollm2_perplexity_matches_llama_cpp() {
-    check_perplexity("smollm2");
+    check_perplexity("smollm2", FlashAttn::Off);
 }
 
 #[test]
 fn gemma3_perplexity_matches_llama_cpp() {
-    check_perplexity("gemma3");
+    check_perplexity("gemma3", FlashAttn::Off);
+}
+
+#[test]
+fn smollm2_flash_attention_matches_llama_cpp_ids_logits_and_greedy_text() {
+    check_model("smollm2", FlashAttn::On);
+}
+
+#[test]
+fn gemma3_flash_attention_matches_llama_cpp_ids_logits_and_greedy_text() {
+    check_model("gemma3", FlashAttn::On);
+}
+
+#[test]
+fn smollm2_flash_attention_free_running_greedy_matches_llama_cpp() {
+    check_free_running("smollm2", FlashAttn::Auto);
+}
+
+#[test]
+fn gemma3_flash_attention_free_running_greedy_matches_llama_cpp() {
+    check_free_running("gemma3", FlashAttn::Auto);
+}
+
+#[test]
+fn smollm2_flash_attention_perplexity_matches_llama_cpp() {
+    check_perplexity("smollm2", FlashAttn::On);
+}
+
+#[test]
+fn gemma3_flash_attention_perplexity_matches_llama_cpp() {
+    check_perplexity("gemma3", FlashAttn::On);
 }

@@ -2,7 +2,8 @@
 // prompt token ids, the logits after the prompt, and a greedy continuation.
 //
 // Build and run: see make_goldens.sh beside this file.
-// Usage: golden_llama MODEL N_PREDICT PROMPT... > out.jsonl
+// Usage: golden_llama MODEL N_PREDICT [--fa on|off] PROMPT... > out.jsonl
+// (flash attention off unless --fa on is given).
 #include "llama.h"
 
 #include <algorithm>
@@ -39,6 +40,12 @@ int main(int argc, char ** argv) {
         return 2;
     }
     const int n_predict = std::atoi(argv[2]);
+    int first_prompt = 3;
+    auto fa = LLAMA_FLASH_ATTN_TYPE_DISABLED;
+    if (argc > 4 && std::string(argv[3]) == "--fa") {
+        fa = std::string(argv[4]) == "on" ? LLAMA_FLASH_ATTN_TYPE_ENABLED : LLAMA_FLASH_ATTN_TYPE_DISABLED;
+        first_prompt = 5;
+    }
     llama_log_set([](ggml_log_level, const char *, void *) {}, nullptr);
     llama_backend_init();
     llama_model_params mp = llama_model_default_params();
@@ -47,13 +54,13 @@ int main(int argc, char ** argv) {
     const llama_vocab * vocab = llama_model_get_vocab(model);
     const int n_vocab = llama_vocab_n_tokens(vocab);
 
-    for (int a = 3; a < argc; ++a) {
+    for (int a = first_prompt; a < argc; ++a) {
         llama_context_params cp = llama_context_default_params();
         cp.n_ctx = 512;
         cp.n_batch = 512;
         cp.n_threads = 2;
         cp.n_threads_batch = 2;
-        cp.flash_attn_type = LLAMA_FLASH_ATTN_TYPE_DISABLED;
+        cp.flash_attn_type = fa;
         llama_context * ctx = llama_init_from_model(model, cp);
 
         const std::string prompt = argv[a];

@@ -28,20 +28,30 @@ prompts=(
   "The three primary colors are"
   "Water boils at a temperature of"
   "In 1969, the first humans to walk on the Moon were"
+  # 64 tokens or more: llama.cpp's flash attention takes its tiled route for the prompt.
+  "The GNU General Public License is a free, copyleft license for software and other kinds of works. The licenses for most software and other practical works are designed to take away your freedom to share and change the works. By contrast, the GNU General Public License is intended to guarantee your freedom to share and change all versions of a program--to make sure it remains free software for all its users. We, the Free Software Foundation, use the GNU General Public License for most of our software; it applies also to any other work released this way by its authors."
 )
 
+# Goldens for each attention path: flash attention off (the files without a
+# suffix) and on (-fa-on), llama.cpp's default on a CPU.
 run_model() { # name path chat_prompt
-  local name=$1 path=$2 chat=$3
-  "$tool" "$path" 32 "${prompts[@]}" "$chat" > "$out/generate-$name.jsonl"
-  local ppl
-  ppl=$("$LLAMA_BIN/llama-perplexity" -m "$path" -f "$root/data/text/gpl-3.0-excerpt.txt" \
-        -c 256 -b 256 -t 2 -fa off 2>&1 | sed -n 's/.*Final estimate: PPL = \([0-9.]*\) +\/- \([0-9.]*\).*/\1 \2/p')
-  local chunks
-  chunks=$("$LLAMA_BIN/llama-perplexity" -m "$path" -f "$root/data/text/gpl-3.0-excerpt.txt" \
-        -c 256 -b 256 -t 2 -fa off 2>&1 | sed -n 's/.*calculating perplexity over \([0-9]*\) chunks.*/\1/p')
-  printf '{"model":"%s","file":"data/text/gpl-3.0-excerpt.txt","ctx":256,"chunks":%s,"ppl":%s,"ppl_stderr":%s}\n' \
-    "$name" "$chunks" ${ppl% *} ${ppl#* } > "$out/perplexity-$name.json"
+  local name=$1 path=$2 chat=$3 fa suffix ppl chunks log
+  for fa in off on; do
+    suffix=$([ $fa = on ] && echo -fa-on || true)
+    "$tool" "$path" 32 --fa $fa "${prompts[@]}" "$chat" > "$out/generate-$name$suffix.jsonl"
+    log=$("$LLAMA_BIN/llama-perplexity" -m "$path" -f "$root/data/text/gpl-3.0-excerpt.txt" \
+          -c 256 -b 256 -t 2 -fa $fa 2>&1)
+    ppl=$(sed -n 's/.*Final estimate: PPL = \([0-9.]*\) +\/- \([0-9.]*\).*/\1 \2/p' <<<"$log")
+    chunks=$(sed -n 's/.*calculating perplexity over \([0-9]*\) chunks.*/\1/p' <<<"$log")
+    printf '{"model":"%s","file":"data/text/gpl-3.0-excerpt.txt","ctx":256,"flash_attn":"%s","chunks":%s,"ppl":%s,"ppl_stderr":%s}\n' \
+      "$name" "$fa" "$chunks" ${ppl% *} ${ppl#* } > "$out/perplexity-$name$suffix.json"
+  done
 }
+
+# Flash attention itself, by each of its three CPU routes.
+gcc -O2 -I"$LLAMA/ggml/include" "$here/golden_flash_attn.c" -L"$LLAMA_BIN" -lggml -lggml-base -lggml-cpu -lm \
+    -Wl,-rpath,"$LLAMA_BIN" -o $tools/golden_flash_attn
+$tools/golden_flash_attn > "$out/flash_attn.json"
 
 # Kernel-level: activation quantization + dot products on deterministic rows.
 gcc -O2 -I"$LLAMA/ggml/include" "$here/golden_vec_dot.c" -L"$LLAMA_BIN" -lggml -lggml-base -lggml-cpu \
@@ -62,7 +72,7 @@ run_model gemma3 "$GEMMA3" $'<start_of_turn>user\nWhat is the tallest mountain o
 commit=$(git -C "$LLAMA" log -1 --format=%H 2>/dev/null || echo unknown)
 cat > "$out/llama_cpp_version.txt" <<INFO
 llama.cpp vendored by llama-cpp-python 0.3.36 (PyPI sdist), commit $commit
-built: cmake -DCMAKE_BUILD_TYPE=Release -DGGML_NATIVE=ON; run with 2 threads, flash attention off
+built: cmake -DCMAKE_BUILD_TYPE=Release -DGGML_NATIVE=ON; run with 2 threads, flash attention off and on
 command: scripts/golden/make_goldens.sh
 INFO
 echo "goldens written to $out"

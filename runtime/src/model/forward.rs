@@ -4,151 +4,20 @@
 //!
 //! Numerics follow llama.cpp's CPU backend so outputs match it: activations
 //! are quantized to the weight's vec-dot type before each matrix product,
-//! keys and values are cached in f16, and q and the attention probabilities
-//! are rounded to f16 before they meet the cache.
+//! keys and values are cached in f16, and attention follows whichever of
+//! llama.cpp's two paths the state was made for (`attention.rs`).
 
-use half::f16;
 use leanstream_kernels::dequant::dequantize_row;
-use leanstream_kernels::f16dot::{dot_f16_gemm, dot_f16_gemm_x4, dot_f16_vec};
 use leanstream_kernels::ops::{self, RopeTable};
 use leanstream_kernels::{matmul, ActBuffer};
-use rayon::prelude::*;
 
+use super::attention::{Attention, FlashAttn};
 use super::config::{Config, FfnActivation};
 use super::hook::{DenseFfn, FfnBy, LayerAt, LayerHook};
+use super::kv_cache::KvCache;
 use super::weights::{mat, MatRef};
 use super::Model;
 use crate::{Result, RuntimeError};
-
-/// Keys as `[layer][pos][kv_head * head_dim]`; values transposed as
-/// `[layer][kv_head][dim][pos]` so both attention products are contiguous dots.
-pub struct KvCache {
-    k: Vec<f16>,
-    v: Vec<f16>,
-    ctx: usize,
-    kv_dim: usize,
-    head_dim: usize,
-}
-
-impl KvCache {
-    fn new(c: &Config, ctx: usize) -> Self {
-        // Room for a whole group of LANES past the last position, which reads as zeros.
-        let ctx = ctx.div_ceil(LANES) * LANES;
-        let n = c.n_layer * ctx * c.kv_dim();
-        Self {
-            k: zeroed_f16(n),
-            v: zeroed_f16(n),
-            ctx,
-            kv_dim: c.kv_dim(),
-            head_dim: c.head_dim,
-        }
-    }
-
-    fn store(&mut self, layer: usize, pos: usize, k: &[f32], v: &[f32]) {
-        let base = (layer * self.ctx + pos) * self.kv_dim;
-        for (dst, &src) in self.k[base..base + self.kv_dim].iter_mut().zip(k) {
-            *dst = f16::from_f32(src);
-        }
-        let layer_base = layer * self.kv_dim * self.ctx;
-        for (i, &src) in v.iter().enumerate() {
-            // i = kv_head * head_dim + dim, which is also the row index in the transposed layout.
-            self.v[layer_base + i * self.ctx + pos] = f16::from_f32(src);
-        }
-    }
-
-    fn key(&self, layer: usize, pos: usize, kv_head: usize) -> &[f16] {
-        let base = (layer * self.ctx + pos) * self.kv_dim + kv_head * self.head_dim;
-        &self.k[base..base + self.head_dim]
-    }
-
-    /// Values of one dimension of one kv head over positions `lo..hi`.
-    fn value_row(&self, layer: usize, kv_head: usize, dim: usize, lo: usize, hi: usize) -> &[f16] {
-        let row = layer * self.kv_dim * self.ctx + (kv_head * self.head_dim + dim) * self.ctx;
-        &self.v[row + lo..row + hi]
-    }
-
-    pub fn bytes(&self) -> usize {
-        (self.k.len() + self.v.len()) * 2
-    }
-
-    fn layers(&self) -> usize {
-        self.k.len() / (self.ctx * self.kv_dim).max(1)
-    }
-
-    /// A copy of the keys and values of positions `0..n` of every layer.
-    pub fn save_prefix(&self, n: usize) -> KvPrefix {
-        let (n, d, ctx) = (n.min(self.ctx), self.kv_dim, self.ctx);
-        let mut k = Vec::with_capacity(self.layers() * n * d);
-        for l in 0..self.layers() {
-            k.extend_from_slice(&self.k[l * ctx * d..(l * ctx + n) * d]);
-        }
-        let mut v = Vec::with_capacity(self.layers() * n * d);
-        for row in 0..self.layers() * d {
-            v.extend_from_slice(&self.v[row * ctx..row * ctx + n]);
-        }
-        KvPrefix { n, k, v }
-    }
-
-    /// Puts back what [`save_prefix`](Self::save_prefix) copied: positions
-    /// `0..p.len()` then hold what they held then.
-    pub fn restore_prefix(&mut self, p: &KvPrefix) -> Result<()> {
-        let (n, d, ctx) = (p.n, self.kv_dim, self.ctx);
-        if n > ctx || p.k.len() != self.layers() * n * d || p.v.len() != p.k.len() {
-            return Err(RuntimeError::Invalid(format!(
-                "a saved KV prefix of {n} positions does not fit this cache ({ctx} positions, {d} wide)"
-            )));
-        }
-        for l in 0..self.layers() {
-            self.k[l * ctx * d..(l * ctx + n) * d].copy_from_slice(&p.k[l * n * d..(l + 1) * n * d]);
-        }
-        for row in 0..self.layers() * d {
-            self.v[row * ctx..row * ctx + n].copy_from_slice(&p.v[row * n..(row + 1) * n]);
-        }
-        Ok(())
-    }
-}
-
-/// Keys and values of a prompt's first positions, kept to start a later
-/// prompt with the same beginning without running it again.
-pub struct KvPrefix {
-    n: usize,
-    k: Vec<f16>,
-    v: Vec<f16>,
-}
-
-impl KvPrefix {
-    /// Positions held.
-    pub fn len(&self) -> usize {
-        self.n
-    }
-
-    pub fn is_empty(&self) -> bool {
-        self.n == 0
-    }
-
-    pub fn bytes(&self) -> usize {
-        (self.k.len() + self.v.len()) * 2
-    }
-}
-
-/// Attention sums run in groups of this many positions (see `attention`).
-const LANES: usize = 64;
-
-/// Attention score scratch is processed in waves of (token, head) pairs so
-/// its size is bounded whatever the batch and context.
-const SCORE_SCRATCH: usize = 1 << 20;
-
-/// `n` zeros in one zeroed allocation, whose pages the OS maps only when
-/// first written: a cache sized for a long context holds memory only for the
-/// positions used, and a process refused by its memory budget (or killed by
-/// a cgroup) is not charged for it up front. (`vec![f16::ZERO; n]` writes
-/// every element.)
-fn zeroed_f16(n: usize) -> Vec<f16> {
-    let mut v = std::mem::ManuallyDrop::new(vec![0u16; n]);
-    // SAFETY: `f16` is `repr(transparent)` over `u16` (same size, alignment
-    // and bit pattern for 0), and the allocation is handed over whole.
-    unsafe { Vec::from_raw_parts(v.as_mut_ptr().cast::<f16>(), v.len(), v.capacity()) }
-}
 
 pub struct RunState {
     pub ctx: usize,
@@ -165,9 +34,7 @@ pub struct RunState {
     proj: Vec<f32>,
     gate: Vec<f32>,
     up: Vec<f32>,
-    q16: Vec<f16>,
-    scores: Vec<f32>,
-    probs: Vec<f16>,
+    attn: Attention,
     acts: ActBuffer,
     rope: RopeTable,
     pub kv: KvCache,
@@ -178,20 +45,18 @@ pub struct RunState {
 }
 
 impl RunState {
+    /// A state with llama.cpp's default attention path (flash attention on a CPU).
     pub fn new(c: &Config, ctx: usize, max_batch: usize, max_logit_rows: usize) -> Self {
-        Self::sized(c, ctx, max_batch, max_logit_rows, true)
+        Self::sized(c, ctx, max_batch, max_logit_rows, true, FlashAttn::Auto)
     }
 
-    /// [`new`](Self::new), without the FFN's buffers when `ffn` is false (a
-    /// model whose FFN a hook computes: the flash engine keeps its own).
-    pub fn sized(c: &Config, ctx: usize, max_batch: usize, max_logit_rows: usize, ffn: bool) -> Self {
+    /// [`new`](Self::new) with the attention path `attn`, and without the
+    /// FFN's buffers when `ffn` is false (a model whose FFN a hook computes:
+    /// the flash engine keeps its own).
+    pub fn sized(c: &Config, ctx: usize, max_batch: usize, max_logit_rows: usize, ffn: bool, attn: FlashAttn) -> Self {
         let b = max_batch.max(1);
         let ff = if ffn { c.n_ff } else { 0 };
         let widest = c.n_embd.max(c.q_dim()).max(ff);
-        // One wave holds every (token, head) pair of a batch when that is
-        // smaller than the bound: a short context needs little scratch.
-        let ctx_padded = ctx.div_ceil(LANES) * LANES;
-        let score_len = SCORE_SCRATCH.min(b * c.n_head * ctx_padded).max(ctx_padded);
         Self {
             ctx,
             max_batch: b,
@@ -205,12 +70,10 @@ impl RunState {
             proj: vec![0.0; b * c.n_embd],
             gate: vec![0.0; b * ff],
             up: vec![0.0; b * ff],
-            q16: vec![f16::ZERO; b * c.q_dim()],
-            scores: vec![0.0; score_len],
-            probs: vec![f16::ZERO; score_len],
+            attn: Attention::new(c, ctx, b, attn.enabled()),
             acts: ActBuffer::with_capacity(widest, b),
             rope: RopeTable::new(c.n_rot),
-            kv: KvCache::new(c, ctx),
+            kv: KvCache::new(c, ctx, attn.enabled()),
             logits: vec![0.0; max_logit_rows.max(1) * c.n_vocab],
             n_rows: 0,
         }
@@ -227,9 +90,14 @@ impl RunState {
             + self.proj.len()
             + self.gate.len()
             + self.up.len()
-            + self.scores.len()
             + self.logits.len();
-        f32s * 4 + (self.q16.len() + self.probs.len()) * 2 + self.kv.bytes()
+        f32s * 4 + self.attn.bytes() + self.kv.bytes()
+    }
+
+    /// Whether this state runs flash attention (fixed when it is made: the
+    /// cache's value layout follows it).
+    pub fn flash_attn(&self) -> bool {
+        self.attn.is_flash()
     }
 }
 
@@ -362,17 +230,12 @@ impl Model {
                 }
                 st.kv.store(il, pos, k, &st.v[t * c.kv_dim()..(t + 1) * c.kv_dim()]);
             }
-            for (dst, &src) in st.q16[..n * c.q_dim()].iter_mut().zip(&st.q[..n * c.q_dim()]) {
-                *dst = f16::from_f32(src);
-            }
-            attention(
+            st.attn.run(
                 c,
                 il,
                 &st.kv,
-                &st.q16[..n * c.q_dim()],
+                &st.q[..n * c.q_dim()],
                 pos0,
-                &mut st.scores,
-                &mut st.probs,
                 &mut st.att[..n * c.q_dim()],
             );
             let mut fresh = false;
@@ -490,83 +353,5 @@ fn residual(x: &mut [f32], y: &[f32], post_norm: Option<&[f32]>, eps: f32, tmp: 
             ops::add_assign(x, tmp);
         }
         None => ops::add_assign(x, y),
-    }
-}
-
-/// Causal (and, on sliding layers, windowed) attention of every query row in
-/// `q16` against the cache, written to `out` as `[token][head * head_dim]`.
-///
-/// Scores and probabilities are laid out in groups of `LANES` aligned to
-/// cache position 0, masked entries holding -inf (then 0), so the sums run in
-/// the same groups as llama.cpp's over its padded cache.
-#[allow(clippy::too_many_arguments)]
-fn attention(
-    c: &Config,
-    layer: usize,
-    kv: &KvCache,
-    q16: &[f16],
-    pos0: usize,
-    scores: &mut [f32],
-    probs: &mut [f16],
-    out: &mut [f32],
-) {
-    let hd = c.head_dim;
-    let group = c.n_head / c.n_head_kv;
-    let pairs = out.len() / hd;
-    let ctx = kv.ctx;
-    // llama.cpp takes its GEMM route for batches and its vector route for one query.
-    let gemm = pairs > c.n_head;
-    let dot = if gemm { dot_f16_gemm } else { dot_f16_vec };
-    let wave = (scores.len() / ctx).clamp(1, pairs);
-    for start in (0..pairs).step_by(wave) {
-        let end = (start + wave).min(pairs);
-        out[start * hd..end * hd]
-            .par_chunks_mut(hd)
-            .zip(scores.par_chunks_mut(ctx))
-            .zip(probs.par_chunks_mut(ctx))
-            .enumerate()
-            .for_each(|(i, ((o, s), p))| {
-                let pair = start + i;
-                let (t, h) = (pair / c.n_head, pair % c.n_head);
-                let kv_head = h / group;
-                let pos = pos0 + t;
-                let lo = c.first_visible(layer, pos);
-                let (lo_a, hi_a) = (lo / LANES * LANES, (pos + 1).div_ceil(LANES) * LANES);
-                let q = &q16[pair * hd..(pair + 1) * hd];
-                let s = &mut s[..hi_a - lo_a];
-                s.fill(f32::NEG_INFINITY);
-                let key = |at: usize| kv.key(layer, at, kv_head);
-                let mut at = lo;
-                if gemm {
-                    // Four keys per call share the conversion of q; each sum keeps its order.
-                    while at + 4 <= pos + 1 {
-                        let d = dot_f16_gemm_x4(q, [key(at), key(at + 1), key(at + 2), key(at + 3)]);
-                        for (k, dk) in d.iter().enumerate() {
-                            s[at + k - lo_a] = dk * c.kq_scale;
-                        }
-                        at += 4;
-                    }
-                }
-                for at in at..=pos {
-                    s[at - lo_a] = dot(key(at), q) * c.kq_scale;
-                }
-                ops::softmax(s);
-                let p = &mut p[..hi_a - lo_a];
-                for (pj, &sj) in p.iter_mut().zip(s.iter()) {
-                    *pj = f16::from_f32(sj);
-                }
-                let value = |dim: usize| kv.value_row(layer, kv_head, dim, lo_a, hi_a);
-                let mut dim = 0;
-                if gemm {
-                    while dim + 4 <= hd {
-                        let d = dot_f16_gemm_x4(p, [value(dim), value(dim + 1), value(dim + 2), value(dim + 3)]);
-                        o[dim..dim + 4].copy_from_slice(&d);
-                        dim += 4;
-                    }
-                }
-                for (dim, od) in o.iter_mut().enumerate().skip(dim) {
-                    *od = dot(value(dim), p);
-                }
-            });
     }
 }

@@ -1,16 +1,20 @@
 //! A loaded model: the mapped GGUF file, its architecture config, where its
 //! weights are, and its tokenizer. `forward` holds the dense forward pass.
 
+pub mod attention;
 pub mod config;
 pub mod forward;
 pub mod hook;
+pub mod kv_cache;
 pub mod weights;
 
 use std::path::Path;
 
+pub use attention::FlashAttn;
 pub use config::{Arch, Config, FfnActivation};
-pub use forward::{KvCache, KvPrefix, RunState};
+pub use forward::RunState;
 pub use hook::{DenseFfn, FfnBy, LayerAt, LayerHook};
+pub use kv_cache::{KvCache, KvPrefix};
 pub use weights::{LayerWeights, MatRef, Weights};
 
 use crate::gguf::GgufFile;
@@ -22,6 +26,9 @@ pub struct Model {
     pub config: Config,
     pub weights: Weights,
     pub tokenizer: Tokenizer,
+    /// The attention path of the states [`new_state`](Self::new_state)
+    /// makes (llama.cpp's `--flash-attn`; default `auto`, on for a CPU).
+    pub flash_attn: FlashAttn,
 }
 
 impl Model {
@@ -72,6 +79,7 @@ impl Model {
             config,
             weights,
             tokenizer,
+            flash_attn: FlashAttn::default(),
         })
     }
 
@@ -81,6 +89,6 @@ impl Model {
     /// has no FFN buffers.
     pub fn new_state(&self, ctx: usize, max_batch: usize, max_logit_rows: usize) -> RunState {
         let has_ffn = self.weights.layers.iter().any(|l| l.ffn_gate.is_some());
-        RunState::sized(&self.config, ctx, max_batch, max_logit_rows, has_ffn)
+        RunState::sized(&self.config, ctx, max_batch, max_logit_rows, has_ffn, self.flash_attn)
     }
 }

@@ -1,0 +1,384 @@
+//! llama.cpp's CPU flash attention (`ggml_flash_attn_ext` over f16 keys and
+//! values at f32 precision, what `-fa on` and the default `-fa auto` run),
+//! reproduced bit for bit on AVX-512 machines without AVX512-FP16 (there
+//! ggml's f16 vectors are f32 lanes rounded back to f16 on every store).
+//!
+//! ggml takes one of three routes by shape, and [`route`] picks the same:
+//! - [`Route::Vector`], fewer than [`Q_TILE`] queries: per query, q rounded
+//!   to f16, f16 dot products, an online softmax with libm's `expf`, and the
+//!   output accumulated in f16, each update rounded back to f16;
+//! - [`Route::Split`], one query over [`SPLIT_FROM_CELLS`] or more cells: the
+//!   cells cut into one chunk per thread, each chunk as the vector route
+//!   without the final division, the chunks then merged in order;
+//! - [`Route::Tiled`], [`Q_TILE`] or more queries: tiles of `Q_TILE` queries
+//!   by [`KV_TILE`] cells in f32, products as fused multiply-adds in
+//!   dimension order, ggml's own `exp` and softmax sums, values accumulated
+//!   in f32.
+//!
+//! Tiles are counted from cell 0 and every query row is computed on its own,
+//! so rows may be grouped into tiles in any way (ggml groups them by thread).
+
+use std::ops::Range;
+
+use half::f16;
+
+use crate::f16dot::dot_f16_vec;
+use crate::ops::exp_sum;
+
+/// Queries per tile of the tiled route (`GGML_FA_TILE_Q`); also the batch
+/// size from which ggml takes that route.
+pub const Q_TILE: usize = 64;
+/// Cells per tile of the tiled route (`GGML_FA_TILE_KV`).
+pub const KV_TILE: usize = 64;
+/// A single query over at least this many cells has its cells split across threads.
+pub const SPLIT_FROM_CELLS: usize = 512;
+
+/// Which of ggml's routes a call takes.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Route {
+    Vector,
+    /// The cells in `chunks` equal parts (ggml: one per thread).
+    Split {
+        chunks: usize,
+    },
+    Tiled,
+}
+
+/// ggml's choice for `queries` query rows per head over a cache view of
+/// `cells` cells, computed by `threads` threads.
+pub fn route(queries: usize, cells: usize, threads: usize) -> Route {
+    if queries == 1 && cells >= SPLIT_FROM_CELLS {
+        Route::Split { chunks: threads.max(1) }
+    } else if queries >= Q_TILE {
+        Route::Tiled
+    } else {
+        Route::Vector
+    }
+}
+
+/// The cached keys and values of one kv head, a row of `head_dim` f16s per cell.
+pub trait KvHead: Sync {
+    fn key(&self, cell: usize) -> &[f16];
+    fn value(&self, cell: usize) -> &[f16];
+}
+
+/// Where one query's online softmax stands: the running maximum score and
+/// the running sum of `exp(score - max)`.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct Partial {
+    pub max: f32,
+    pub sum: f32,
+}
+
+/// f32 scratch of one vector-route query (q and the accumulator in f16,
+/// and the split route's partials for `chunks` chunks).
+pub fn vector_scratch_len(head_dim: usize, chunks: usize) -> usize {
+    head_dim + chunks * (head_dim + 2)
+}
+
+/// f32 scratch of one tile of the tiled route.
+pub fn tile_scratch_len(head_dim: usize) -> usize {
+    // Keys transposed, values, scores.
+    2 * KV_TILE * head_dim + Q_TILE * KV_TILE
+}
+
+/// One query `q` (f32) against the visible cells of `cells`, by the vector
+/// route; `out` gets the unnormalized sum (divide by the returned sum, or
+/// merge partials). `scratch` is [`vector_scratch_len`]`(head_dim, 0)` long.
+pub fn vector_partial(
+    kv: &impl KvHead,
+    q: &[f32],
+    visible: Range<usize>,
+    cells: Range<usize>,
+    scale: f32,
+    scratch: &mut [f32],
+    out: &mut [f32],
+) -> Partial {
+    let hd = q.len();
+    let (q16, acc) = bytemuck::cast_slice_mut::<f32, f16>(&mut scratch[..hd]).split_at_mut(hd);
+    for (d, &s) in q16.iter_mut().zip(q) {
+        *d = f16::from_f32(s);
+    }
+    acc.fill(f16::ZERO);
+    let mut max = f32::NEG_INFINITY;
+    let mut sum = 0.0f32;
+    for cell in visible.start.max(cells.start)..visible.end.min(cells.end) {
+        // The mask adds 0 to a visible score.
+        let s = dot_f16_vec(kv.key(cell), q16) * scale + 0.0;
+        let (mut ms, mut vs) = (1.0f32, 1.0f32);
+        if s > max {
+            ms = (max - s).exp();
+            max = s;
+            scale_f16(acc, ms);
+        } else {
+            vs = (s - max).exp();
+        }
+        mad_f16(acc, kv.value(cell), vs);
+        sum = sum.mul_add(ms, vs);
+    }
+    for (o, a) in out.iter_mut().zip(acc.iter()) {
+        *o = a.to_f32();
+    }
+    Partial { max, sum }
+}
+
+/// `out /= sum` (0 when nothing was visible), as ggml finishes a query.
+pub fn normalize(out: &mut [f32], sum: f32) {
+    let inv = if sum == 0.0 { 0.0 } else { 1.0 / sum };
+    for o in out {
+        *o *= inv;
+    }
+}
+
+/// One query by the vector route, normalized.
+pub fn vector(kv: &impl KvHead, q: &[f32], visible: Range<usize>, scale: f32, scratch: &mut [f32], out: &mut [f32]) {
+    let p = vector_partial(kv, q, visible.clone(), visible, scale, scratch, out);
+    normalize(out, p.sum);
+}
+
+/// One query by the split route: cells `0..cells` in `chunks` parts, each
+/// a vector-route partial, merged in chunk order. `scratch` is
+/// [`vector_scratch_len`]`(head_dim, chunks)` long.
+#[allow(clippy::too_many_arguments)]
+pub fn split(
+    kv: &impl KvHead,
+    q: &[f32],
+    visible: Range<usize>,
+    cells: usize,
+    chunks: usize,
+    scale: f32,
+    scratch: &mut [f32],
+    out: &mut [f32],
+) {
+    let hd = q.len();
+    let chunk = cells.div_ceil(chunks.max(1));
+    let (own, partials) = scratch.split_at_mut(hd);
+    let (mut max, mut sum) = (f32::NEG_INFINITY, 0.0f32);
+    out.fill(0.0);
+    for (c, part) in partials.chunks_exact_mut(hd + 2).take(chunks).enumerate() {
+        let lo = c * chunk;
+        if lo >= cells {
+            break;
+        }
+        let p = vector_partial(
+            kv,
+            q,
+            visible.clone(),
+            lo..(lo + chunk).min(cells),
+            scale,
+            own,
+            &mut part[..hd],
+        );
+        if p.sum == 0.0 {
+            continue;
+        }
+        let m = max.max(p.max);
+        let (old, new) = ((max - m).exp(), (p.max - m).exp());
+        for (o, &v) in out.iter_mut().zip(&part[..hd]) {
+            *o = o.mul_add(old, v * new);
+        }
+        sum = sum.mul_add(old, p.sum * new);
+        max = m;
+    }
+    if sum != 0.0 {
+        let inv = 1.0 / sum;
+        for o in out.iter_mut() {
+            *o *= inv;
+        }
+    }
+}
+
+/// Up to [`Q_TILE`] query rows of one head (`q` is `rows * head_dim`,
+/// row `r` seeing cells `visible(r)`) against cells `0..cells`, by the
+/// tiled route; `out` gets `rows * head_dim` normalized outputs. `scratch`
+/// is [`tile_scratch_len`]`(head_dim)` long.
+#[allow(clippy::too_many_arguments)]
+pub fn tiled(
+    kv: &impl KvHead,
+    q: &[f32],
+    hd: usize,
+    visible: impl Fn(usize) -> Range<usize>,
+    cells: usize,
+    scale: f32,
+    scratch: &mut [f32],
+    out: &mut [f32],
+) {
+    #[cfg(target_arch = "x86_64")]
+    if crate::dot::has_avx2() {
+        // SAFETY: avx2 and fma were detected at run time.
+        return unsafe { tiled_fma(kv, q, hd, visible, cells, scale, scratch, out) };
+    }
+    tiled_body(kv, q, hd, visible, cells, scale, scratch, out)
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma")]
+#[allow(clippy::too_many_arguments)]
+unsafe fn tiled_fma(
+    kv: &impl KvHead,
+    q: &[f32],
+    hd: usize,
+    visible: impl Fn(usize) -> Range<usize>,
+    cells: usize,
+    scale: f32,
+    scratch: &mut [f32],
+    out: &mut [f32],
+) {
+    tiled_body(kv, q, hd, visible, cells, scale, scratch, out)
+}
+
+#[inline(always)]
+#[allow(clippy::too_many_arguments)]
+fn tiled_body(
+    kv: &impl KvHead,
+    q: &[f32],
+    hd: usize,
+    visible: impl Fn(usize) -> Range<usize>,
+    cells: usize,
+    scale: f32,
+    scratch: &mut [f32],
+    out: &mut [f32],
+) {
+    let rows = q.len() / hd;
+    debug_assert!(rows <= Q_TILE && out.len() == rows * hd);
+    let (kt, rest) = scratch.split_at_mut(KV_TILE * hd);
+    let (v32, rest) = rest.split_at_mut(KV_TILE * hd);
+    let (kq, _) = rest.split_at_mut(Q_TILE * KV_TILE);
+    let vis: [Range<usize>; Q_TILE] = std::array::from_fn(|r| if r < rows { visible(r) } else { 0..0 });
+    let mut max = [f32::NEG_INFINITY; Q_TILE];
+    let mut sum = [0.0f32; Q_TILE];
+    out.fill(0.0);
+    for lo in (0..cells).step_by(KV_TILE) {
+        let n = KV_TILE.min(cells - lo);
+        let seen = |r: usize| vis[r].start.max(lo) < vis[r].end.min(lo + n);
+        if !(0..rows).any(seen) {
+            continue;
+        }
+        // Keys transposed to [dim][cell] in f32, zero past the last cell.
+        for c in 0..KV_TILE {
+            if c < n {
+                for (d, &k) in kv.key(lo + c).iter().enumerate() {
+                    kt[d * KV_TILE + c] = k.to_f32();
+                }
+            } else {
+                for d in 0..hd {
+                    kt[d * KV_TILE + c] = 0.0;
+                }
+            }
+        }
+        for c in 0..KV_TILE {
+            let row = &mut v32[c * hd..(c + 1) * hd];
+            if c < n {
+                for (d, &v) in row.iter_mut().zip(kv.value(lo + c)) {
+                    *d = v.to_f32();
+                }
+            } else {
+                row.fill(0.0);
+            }
+        }
+        for r in 0..rows {
+            if !seen(r) {
+                continue;
+            }
+            let s = &mut kq[r * KV_TILE..(r + 1) * KV_TILE];
+            s.fill(0.0);
+            for (d, &qd) in q[r * hd..(r + 1) * hd].iter().enumerate() {
+                let k = &kt[d * KV_TILE..(d + 1) * KV_TILE];
+                for (sc, &kc) in s.iter_mut().zip(k) {
+                    *sc = qd.mul_add(kc, *sc);
+                }
+            }
+            for (c, sc) in s.iter_mut().enumerate() {
+                let at = lo + c;
+                *sc = if c < n && vis[r].contains(&at) {
+                    *sc * scale + 0.0
+                } else {
+                    f32::NEG_INFINITY
+                };
+            }
+            let tile_max = s.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+            let m = max[r].max(tile_max);
+            let acc = &mut out[r * hd..(r + 1) * hd];
+            if m > max[r] {
+                let ms = (max[r] - m).exp();
+                for a in acc.iter_mut() {
+                    *a *= ms;
+                }
+                sum[r] *= ms;
+            }
+            max[r] = m;
+            sum[r] = (sum[r] as f64 + exp_sum(s, m)) as f32;
+            for (c, &p) in s.iter().enumerate() {
+                let v = &v32[c * hd..(c + 1) * hd];
+                for (a, &vd) in acc.iter_mut().zip(v) {
+                    *a = p.mul_add(vd, *a);
+                }
+            }
+        }
+    }
+    for r in 0..rows {
+        normalize(&mut out[r * hd..(r + 1) * hd], sum[r]);
+    }
+}
+
+/// `y = f16(y * v)` element by element (`ggml_vec_scale_f16`).
+fn scale_f16(y: &mut [f16], v: f32) {
+    #[cfg(target_arch = "x86_64")]
+    if crate::f16dot::has_f16c() {
+        // SAFETY: avx2, fma and f16c were detected at run time.
+        return unsafe { simd::scale_f16(y, v) };
+    }
+    for e in y {
+        *e = f16::from_f32(e.to_f32() * v);
+    }
+}
+
+/// `y = f16(fma(x, v, y))` element by element (`ggml_vec_mad_f16`).
+fn mad_f16(y: &mut [f16], x: &[f16], v: f32) {
+    #[cfg(target_arch = "x86_64")]
+    if crate::f16dot::has_f16c() {
+        // SAFETY: avx2, fma and f16c were detected at run time.
+        return unsafe { simd::mad_f16(y, x, v) };
+    }
+    for (e, &xi) in y.iter_mut().zip(x) {
+        *e = f16::from_f32(xi.to_f32().mul_add(v, e.to_f32()));
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+mod simd {
+    use half::f16;
+    use std::arch::x86_64::*;
+
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub unsafe fn scale_f16(y: &mut [f16], v: f32) {
+        let n = y.len() / 8 * 8;
+        let vv = _mm256_set1_ps(v);
+        let p = y.as_mut_ptr() as *mut __m128i;
+        for i in (0..n).step_by(8) {
+            // SAFETY: i + 8 <= y.len().
+            let a = _mm256_cvtph_ps(_mm_loadu_si128(p.add(i / 8)));
+            _mm_storeu_si128(p.add(i / 8), _mm256_cvtps_ph::<0>(_mm256_mul_ps(a, vv)));
+        }
+        for e in &mut y[n..] {
+            *e = f16::from_f32(e.to_f32() * v);
+        }
+    }
+
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub unsafe fn mad_f16(y: &mut [f16], x: &[f16], v: f32) {
+        let len = y.len().min(x.len());
+        let n = len / 8 * 8;
+        let vv = _mm256_set1_ps(v);
+        let (py, px) = (y.as_mut_ptr() as *mut __m128i, x.as_ptr() as *const __m128i);
+        for i in (0..n).step_by(8) {
+            // SAFETY: i + 8 <= len for both slices.
+            let a = _mm256_cvtph_ps(_mm_loadu_si128(py.add(i / 8)));
+            let b = _mm256_cvtph_ps(_mm_loadu_si128(px.add(i / 8)));
+            _mm_storeu_si128(py.add(i / 8), _mm256_cvtps_ph::<0>(_mm256_fmadd_ps(b, vv, a)));
+        }
+        for (e, &xi) in y[n..len].iter_mut().zip(&x[n..len]) {
+            *e = f16::from_f32(xi.to_f32().mul_add(v, e.to_f32()));
+        }
+    }
+}

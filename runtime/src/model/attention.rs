@@ -1,0 +1,340 @@
+//! Attention of a batch of queries against the KV cache, by either of
+//! llama.cpp's CPU paths, each reproduced bit for bit: the standard one
+//! (`-fa off`: all scores, a softmax, probabilities rounded to f16, then the
+//! values) and flash attention (`-fa on`, and what llama.cpp's default
+//! `auto` picks on a CPU: an online softmax over one cell at a time or over
+//! tiles, see `leanstream_kernels::flash_attn`).
+
+use std::ops::Range;
+use std::str::FromStr;
+
+use half::f16;
+use leanstream_kernels::f16dot::{dot_f16_gemm, dot_f16_gemm_x4, dot_f16_vec};
+use leanstream_kernels::flash_attn::{self, KvHead, Route, Q_TILE};
+use leanstream_kernels::ops;
+use rayon::prelude::*;
+
+use super::config::Config;
+use super::kv_cache::{KvCache, LANES};
+use crate::RuntimeError;
+
+/// Which attention path runs (llama.cpp's `--flash-attn`).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum FlashAttn {
+    /// As llama.cpp decides: on wherever the device runs flash attention,
+    /// which the CPU does.
+    #[default]
+    Auto,
+    On,
+    Off,
+}
+
+impl FlashAttn {
+    pub fn enabled(self) -> bool {
+        self != FlashAttn::Off
+    }
+}
+
+impl FromStr for FlashAttn {
+    type Err = RuntimeError;
+
+    fn from_str(s: &str) -> Result<Self, RuntimeError> {
+        match s {
+            "auto" => Ok(Self::Auto),
+            "on" => Ok(Self::On),
+            "off" => Ok(Self::Off),
+            other => Err(RuntimeError::Invalid(format!(
+                "flash attention \"{other}\": expected auto, on or off"
+            ))),
+        }
+    }
+}
+
+impl std::fmt::Display for FlashAttn {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            Self::Auto => "auto",
+            Self::On => "on",
+            Self::Off => "off",
+        })
+    }
+}
+
+/// Attention score scratch of the standard path is processed in waves of
+/// (token, head) pairs so its size is bounded whatever the batch and context.
+const SCORE_SCRATCH: usize = 1 << 20;
+
+/// Tiles of the flash path computed at once per thread (more waves otherwise).
+const TILES_PER_THREAD: usize = 2;
+
+/// An attention path with the scratch it needs, allocated once.
+pub(super) struct Attention {
+    flash: bool,
+    /// The context the state was made for (llama.cpp's `n_ctx`).
+    ctx: usize,
+    // Standard path: q in f16, scores, probabilities.
+    q16: Vec<f16>,
+    scores: Vec<f32>,
+    probs: Vec<f16>,
+    /// Flash path: per-query or per-tile scratch of a wave.
+    work: Vec<f32>,
+}
+
+impl Attention {
+    pub(super) fn new(c: &Config, ctx: usize, max_batch: usize, flash: bool) -> Self {
+        let b = max_batch.max(1);
+        if flash {
+            let threads = rayon::current_num_threads().max(1);
+            let hd = c.head_dim;
+            let vector = c.n_head * b.min(Q_TILE - 1) * flash_attn::vector_scratch_len(hd, threads);
+            let tiles = if b >= Q_TILE {
+                (c.n_head * b.div_ceil(Q_TILE)).min(TILES_PER_THREAD * threads) * tile_item_len(hd)
+            } else {
+                0
+            };
+            return Self {
+                flash,
+                ctx,
+                q16: Vec::new(),
+                scores: Vec::new(),
+                probs: Vec::new(),
+                work: vec![0.0; vector.max(tiles)],
+            };
+        }
+        // One wave holds every (token, head) pair of a batch when that is
+        // smaller than the bound: a short context needs little scratch.
+        let ctx_padded = ctx.div_ceil(LANES) * LANES;
+        let score_len = SCORE_SCRATCH.min(b * c.n_head * ctx_padded).max(ctx_padded);
+        Self {
+            flash,
+            ctx,
+            q16: vec![f16::ZERO; b * c.q_dim()],
+            scores: vec![0.0; score_len],
+            probs: vec![f16::ZERO; score_len],
+            work: Vec::new(),
+        }
+    }
+
+    pub(super) fn is_flash(&self) -> bool {
+        self.flash
+    }
+
+    pub(super) fn bytes(&self) -> usize {
+        (self.scores.len() + self.work.len()) * 4 + (self.q16.len() + self.probs.len()) * 2
+    }
+
+    /// Causal (and, on sliding layers, windowed) attention of the query
+    /// rows `q` (`[token][head * head_dim]`, the first at `pos0`) against
+    /// the cache, written to `out` in the same layout.
+    pub(super) fn run(&mut self, c: &Config, layer: usize, kv: &KvCache, q: &[f32], pos0: usize, out: &mut [f32]) {
+        if self.flash {
+            return self.flash(c, layer, kv, q, pos0, out);
+        }
+        let q16 = &mut self.q16[..q.len()];
+        for (dst, &src) in q16.iter_mut().zip(q) {
+            *dst = f16::from_f32(src);
+        }
+        standard(c, layer, kv, q16, pos0, &mut self.scores, &mut self.probs, out);
+    }
+
+    fn flash(&mut self, c: &Config, layer: usize, kv: &KvCache, q: &[f32], pos0: usize, out: &mut [f32]) {
+        let (hd, q_dim) = (c.head_dim, c.q_dim());
+        let group = c.n_head / c.n_head_kv;
+        let n = q.len() / q_dim;
+        let threads = rayon::current_num_threads().max(1);
+        let cells = cache_view(c, layer, self.ctx, pos0 + n);
+        let visible = |t: usize| -> Range<usize> {
+            let pos = pos0 + t;
+            c.first_visible(layer, pos)..pos + 1
+        };
+        let head = |h: usize| CacheHead {
+            kv,
+            layer,
+            kv_head: h / group,
+        };
+        let route = flash_attn::route(n, cells, threads);
+        if route == Route::Tiled {
+            let item = tile_item_len(hd);
+            let items = c.n_head * n.div_ceil(Q_TILE);
+            grow(&mut self.work, item);
+            let wave = (self.work.len() / item).clamp(1, items);
+            for start in (0..items).step_by(wave) {
+                let end = (start + wave).min(items);
+                // Item i: head i % n_head, queries from (i / n_head) * Q_TILE.
+                let rows_of = |i: usize| {
+                    let t0 = i / c.n_head * Q_TILE;
+                    (i % c.n_head, t0, Q_TILE.min(n - t0))
+                };
+                self.work[..(end - start) * item]
+                    .par_chunks_mut(item)
+                    .enumerate()
+                    .for_each(|(i, s)| {
+                        let (h, t0, rows) = rows_of(start + i);
+                        let (qt, rest) = s.split_at_mut(Q_TILE * hd);
+                        let (ot, scratch) = rest.split_at_mut(Q_TILE * hd);
+                        for r in 0..rows {
+                            qt[r * hd..(r + 1) * hd].copy_from_slice(&q[(t0 + r) * q_dim + h * hd..][..hd]);
+                        }
+                        let (qt, ot) = (&qt[..rows * hd], &mut ot[..rows * hd]);
+                        flash_attn::tiled(&head(h), qt, hd, |r| visible(t0 + r), cells, c.kq_scale, scratch, ot);
+                    });
+                for (i, s) in self.work[..(end - start) * item].chunks(item).enumerate() {
+                    let (h, t0, rows) = rows_of(start + i);
+                    let ot = &s[Q_TILE * hd..];
+                    for r in 0..rows {
+                        out[(t0 + r) * q_dim + h * hd..][..hd].copy_from_slice(&ot[r * hd..(r + 1) * hd]);
+                    }
+                }
+            }
+            return;
+        }
+        let chunks = match route {
+            Route::Split { chunks } => chunks,
+            _ => 0,
+        };
+        let item = flash_attn::vector_scratch_len(hd, chunks);
+        let pairs = n * c.n_head;
+        grow(&mut self.work, item);
+        let wave = (self.work.len() / item).clamp(1, pairs);
+        for start in (0..pairs).step_by(wave) {
+            let end = (start + wave).min(pairs);
+            out[start * hd..end * hd]
+                .par_chunks_mut(hd)
+                .zip(self.work.par_chunks_mut(item))
+                .enumerate()
+                .for_each(|(i, (o, s))| {
+                    let pair = start + i;
+                    let (t, h) = (pair / c.n_head, pair % c.n_head);
+                    let qr = &q[pair * hd..(pair + 1) * hd];
+                    match route {
+                        Route::Split { chunks } => {
+                            flash_attn::split(&head(h), qr, visible(t), cells, chunks, c.kq_scale, s, o)
+                        }
+                        _ => flash_attn::vector(&head(h), qr, visible(t), c.kq_scale, s, o),
+                    }
+                });
+        }
+    }
+}
+
+/// f32 scratch of one tile of the flash path: gathered queries, outputs, kernel scratch.
+fn tile_item_len(head_dim: usize) -> usize {
+    2 * Q_TILE * head_dim + flash_attn::tile_scratch_len(head_dim)
+}
+
+/// Makes `work` hold at least one item (it holds a wave from the start
+/// unless the thread count grew since).
+fn grow(work: &mut Vec<f32>, item: usize) {
+    if work.len() < item {
+        work.resize(item, 0.0);
+    }
+}
+
+/// Cells of llama.cpp's KV cache view for a batch whose last position is
+/// `used - 1`: a multiple of 256, capped at the cache's size (`n_ctx`
+/// rounded up to 256; the sliding-window layers' own cache holds the window
+/// plus llama.cpp's default micro-batch of 512). It decides, as there,
+/// whether a single query's cells are split across threads, and where.
+fn cache_view(c: &Config, layer: usize, ctx: usize, used: usize) -> usize {
+    let pad = |x: usize| x.div_ceil(256) * 256;
+    let mut size = pad(ctx);
+    if let (Some(w), true) = (c.sliding_window, c.swa_layers[layer]) {
+        size = pad(size.min(w + 512));
+    }
+    size.min(pad(used).max(256))
+}
+
+/// One kv head of one layer of the cache, for the flash kernels.
+struct CacheHead<'a> {
+    kv: &'a KvCache,
+    layer: usize,
+    kv_head: usize,
+}
+
+impl KvHead for CacheHead<'_> {
+    fn key(&self, cell: usize) -> &[f16] {
+        self.kv.key(self.layer, cell, self.kv_head)
+    }
+
+    fn value(&self, cell: usize) -> &[f16] {
+        self.kv.value(self.layer, cell, self.kv_head)
+    }
+}
+
+/// Causal (and, on sliding layers, windowed) attention of every query row in
+/// `q16` against the cache, written to `out` as `[token][head * head_dim]`.
+///
+/// Scores and probabilities are laid out in groups of `LANES` aligned to
+/// cache position 0, masked entries holding -inf (then 0), so the sums run in
+/// the same groups as llama.cpp's over its padded cache.
+#[allow(clippy::too_many_arguments)]
+fn standard(
+    c: &Config,
+    layer: usize,
+    kv: &KvCache,
+    q16: &[f16],
+    pos0: usize,
+    scores: &mut [f32],
+    probs: &mut [f16],
+    out: &mut [f32],
+) {
+    let hd = c.head_dim;
+    let group = c.n_head / c.n_head_kv;
+    let pairs = out.len() / hd;
+    let ctx = kv.ctx;
+    // llama.cpp takes its GEMM route for batches and its vector route for one query.
+    let gemm = pairs > c.n_head;
+    let dot = if gemm { dot_f16_gemm } else { dot_f16_vec };
+    let wave = (scores.len() / ctx).clamp(1, pairs);
+    for start in (0..pairs).step_by(wave) {
+        let end = (start + wave).min(pairs);
+        out[start * hd..end * hd]
+            .par_chunks_mut(hd)
+            .zip(scores.par_chunks_mut(ctx))
+            .zip(probs.par_chunks_mut(ctx))
+            .enumerate()
+            .for_each(|(i, ((o, s), p))| {
+                let pair = start + i;
+                let (t, h) = (pair / c.n_head, pair % c.n_head);
+                let kv_head = h / group;
+                let pos = pos0 + t;
+                let lo = c.first_visible(layer, pos);
+                let (lo_a, hi_a) = (lo / LANES * LANES, (pos + 1).div_ceil(LANES) * LANES);
+                let q = &q16[pair * hd..(pair + 1) * hd];
+                let s = &mut s[..hi_a - lo_a];
+                s.fill(f32::NEG_INFINITY);
+                let key = |at: usize| kv.key(layer, at, kv_head);
+                let mut at = lo;
+                if gemm {
+                    // Four keys per call share the conversion of q; each sum keeps its order.
+                    while at + 4 <= pos + 1 {
+                        let d = dot_f16_gemm_x4(q, [key(at), key(at + 1), key(at + 2), key(at + 3)]);
+                        for (k, dk) in d.iter().enumerate() {
+                            s[at + k - lo_a] = dk * c.kq_scale;
+                        }
+                        at += 4;
+                    }
+                }
+                for at in at..=pos {
+                    s[at - lo_a] = dot(key(at), q) * c.kq_scale;
+                }
+                ops::softmax(s);
+                let p = &mut p[..hi_a - lo_a];
+                for (pj, &sj) in p.iter_mut().zip(s.iter()) {
+                    *pj = f16::from_f32(sj);
+                }
+                let value = |dim: usize| kv.value_row(layer, kv_head, dim, lo_a, hi_a);
+                let mut dim = 0;
+                if gemm {
+                    while dim + 4 <= hd {
+                        let d = dot_f16_gemm_x4(p, [value(dim), value(dim + 1), value(dim + 2), value(dim + 3)]);
+                        o[dim..dim + 4].copy_from_slice(&d);
+                        dim += 4;
+                    }
+                }
+                for (dim, od) in o.iter_mut().enumerate().skip(dim) {
+                    *od = dot(value(dim), p);
+                }
+            });
+    }
+}
