@@ -11,7 +11,7 @@ use clap::Args;
 use leanstream_runtime::engine::{CachePolicy, EngineOptions, FlashModel, Policy};
 use leanstream_runtime::flash::{pagecache, SparsityLevel};
 use leanstream_runtime::generate::sampler::Rng;
-use leanstream_runtime::model::RunState;
+use leanstream_runtime::model::{FlashAttn, RunState};
 use leanstream_runtime::perplexity::perplexity_in_batches;
 
 use crate::plot;
@@ -175,7 +175,7 @@ pub fn run(a: BenchArgs) -> Result<()> {
         // The baseline runs interleaved with ours, one repetition at a time, so
         // both see the same drift in machine load.
         if let (Some(bin), true) = (&a.llama_bench, rep > 0) {
-            let r = llama_bench(bin, &path, a.prompt_tokens, a.gen_tokens, threads)?;
+            let r = llama_bench(bin, &path, a.prompt_tokens, a.gen_tokens, threads, settings.flash_attn)?;
             theirs_pp.extend(r.prompt_tok_s);
             theirs_tg.extend(r.decode_tok_s);
             theirs_build = r.build;
@@ -199,6 +199,8 @@ pub fn run(a: BenchArgs) -> Result<()> {
         "load_s": load_s,
         "weights_bytes": weights_bytes,
         "state_bytes": st.bytes(),
+        "flash_attn": settings.flash_attn.to_string(),
+        "flash_attn_enabled": st.flash_attn(),
     });
     if let Some((fm, engine)) = loaded.flash() {
         let s = engine.stats();
@@ -449,11 +451,19 @@ struct LlamaBench {
 }
 
 /// Runs one repetition of llama-bench with matching settings.
-fn llama_bench(bin: &PathBuf, model: &PathBuf, p: usize, g: usize, threads: usize) -> Result<LlamaBench> {
+fn llama_bench(
+    bin: &PathBuf,
+    model: &PathBuf,
+    p: usize,
+    g: usize,
+    threads: usize,
+    flash_attn: FlashAttn,
+) -> Result<LlamaBench> {
     let out = Command::new(bin)
         .arg("-m")
         .arg(model)
         .args(["-p", &p.to_string(), "-n", &g.to_string(), "-t", &threads.to_string()])
+        .args(["-fa", &flash_attn.to_string()])
         .args(["-r", "1", "-o", "json"])
         .output()
         .with_context(|| format!("starting {}", bin.display()))?;

@@ -9,7 +9,7 @@ use indicatif::ProgressBar;
 use leanstream_kernels::GgmlType;
 use leanstream_runtime::generate::ingest;
 use leanstream_runtime::gguf::GgufFile;
-use leanstream_runtime::model::{Arch, Model};
+use leanstream_runtime::model::{Arch, FlashAttn, Model};
 use leanstream_runtime::synthetic::{SyntheticSpec, VOCAB};
 
 fn write(name: &str, spec: &SyntheticSpec) -> PathBuf {
@@ -189,4 +189,62 @@ fn streamed_shapes_load_and_run() {
         assert_eq!(logits.len(), 1000);
         assert!(logits.iter().all(|v| v.is_finite()), "{name}: non-finite logits");
     }
+}
+
+/// Both attention paths (llama.cpp's standard one and flash attention, by
+/// its vector route for one token and its tiled route for 64+) agree to
+/// rounding on every variant, the sliding window included.
+#[test]
+fn flash_and_standard_attention_agree_to_rounding() {
+    let tokens: Vec<u32> = (0..100u32).map(|i| 3 + (i * 37 + 11) % 250).collect();
+    for arch in ["llama", "qwen2", "mistral"] {
+        let mut spec = SyntheticSpec::tiny(arch);
+        if arch == "mistral" {
+            spec.sliding_window = Some(40);
+        }
+        let mut model = Model::load(write(&format!("{arch}-fa.gguf"), &spec)).unwrap();
+        let mut runs = Vec::new();
+        for fa in [FlashAttn::Off, FlashAttn::On] {
+            model.flash_attn = fa;
+            let mut st = model.new_state(128, 128, 1);
+            assert_eq!(st.flash_attn(), fa.enabled());
+            ingest(&model, &mut st, &tokens, 0).unwrap();
+            let prompt = model.logits(&mut st, 0, 1).unwrap().to_vec();
+            model.forward(&mut st, &[7], tokens.len()).unwrap();
+            let next = model.logits(&mut st, 0, 1).unwrap().to_vec();
+            runs.push((prompt, next));
+        }
+        let (off, on) = (&runs[0], &runs[1]);
+        assert!(off.0 != on.0, "{arch}: the two paths should round differently");
+        for (what, a, b) in [("prompt", &off.0, &on.0), ("decode", &off.1, &on.1)] {
+            let d = max_rel_diff(a, b);
+            assert!(d < 1e-2, "{arch} {what}: flash and standard attention {d} apart");
+        }
+    }
+}
+
+/// A saved KV prefix resumes a sequence with the same bits in either cache
+/// layout (value rows for flash attention, transposed values otherwise), and
+/// a prefix saved in one layout is refused by a state of the other.
+#[test]
+fn saved_prefixes_resume_exactly_in_both_cache_layouts() {
+    let mut model = Model::load(write("llama-prefix.gguf", &SyntheticSpec::tiny("llama"))).unwrap();
+    let mut saved = Vec::new();
+    for fa in [FlashAttn::Off, FlashAttn::On] {
+        model.flash_attn = fa;
+        let whole = last_logits(&model, &TOKENS, true);
+        let mut first = model.new_state(64, 64, 1);
+        ingest(&model, &mut first, &TOKENS[..7], 0).unwrap();
+        let prefix = first.kv.save_prefix(7);
+        let mut resumed = model.new_state(64, 64, 1);
+        resumed.kv.restore_prefix(&prefix).unwrap();
+        ingest(&model, &mut resumed, &TOKENS[7..], 7).unwrap();
+        let logits = model.logits(&mut resumed, 0, 1).unwrap();
+        assert_eq!(logits, &whole[..], "{fa}: resumed from a saved prefix");
+        saved.push(prefix);
+    }
+    model.flash_attn = FlashAttn::On;
+    let mut st = model.new_state(64, 64, 1);
+    let err = st.kv.restore_prefix(&saved[0]).unwrap_err().to_string();
+    assert!(err.contains("transposed values"), "{err}");
 }

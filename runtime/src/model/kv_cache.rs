@@ -118,9 +118,11 @@ impl KvCache {
     pub fn restore_prefix(&mut self, p: &KvPrefix) -> Result<()> {
         let (n, d, ctx) = (p.n, self.kv_dim, self.ctx);
         if n > ctx || p.k.len() != self.layers() * n * d || p.v.len() != p.k.len() || p.value_rows != self.value_rows {
+            let layout = |rows: bool| if rows { "value rows" } else { "transposed values" };
             return Err(RuntimeError::Invalid(format!(
-                "a saved KV prefix of {n} positions does not fit this cache ({ctx} positions, {d} wide, {} values)",
-                if self.value_rows { "row" } else { "transposed" }
+                "a saved KV prefix of {n} positions ({}) does not fit this cache ({ctx} positions, {d} wide, {})",
+                layout(p.value_rows),
+                layout(self.value_rows)
             )));
         }
         let layers = self.layers();
