@@ -204,15 +204,15 @@ pub fn tiled(
     out: &mut [f32],
 ) {
     #[cfg(target_arch = "x86_64")]
-    if crate::dot::has_avx2() {
-        // SAFETY: avx2 and fma were detected at run time.
+    if crate::f16dot::has_f16c() {
+        // SAFETY: avx2, fma and f16c were detected at run time.
         return unsafe { tiled_fma(kv, q, hd, visible, cells, scale, scratch, out) };
     }
     tiled_body(kv, q, hd, visible, cells, scale, scratch, out)
 }
 
 #[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx2,fma")]
+#[target_feature(enable = "avx2,fma,f16c")]
 #[allow(clippy::too_many_arguments)]
 unsafe fn tiled_fma(
     kv: &impl KvHead,
@@ -254,11 +254,14 @@ fn tiled_body(
         if !(0..rows).any(seen) {
             continue;
         }
-        // Keys transposed to [dim][cell] in f32, zero past the last cell.
+        // Values in f32 as [cell][dim]; keys transposed to [dim][cell] (each
+        // row widened in the first value row's place first); zero past the last cell.
         for c in 0..KV_TILE {
             if c < n {
-                for (d, &k) in kv.key(lo + c).iter().enumerate() {
-                    kt[d * KV_TILE + c] = k.to_f32();
+                let row = &mut v32[..hd];
+                widen(kv.key(lo + c), row);
+                for (d, &k) in row.iter().enumerate() {
+                    kt[d * KV_TILE + c] = k;
                 }
             } else {
                 for d in 0..hd {
@@ -269,9 +272,7 @@ fn tiled_body(
         for c in 0..KV_TILE {
             let row = &mut v32[c * hd..(c + 1) * hd];
             if c < n {
-                for (d, &v) in row.iter_mut().zip(kv.value(lo + c)) {
-                    *d = v.to_f32();
-                }
+                widen(kv.value(lo + c), row);
             } else {
                 row.fill(0.0);
             }
@@ -281,13 +282,7 @@ fn tiled_body(
                 continue;
             }
             let s = &mut kq[r * KV_TILE..(r + 1) * KV_TILE];
-            s.fill(0.0);
-            for (d, &qd) in q[r * hd..(r + 1) * hd].iter().enumerate() {
-                let k = &kt[d * KV_TILE..(d + 1) * KV_TILE];
-                for (sc, &kc) in s.iter_mut().zip(k) {
-                    *sc = qd.mul_add(kc, *sc);
-                }
-            }
+            scores_row(&q[r * hd..(r + 1) * hd], kt, s);
             for (c, sc) in s.iter_mut().enumerate() {
                 let at = lo + c;
                 *sc = if c < n && vis[r].contains(&at) {
@@ -308,16 +303,58 @@ fn tiled_body(
             }
             max[r] = m;
             sum[r] = (sum[r] as f64 + exp_sum(s, m)) as f32;
-            for (c, &p) in s.iter().enumerate() {
-                let v = &v32[c * hd..(c + 1) * hd];
-                for (a, &vd) in acc.iter_mut().zip(v) {
-                    *a = p.mul_add(vd, *a);
-                }
-            }
+            add_values(s, v32, acc);
         }
     }
     for r in 0..rows {
         normalize(&mut out[r * hd..(r + 1) * hd], sum[r]);
+    }
+}
+
+/// `s[c] = sum over d of q[d] * kt[d][c]` for the tile's cells, each a chain
+/// of fused multiply-adds in dimension order from 0 (ggml's `simd_gemm`).
+#[inline(always)]
+fn scores_row(q: &[f32], kt: &[f32], s: &mut [f32]) {
+    #[cfg(target_arch = "x86_64")]
+    if crate::dot::has_avx2() {
+        // SAFETY: avx2 and fma were detected at run time.
+        return unsafe { simd::scores_row(q, kt, s) };
+    }
+    s.fill(0.0);
+    for (d, &qd) in q.iter().enumerate() {
+        for (sc, &kc) in s.iter_mut().zip(&kt[d * KV_TILE..(d + 1) * KV_TILE]) {
+            *sc = qd.mul_add(kc, *sc);
+        }
+    }
+}
+
+/// `acc[d] += sum over c of p[c] * v32[c][d]`, each a chain of fused
+/// multiply-adds in cell order (ggml's `simd_gemm`).
+#[inline(always)]
+fn add_values(p: &[f32], v32: &[f32], acc: &mut [f32]) {
+    #[cfg(target_arch = "x86_64")]
+    if crate::dot::has_avx2() {
+        // SAFETY: avx2 and fma were detected at run time.
+        return unsafe { simd::add_values(p, v32, acc) };
+    }
+    let hd = acc.len();
+    for (c, &pc) in p.iter().enumerate() {
+        for (a, &vd) in acc.iter_mut().zip(&v32[c * hd..(c + 1) * hd]) {
+            *a = pc.mul_add(vd, *a);
+        }
+    }
+}
+
+/// `dst = src` widened to f32.
+#[inline(always)]
+fn widen(src: &[f16], dst: &mut [f32]) {
+    #[cfg(target_arch = "x86_64")]
+    if crate::f16dot::has_f16c() {
+        // SAFETY: avx2, fma and f16c were detected at run time.
+        return unsafe { simd::widen(src, dst) };
+    }
+    for (d, &x) in dst.iter_mut().zip(src) {
+        *d = x.to_f32();
     }
 }
 
@@ -349,6 +386,70 @@ fn mad_f16(y: &mut [f16], x: &[f16], v: f32) {
 mod simd {
     use half::f16;
     use std::arch::x86_64::*;
+
+    use super::KV_TILE;
+
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub unsafe fn widen(src: &[f16], dst: &mut [f32]) {
+        let len = src.len().min(dst.len());
+        let n = len / 8 * 8;
+        let (s, d) = (src.as_ptr() as *const __m128i, dst.as_mut_ptr());
+        for i in (0..n).step_by(8) {
+            // SAFETY: i + 8 <= len for both slices.
+            _mm256_storeu_ps(d.add(i), _mm256_cvtph_ps(_mm_loadu_si128(s.add(i / 8))));
+        }
+        for (o, &x) in dst[n..len].iter_mut().zip(&src[n..len]) {
+            *o = x.to_f32();
+        }
+    }
+
+    /// Eight 8-lane accumulators hold the 64 cells' scores across the dimensions.
+    #[target_feature(enable = "avx2,fma")]
+    pub unsafe fn scores_row(q: &[f32], kt: &[f32], s: &mut [f32]) {
+        debug_assert!(kt.len() >= q.len() * KV_TILE && s.len() == KV_TILE);
+        let mut acc = [_mm256_setzero_ps(); KV_TILE / 8];
+        let k = kt.as_ptr();
+        for (d, &qd) in q.iter().enumerate() {
+            let qv = _mm256_set1_ps(qd);
+            for (j, a) in acc.iter_mut().enumerate() {
+                // SAFETY: d < q.len(), so the row of KV_TILE lies inside kt.
+                *a = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k.add(d * KV_TILE + 8 * j)), *a);
+            }
+        }
+        for (j, a) in acc.iter().enumerate() {
+            _mm256_storeu_ps(s.as_mut_ptr().add(8 * j), *a);
+        }
+    }
+
+    /// The accumulators in blocks of 64 dimensions, kept in registers across the cells.
+    #[target_feature(enable = "avx2,fma")]
+    pub unsafe fn add_values(p: &[f32], v32: &[f32], acc: &mut [f32]) {
+        let hd = acc.len();
+        debug_assert!(v32.len() >= p.len() * hd);
+        let blocks = hd / 64 * 64;
+        let (v, o) = (v32.as_ptr(), acc.as_mut_ptr());
+        for d0 in (0..blocks).step_by(64) {
+            let mut a = [_mm256_setzero_ps(); 8];
+            for (j, r) in a.iter_mut().enumerate() {
+                *r = _mm256_loadu_ps(o.add(d0 + 8 * j));
+            }
+            for (c, &pc) in p.iter().enumerate() {
+                let pv = _mm256_set1_ps(pc);
+                for (j, r) in a.iter_mut().enumerate() {
+                    // SAFETY: c < p.len() and d0 + 64 <= hd.
+                    *r = _mm256_fmadd_ps(pv, _mm256_loadu_ps(v.add(c * hd + d0 + 8 * j)), *r);
+                }
+            }
+            for (j, r) in a.iter().enumerate() {
+                _mm256_storeu_ps(o.add(d0 + 8 * j), *r);
+            }
+        }
+        for (c, &pc) in p.iter().enumerate() {
+            for d in blocks..hd {
+                acc[d] = pc.mul_add(v32[c * hd + d], acc[d]);
+            }
+        }
+    }
 
     #[target_feature(enable = "avx2,fma,f16c")]
     pub unsafe fn scale_f16(y: &mut [f16], v: f32) {
