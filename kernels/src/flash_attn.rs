@@ -82,13 +82,16 @@ pub fn tile_scratch_len(head_dim: usize) -> usize {
     2 * KV_TILE * head_dim + Q_TILE * KV_TILE
 }
 
-/// One query `q` (f32) against the visible cells of `cells`, by the vector
-/// route; `out` gets the unnormalized sum (divide by the returned sum, or
-/// merge partials). `scratch` is [`vector_scratch_len`]`(head_dim, 0)` long.
+/// One query `q` (f32) against the cells of `cells` it sees (those of
+/// `visible` for which `sees` holds), by the vector route; `out` gets the
+/// unnormalized sum (divide by the returned sum, or merge partials).
+/// `scratch` is [`vector_scratch_len`]`(head_dim, 0)` long.
+#[allow(clippy::too_many_arguments)]
 pub fn vector_partial(
     kv: &impl KvHead,
     q: &[f32],
     visible: Range<usize>,
+    sees: impl Fn(usize) -> bool,
     cells: Range<usize>,
     scale: f32,
     scratch: &mut [f32],
@@ -103,6 +106,9 @@ pub fn vector_partial(
     let mut max = f32::NEG_INFINITY;
     let mut sum = 0.0f32;
     for cell in visible.start.max(cells.start)..visible.end.min(cells.end) {
+        if !sees(cell) {
+            continue;
+        }
         // The mask adds 0 to a visible score.
         let s = dot_f16_vec(kv.key(cell), q16) * scale + 0.0;
         let (mut ms, mut vs) = (1.0f32, 1.0f32);
@@ -131,8 +137,16 @@ pub fn normalize(out: &mut [f32], sum: f32) {
 }
 
 /// One query by the vector route, normalized.
-pub fn vector(kv: &impl KvHead, q: &[f32], visible: Range<usize>, scale: f32, scratch: &mut [f32], out: &mut [f32]) {
-    let p = vector_partial(kv, q, visible.clone(), visible, scale, scratch, out);
+pub fn vector(
+    kv: &impl KvHead,
+    q: &[f32],
+    visible: Range<usize>,
+    sees: impl Fn(usize) -> bool,
+    scale: f32,
+    scratch: &mut [f32],
+    out: &mut [f32],
+) {
+    let p = vector_partial(kv, q, visible.clone(), sees, visible, scale, scratch, out);
     normalize(out, p.sum);
 }
 
@@ -144,6 +158,7 @@ pub fn split(
     kv: &impl KvHead,
     q: &[f32],
     visible: Range<usize>,
+    sees: impl Fn(usize) -> bool,
     cells: usize,
     chunks: usize,
     scale: f32,
@@ -164,6 +179,7 @@ pub fn split(
             kv,
             q,
             visible.clone(),
+            &sees,
             lo..(lo + chunk).min(cells),
             scale,
             own,
@@ -189,7 +205,7 @@ pub fn split(
 }
 
 /// Up to [`Q_TILE`] query rows of one head (`q` is `rows * head_dim`,
-/// row `r` seeing cells `visible(r)`) against cells `0..cells`, by the
+/// row `r` seeing the cells `c` of `visible(r)` with `sees(r, c)`) against cells `0..cells`, by the
 /// tiled route; `out` gets `rows * head_dim` normalized outputs. `scratch`
 /// is [`tile_scratch_len`]`(head_dim)` long.
 #[allow(clippy::too_many_arguments)]
@@ -198,6 +214,7 @@ pub fn tiled(
     q: &[f32],
     hd: usize,
     visible: impl Fn(usize) -> Range<usize>,
+    sees: impl Fn(usize, usize) -> bool,
     cells: usize,
     scale: f32,
     scratch: &mut [f32],
@@ -206,9 +223,9 @@ pub fn tiled(
     #[cfg(target_arch = "x86_64")]
     if crate::f16dot::has_f16c() {
         // SAFETY: avx2, fma and f16c were detected at run time.
-        return unsafe { tiled_fma(kv, q, hd, visible, cells, scale, scratch, out) };
+        return unsafe { tiled_fma(kv, q, hd, visible, sees, cells, scale, scratch, out) };
     }
-    tiled_body(kv, q, hd, visible, cells, scale, scratch, out)
+    tiled_body(kv, q, hd, visible, sees, cells, scale, scratch, out)
 }
 
 #[cfg(target_arch = "x86_64")]
@@ -219,12 +236,13 @@ unsafe fn tiled_fma(
     q: &[f32],
     hd: usize,
     visible: impl Fn(usize) -> Range<usize>,
+    sees: impl Fn(usize, usize) -> bool,
     cells: usize,
     scale: f32,
     scratch: &mut [f32],
     out: &mut [f32],
 ) {
-    tiled_body(kv, q, hd, visible, cells, scale, scratch, out)
+    tiled_body(kv, q, hd, visible, sees, cells, scale, scratch, out)
 }
 
 #[inline(always)]
@@ -234,6 +252,7 @@ fn tiled_body(
     q: &[f32],
     hd: usize,
     visible: impl Fn(usize) -> Range<usize>,
+    sees: impl Fn(usize, usize) -> bool,
     cells: usize,
     scale: f32,
     scratch: &mut [f32],
@@ -250,7 +269,7 @@ fn tiled_body(
     out.fill(0.0);
     for lo in (0..cells).step_by(KV_TILE) {
         let n = KV_TILE.min(cells - lo);
-        let seen = |r: usize| vis[r].start.max(lo) < vis[r].end.min(lo + n);
+        let seen = |r: usize| (vis[r].start.max(lo)..vis[r].end.min(lo + n)).any(|c| sees(r, c));
         if !(0..rows).any(seen) {
             continue;
         }
@@ -285,7 +304,7 @@ fn tiled_body(
             scores_row(&q[r * hd..(r + 1) * hd], kt, s);
             for (c, sc) in s.iter_mut().enumerate() {
                 let at = lo + c;
-                *sc = if c < n && vis[r].contains(&at) {
+                *sc = if c < n && vis[r].contains(&at) && sees(r, at) {
                     *sc * scale + 0.0
                 } else {
                     f32::NEG_INFINITY

@@ -78,9 +78,9 @@ fn flash_attention_matches_llama_cpp_bit_for_bit() {
                         let o = &mut out[(t * n_head + h) * hd..][..hd];
                         match route {
                             Route::Split { chunks } => {
-                                flash_attn::split(&kv, qr, visible(t), cells, chunks, scale, &mut scratch, o)
+                                flash_attn::split(&kv, qr, visible(t), |_| true, cells, chunks, scale, &mut scratch, o)
                             }
-                            _ => flash_attn::vector(&kv, qr, visible(t), scale, &mut scratch, o),
+                            _ => flash_attn::vector(&kv, qr, visible(t), |_| true, scale, &mut scratch, o),
                         }
                     }
                 }
@@ -96,7 +96,17 @@ fn flash_attention_matches_llama_cpp_bit_for_bit() {
                             .flat_map(|r| q[((t0 + r) * n_head + h) * hd..][..hd].iter().copied())
                             .collect();
                         let mut ot = vec![0.0f32; rows * hd];
-                        flash_attn::tiled(&kv, &qt, hd, |r| visible(t0 + r), cells, scale, &mut scratch, &mut ot);
+                        flash_attn::tiled(
+                            &kv,
+                            &qt,
+                            hd,
+                            |r| visible(t0 + r),
+                            |_, _| true,
+                            cells,
+                            scale,
+                            &mut scratch,
+                            &mut ot,
+                        );
                         for r in 0..rows {
                             out[((t0 + r) * n_head + h) * hd..][..hd].copy_from_slice(&ot[r * hd..(r + 1) * hd]);
                         }

@@ -235,7 +235,7 @@ fn saved_prefixes_resume_exactly_in_both_cache_layouts() {
         let whole = last_logits(&model, &TOKENS, true);
         let mut first = model.new_state(64, 64, 1);
         ingest(&model, &mut first, &TOKENS[..7], 0).unwrap();
-        let prefix = first.kv.save_prefix(7);
+        let prefix = first.kv.save_prefix(7).unwrap();
         let mut resumed = model.new_state(64, 64, 1);
         resumed.kv.restore_prefix(&prefix).unwrap();
         ingest(&model, &mut resumed, &TOKENS[7..], 7).unwrap();

@@ -2,8 +2,8 @@
 // prompt token ids, the logits after the prompt, and a greedy continuation.
 //
 // Build and run: see make_goldens.sh beside this file.
-// Usage: golden_llama MODEL N_PREDICT [--fa on|off] PROMPT... > out.jsonl
-// (flash attention off unless --fa on is given).
+// Usage: golden_llama MODEL N_PREDICT [--fa on|off] [--ctx N] PROMPT... > out.jsonl
+// (flash attention off unless --fa on is given; context 512 unless --ctx).
 #include "llama.h"
 
 #include <algorithm>
@@ -42,9 +42,18 @@ int main(int argc, char ** argv) {
     const int n_predict = std::atoi(argv[2]);
     int first_prompt = 3;
     auto fa = LLAMA_FLASH_ATTN_TYPE_DISABLED;
-    if (argc > 4 && std::string(argv[3]) == "--fa") {
-        fa = std::string(argv[4]) == "on" ? LLAMA_FLASH_ATTN_TYPE_ENABLED : LLAMA_FLASH_ATTN_TYPE_DISABLED;
-        first_prompt = 5;
+    int n_ctx = 512;
+    while (first_prompt + 1 < argc && std::string(argv[first_prompt]).rfind("--", 0) == 0) {
+        const std::string opt = argv[first_prompt], val = argv[first_prompt + 1];
+        if (opt == "--fa") {
+            fa = val == "on" ? LLAMA_FLASH_ATTN_TYPE_ENABLED : LLAMA_FLASH_ATTN_TYPE_DISABLED;
+        } else if (opt == "--ctx") {
+            n_ctx = std::atoi(val.c_str());
+        } else {
+            std::fprintf(stderr, "unknown option %s\n", opt.c_str());
+            return 2;
+        }
+        first_prompt += 2;
     }
     llama_log_set([](ggml_log_level, const char *, void *) {}, nullptr);
     llama_backend_init();
@@ -56,11 +65,14 @@ int main(int argc, char ** argv) {
 
     for (int a = first_prompt; a < argc; ++a) {
         llama_context_params cp = llama_context_default_params();
-        cp.n_ctx = 512;
-        cp.n_batch = 512;
+        cp.n_ctx = n_ctx;
+        cp.n_batch = std::max(512, n_ctx);
         cp.n_threads = 2;
         cp.n_threads_batch = 2;
         cp.flash_attn_type = fa;
+        // As llama.cpp's command-line tools run (the C API's default keeps a
+        // full-size cache for sliding-window layers instead of their ring).
+        cp.swa_full = false;
         llama_context * ctx = llama_init_from_model(model, cp);
 
         const std::string prompt = argv[a];
@@ -96,7 +108,7 @@ int main(int argc, char ** argv) {
         std::partial_sort(order.begin(), order.begin() + 20, order.end(),
                           [&](int x, int y) { return first[x] > first[y]; });
 
-        std::fputs("{\"prompt\":", stdout);
+        std::printf("{\"ctx\":%d,\"prompt\":", n_ctx);
         print_json_string(prompt);
         std::fputs(",\"prompt_ids\":", stdout);
         print_ids(ids);

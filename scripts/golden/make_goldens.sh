@@ -32,6 +32,8 @@ prompts=(
   "The GNU General Public License is a free, copyleft license for software and other kinds of works. The licenses for most software and other practical works are designed to take away your freedom to share and change the works. By contrast, the GNU General Public License is intended to guarantee your freedom to share and change all versions of a program--to make sure it remains free software for all its users. We, the Free Software Foundation, use the GNU General Public License for most of our software; it applies also to any other work released this way by its authors."
 )
 
+long_prompt=$(head -c 5600 "$root/data/text/gpl-3.0.txt")
+
 # Goldens for each attention path: flash attention off (the files without a
 # suffix) and on (-fa-on), llama.cpp's default on a CPU.
 run_model() { # name path chat_prompt
@@ -39,6 +41,13 @@ run_model() { # name path chat_prompt
   for fa in off on; do
     suffix=$([ $fa = on ] && echo -fa-on || true)
     "$tool" "$path" 32 --fa $fa "${prompts[@]}" "$chat" > "$out/generate-$name$suffix.jsonl"
+    # Past 1024 positions: Gemma 3's sliding-window cache (window + 512 cells) wraps around.
+    "$tool" "$path" 32 --fa $fa --ctx 2048 "$long_prompt" > "$out/generate-$name-long$suffix.jsonl"
+    log=$("$LLAMA_BIN/llama-perplexity" -m "$path" -f "$root/data/text/gpl-3.0.txt" \
+          -c 2048 -b 2048 -t 2 -fa $fa --chunks 2 2>&1)
+    ppl=$(sed -n 's/.*Final estimate: PPL = \([0-9.]*\) +\/- \([0-9.]*\).*/\1 \2/p' <<<"$log")
+    printf '{"model":"%s","file":"data/text/gpl-3.0.txt","ctx":2048,"flash_attn":"%s","chunks":2,"ppl":%s,"ppl_stderr":%s}\n' \
+      "$name" "$fa" ${ppl% *} ${ppl#* } > "$out/perplexity-$name-ctx2048$suffix.json"
     log=$("$LLAMA_BIN/llama-perplexity" -m "$path" -f "$root/data/text/gpl-3.0-excerpt.txt" \
           -c 256 -b 256 -t 2 -fa $fa 2>&1)
     ppl=$(sed -n 's/.*Final estimate: PPL = \([0-9.]*\) +\/- \([0-9.]*\).*/\1 \2/p' <<<"$log")

@@ -66,7 +66,10 @@ impl PromptCache {
         if self.entries.iter().any(|e| e.tokens.starts_with(tokens)) {
             return;
         }
-        let prefix = kv.save_prefix(tokens.len());
+        // A sliding-window ring that wrapped no longer holds the prefix in place.
+        let Some(prefix) = kv.save_prefix(tokens.len()) else {
+            return;
+        };
         if prefix.bytes() > self.max_bytes {
             return;
         }

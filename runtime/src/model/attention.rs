@@ -15,7 +15,7 @@ use leanstream_kernels::ops;
 use rayon::prelude::*;
 
 use super::config::Config;
-use super::kv_cache::{KvCache, LANES};
+use super::kv_cache::{swa_cache_cells, KvCache, LANES};
 use crate::RuntimeError;
 
 /// Which attention path runs (llama.cpp's `--flash-attn`).
@@ -142,11 +142,10 @@ impl Attention {
         let group = c.n_head / c.n_head_kv;
         let n = q.len() / q_dim;
         let threads = rayon::current_num_threads().max(1);
-        let cells = cache_view(c, layer, self.ctx, pos0 + n);
-        let visible = |t: usize| -> Range<usize> {
-            let pos = pos0 + t;
-            c.first_visible(layer, pos)..pos + 1
-        };
+        let cells = cache_view(c, layer, self.ctx, kv.used_cells(layer, pos0 + n));
+        let vis = Visibility::new(c, layer, kv, pos0 + n);
+        let visible = |t: usize| vis.range(pos0 + t);
+        let sees = |t: usize, cell: usize| vis.sees(pos0 + t, cell);
         let head = |h: usize| CacheHead {
             kv,
             layer,
@@ -176,7 +175,17 @@ impl Attention {
                             qt[r * hd..(r + 1) * hd].copy_from_slice(&q[(t0 + r) * q_dim + h * hd..][..hd]);
                         }
                         let (qt, ot) = (&qt[..rows * hd], &mut ot[..rows * hd]);
-                        flash_attn::tiled(&head(h), qt, hd, |r| visible(t0 + r), cells, c.kq_scale, scratch, ot);
+                        flash_attn::tiled(
+                            &head(h),
+                            qt,
+                            hd,
+                            |r| visible(t0 + r),
+                            |r, cell| sees(t0 + r, cell),
+                            cells,
+                            c.kq_scale,
+                            scratch,
+                            ot,
+                        );
                     });
                 for (i, s) in self.work[..(end - start) * item].chunks(item).enumerate() {
                     let (h, t0, rows) = rows_of(start + i);
@@ -207,10 +216,18 @@ impl Attention {
                     let (t, h) = (pair / c.n_head, pair % c.n_head);
                     let qr = &q[pair * hd..(pair + 1) * hd];
                     match route {
-                        Route::Split { chunks } => {
-                            flash_attn::split(&head(h), qr, visible(t), cells, chunks, c.kq_scale, s, o)
-                        }
-                        _ => flash_attn::vector(&head(h), qr, visible(t), c.kq_scale, s, o),
+                        Route::Split { chunks } => flash_attn::split(
+                            &head(h),
+                            qr,
+                            visible(t),
+                            |cell| sees(t, cell),
+                            cells,
+                            chunks,
+                            c.kq_scale,
+                            s,
+                            o,
+                        ),
+                        _ => flash_attn::vector(&head(h), qr, visible(t), |cell| sees(t, cell), c.kq_scale, s, o),
                     }
                 });
         }
@@ -230,18 +247,65 @@ fn grow(work: &mut Vec<f32>, item: usize) {
     }
 }
 
-/// Cells of llama.cpp's KV cache view for a batch whose last position is
-/// `used - 1`: a multiple of 256, capped at the cache's size (`n_ctx`
-/// rounded up to 256; the sliding-window layers' own cache holds the window
-/// plus llama.cpp's default micro-batch of 512). It decides, as there,
-/// whether a single query's cells are split across threads, and where.
+/// Cells of llama.cpp's KV cache view when `used` cells are in use: a
+/// multiple of 256, capped at the cache's size (`n_ctx` rounded up to 256;
+/// the sliding-window layers' own cache is smaller, see
+/// `kv_cache::swa_cache_cells`). It decides, as there, whether a single
+/// query's cells are split across threads, and where.
 fn cache_view(c: &Config, layer: usize, ctx: usize, used: usize) -> usize {
     let pad = |x: usize| x.div_ceil(256) * 256;
-    let mut size = pad(ctx);
-    if let (Some(w), true) = (c.sliding_window, c.swa_layers[layer]) {
-        size = pad(size.min(w + 512));
-    }
+    let size = match c.sliding_window {
+        Some(w) if c.swa_layers[layer] => swa_cache_cells(ctx, w),
+        _ => pad(ctx),
+    };
     size.min(pad(used).max(256))
+}
+
+/// Which cells a query sees on one layer: those from its window's start to
+/// itself while cells hold their own positions, else (a sliding-window ring
+/// that wrapped) every cell in use whose position is in the window.
+struct Visibility<'a> {
+    c: &'a Config,
+    layer: usize,
+    kv: &'a KvCache,
+    wrapped: bool,
+    /// Cells in use (wrapped rings).
+    used: usize,
+    window: Option<usize>,
+}
+
+impl<'a> Visibility<'a> {
+    fn new(c: &'a Config, layer: usize, kv: &'a KvCache, end: usize) -> Self {
+        Self {
+            c,
+            layer,
+            kv,
+            wrapped: kv.wrapped(layer),
+            used: kv.used_cells(layer, end),
+            window: c.sliding_window.filter(|_| c.swa_layers[layer]),
+        }
+    }
+
+    /// Cells to look at for a query at `pos` (a superset of those it sees).
+    fn range(&self, pos: usize) -> Range<usize> {
+        if self.wrapped {
+            0..self.used
+        } else {
+            self.c.first_visible(self.layer, pos)..pos + 1
+        }
+    }
+
+    /// Whether a query at `pos` sees `cell` (one of its range).
+    #[inline(always)]
+    fn sees(&self, pos: usize, cell: usize) -> bool {
+        if !self.wrapped {
+            return true;
+        }
+        match self.kv.swa_position(cell) {
+            Some(p) => p <= pos && self.window.is_none_or(|w| pos - p < w),
+            None => false,
+        }
+    }
 }
 
 /// One kv head of one layer of the cache, for the flash kernels.
@@ -285,6 +349,7 @@ fn standard(
     // llama.cpp takes its GEMM route for batches and its vector route for one query.
     let gemm = pairs > c.n_head;
     let dot = if gemm { dot_f16_gemm } else { dot_f16_vec };
+    let vis = Visibility::new(c, layer, kv, pos0 + pairs / c.n_head);
     let wave = (scores.len() / ctx).clamp(1, pairs);
     for start in (0..pairs).step_by(wave) {
         let end = (start + wave).min(pairs);
@@ -298,16 +363,16 @@ fn standard(
                 let (t, h) = (pair / c.n_head, pair % c.n_head);
                 let kv_head = h / group;
                 let pos = pos0 + t;
-                let lo = c.first_visible(layer, pos);
-                let (lo_a, hi_a) = (lo / LANES * LANES, (pos + 1).div_ceil(LANES) * LANES);
+                let range = vis.range(pos);
+                let (lo_a, hi_a) = (range.start / LANES * LANES, range.end.div_ceil(LANES) * LANES);
                 let q = &q16[pair * hd..(pair + 1) * hd];
                 let s = &mut s[..hi_a - lo_a];
                 s.fill(f32::NEG_INFINITY);
                 let key = |at: usize| kv.key(layer, at, kv_head);
-                let mut at = lo;
-                if gemm {
+                let mut at = range.start;
+                if gemm && !vis.wrapped {
                     // Four keys per call share the conversion of q; each sum keeps its order.
-                    while at + 4 <= pos + 1 {
+                    while at + 4 <= range.end {
                         let d = dot_f16_gemm_x4(q, [key(at), key(at + 1), key(at + 2), key(at + 3)]);
                         for (k, dk) in d.iter().enumerate() {
                             s[at + k - lo_a] = dk * c.kq_scale;
@@ -315,8 +380,10 @@ fn standard(
                         at += 4;
                     }
                 }
-                for at in at..=pos {
-                    s[at - lo_a] = dot(key(at), q) * c.kq_scale;
+                for at in at..range.end {
+                    if vis.sees(pos, at) {
+                        s[at - lo_a] = dot(key(at), q) * c.kq_scale;
+                    }
                 }
                 ops::softmax(s);
                 let p = &mut p[..hi_a - lo_a];

@@ -179,6 +179,8 @@ impl Model {
             )));
         }
 
+        st.kv.place(pos0, n)?;
+
         // Token embeddings.
         let embd = mat(file, &self.weights.token_embd);
         for (t, &tok) in tokens.iter().enumerate() {
@@ -228,7 +230,8 @@ impl Model {
                 if let Some(s) = c.q_scale {
                     ops::scale(q, s);
                 }
-                st.kv.store(il, pos, k, &st.v[t * c.kv_dim()..(t + 1) * c.kv_dim()]);
+                let cell = st.kv.cell(il, pos);
+                st.kv.store(il, cell, k, &st.v[t * c.kv_dim()..(t + 1) * c.kv_dim()]);
             }
             st.attn.run(
                 c,

@@ -6,15 +6,26 @@ use half::f16;
 use super::config::Config;
 use crate::{Result, RuntimeError};
 
-/// The standard attention path sums in groups of this many positions,
-/// aligned to position 0 (see `attention::standard`).
+/// The standard attention path sums in groups of this many cells,
+/// aligned to cell 0 (see `attention::standard`).
 pub(super) const LANES: usize = 64;
 
-/// Keys as `[layer][pos][kv_head * head_dim]`. Values the same way for
-/// flash attention (which adds one value row per position), or transposed
-/// as `[layer][kv_head][dim][pos]` for the standard path (whose product of
+/// llama.cpp's default micro-batch: a batch is placed in the cache this
+/// many tokens at a time, and the sliding-window cache holds this many cells
+/// beyond the window.
+pub const UBATCH: usize = 512;
+
+/// Keys as `[layer][cell][kv_head * head_dim]`. Values the same way for
+/// flash attention (which adds one value row per cell), or transposed as
+/// `[layer][kv_head][dim][cell]` for the standard path (whose product of
 /// probabilities and values is then a contiguous dot per dimension), as
 /// llama.cpp lays them out for each.
+///
+/// Cell `p` holds position `p`, except on sliding-window layers: there, as
+/// in llama.cpp's separate sliding-window cache, positions go to the cells
+/// of a ring its slot search picks ([`SwaCells`]). The order of cells is the
+/// order attention sums in, so matching llama.cpp past the ring's size
+/// takes the same cells.
 pub struct KvCache {
     k: Vec<f16>,
     v: Vec<f16>,
@@ -22,10 +33,19 @@ pub struct KvCache {
     kv_dim: usize,
     head_dim: usize,
     value_rows: bool,
+    swa: Option<SwaCells>,
+    swa_layers: Vec<bool>,
+    /// Cells of the sliding-window layers for the positions of the batch being run.
+    batch_cells: Vec<usize>,
+    batch_pos0: usize,
 }
 
 impl KvCache {
     pub(super) fn new(c: &Config, ctx: usize, value_rows: bool) -> Self {
+        let swa = match c.sliding_window {
+            Some(w) if c.swa_layers.iter().any(|&s| s) => Some(SwaCells::new(swa_cache_cells(ctx, w), w)),
+            _ => None,
+        };
         // Room for a whole group of LANES past the last position, which reads as zeros.
         let ctx = ctx.div_ceil(LANES) * LANES;
         let n = c.n_layer * ctx * c.kv_dim();
@@ -36,10 +56,71 @@ impl KvCache {
             kv_dim: c.kv_dim(),
             head_dim: c.head_dim,
             value_rows,
+            swa,
+            swa_layers: c.swa_layers.clone(),
+            batch_cells: Vec::with_capacity(UBATCH),
+            batch_pos0: 0,
         }
     }
 
-    pub(super) fn store(&mut self, layer: usize, pos: usize, k: &[f32], v: &[f32]) {
+    /// Makes room for positions `pos0..pos0 + n` (a batch of at most
+    /// [`UBATCH`]): anything held at `pos0` or later is dropped first (a
+    /// sequence restarted or rewound), then the sliding-window layers' cells
+    /// are picked as llama.cpp picks them.
+    pub(super) fn place(&mut self, pos0: usize, n: usize) -> Result<()> {
+        self.batch_pos0 = pos0;
+        self.batch_cells.clear();
+        let Some(swa) = &mut self.swa else { return Ok(()) };
+        if pos0 == 0 {
+            // A new sequence: llama.cpp clears its cache.
+            *swa = SwaCells::new(swa.pos.len(), swa.window);
+        } else {
+            swa.remove(pos0..usize::MAX);
+        }
+        swa.place(pos0, n, &mut self.batch_cells)?;
+        // A batch longer than a micro-batch may have its later positions
+        // take cells its earlier ones still need (llama.cpp runs the
+        // micro-batches one after the other; this engine attends batch-wide).
+        if let Some(i) = (0..n).find(|&i| swa.pos[self.batch_cells[i]] != Some(pos0 + i)) {
+            return Err(RuntimeError::Invalid(format!(
+                "a batch of {n} tokens from position {pos0} overruns the {}-cell sliding-window cache at position {}; \
+                 run at most {UBATCH} tokens at a time",
+                swa.pos.len(),
+                pos0 + i
+            )));
+        }
+        Ok(())
+    }
+
+    /// The cell of `pos` (a position of the batch being run) on `layer`.
+    pub(super) fn cell(&self, layer: usize, pos: usize) -> usize {
+        match &self.swa {
+            Some(_) if self.swa_layers[layer] => self.batch_cells[pos - self.batch_pos0],
+            _ => pos,
+        }
+    }
+
+    /// Whether `layer`'s cells hold positions out of order (a sliding-window
+    /// ring that wrapped): attention must then look up each cell's position.
+    pub(super) fn wrapped(&self, layer: usize) -> bool {
+        matches!(&self.swa, Some(s) if self.swa_layers[layer] && s.wrapped)
+    }
+
+    /// The position held by `cell` of a sliding-window layer.
+    pub(super) fn swa_position(&self, cell: usize) -> Option<usize> {
+        self.swa.as_ref().and_then(|s| s.pos.get(cell).copied().flatten())
+    }
+
+    /// One past the last cell in use on `layer` after the batch ending at `end`.
+    pub(super) fn used_cells(&self, layer: usize, end: usize) -> usize {
+        match &self.swa {
+            Some(s) if self.swa_layers[layer] => s.used_max_p1(),
+            _ => end,
+        }
+    }
+
+    pub(super) fn store(&mut self, layer: usize, cell: usize, k: &[f32], v: &[f32]) {
+        let pos = cell;
         let base = (layer * self.ctx + pos) * self.kv_dim;
         for (dst, &src) in self.k[base..base + self.kv_dim].iter_mut().zip(k) {
             *dst = f16::from_f32(src);
@@ -85,8 +166,14 @@ impl KvCache {
         self.k.len() / (self.ctx * self.kv_dim).max(1)
     }
 
-    /// A copy of the keys and values of positions `0..n` of every layer.
-    pub fn save_prefix(&self, n: usize) -> KvPrefix {
+    /// A copy of the keys and values of positions `0..n` of every layer, or
+    /// `None` when a sliding-window ring no longer holds them all in place.
+    pub fn save_prefix(&self, n: usize) -> Option<KvPrefix> {
+        if let Some(s) = &self.swa {
+            if (0..n).any(|p| s.pos.get(p).copied().flatten() != Some(p)) {
+                return None;
+            }
+        }
         let (n, d, ctx) = (n.min(self.ctx), self.kv_dim, self.ctx);
         let rows = |x: &[f16]| {
             let mut out = Vec::with_capacity(self.layers() * n * d);
@@ -105,12 +192,12 @@ impl KvCache {
             }
             v
         };
-        KvPrefix {
+        Some(KvPrefix {
             n,
             k,
             v,
             value_rows: self.value_rows,
-        }
+        })
     }
 
     /// Puts back what [`save_prefix`](Self::save_prefix) copied: positions
@@ -131,6 +218,9 @@ impl KvCache {
                 dst[l * ctx * d..(l * ctx + n) * d].copy_from_slice(&src[l * n * d..(l + 1) * n * d]);
             }
         };
+        if let Some(s) = &mut self.swa {
+            s.restore_prefix(n);
+        }
         put_rows(&mut self.k, &p.k);
         if self.value_rows {
             put_rows(&mut self.v, &p.v);
@@ -164,6 +254,138 @@ impl KvPrefix {
 
     pub fn bytes(&self) -> usize {
         (self.k.len() + self.v.len()) * 2
+    }
+}
+
+/// Cells of llama.cpp's sliding-window cache for a context of `ctx`: the
+/// window plus a micro-batch, rounded up to 256, at most the whole context
+/// (itself rounded up to 256).
+pub fn swa_cache_cells(ctx: usize, window: usize) -> usize {
+    let pad = |x: usize| x.div_ceil(256) * 256;
+    pad(pad(ctx).min(window + UBATCH))
+}
+
+/// Which position each cell of llama.cpp's sliding-window KV cache holds,
+/// for one sequence: its slot search (`llama_kv_cache::find_slot`, cells
+/// taken one by one from the head, empty or out of every later query's
+/// window), its placement (`apply_ubatch`, which then purges older
+/// positions so the cache holds a contiguous run) and its removal
+/// (`seq_rm`), reproduced so the same positions land in the same cells.
+pub struct SwaCells {
+    window: usize,
+    pos: Vec<Option<usize>>,
+    head: usize,
+    /// Some cell holds a position other than its own index.
+    wrapped: bool,
+}
+
+impl SwaCells {
+    pub fn new(cells: usize, window: usize) -> Self {
+        Self {
+            window,
+            pos: vec![None; cells],
+            head: 0,
+            wrapped: false,
+        }
+    }
+
+    fn used(&self) -> usize {
+        self.pos.iter().filter(|p| p.is_some()).count()
+    }
+
+    fn used_max_p1(&self) -> usize {
+        self.pos.iter().rposition(Option::is_some).map_or(0, |i| i + 1)
+    }
+
+    /// Empties the cells holding positions in `range` (`seq_rm`).
+    pub fn remove(&mut self, range: std::ops::Range<usize>) {
+        let mut first = None;
+        for (i, p) in self.pos.iter_mut().enumerate() {
+            if matches!(p, Some(x) if range.contains(x)) {
+                *p = None;
+                first.get_or_insert(i);
+            }
+        }
+        if let Some(f) = first {
+            self.head = self.head.min(f);
+        }
+        if self.pos.iter().all(Option::is_none) {
+            self.wrapped = false;
+        }
+    }
+
+    /// Places positions `pos0..pos0 + n`, a micro-batch at a time, pushing
+    /// their cells to `cells`.
+    pub fn place(&mut self, pos0: usize, n: usize, cells: &mut Vec<usize>) -> Result<()> {
+        let mut done = 0;
+        while done < n {
+            let m = (n - done).min(UBATCH);
+            self.place_ubatch(pos0 + done, m, cells)?;
+            done += m;
+        }
+        Ok(())
+    }
+
+    fn place_ubatch(&mut self, pos0: usize, n: usize, cells: &mut Vec<usize>) -> Result<()> {
+        let size = self.pos.len();
+        let start = cells.len();
+        if n > size {
+            return Err(RuntimeError::Invalid(format!(
+                "a micro-batch of {n} tokens does not fit the {size}-cell sliding-window cache"
+            )));
+        }
+        // Find the slot without touching the cells.
+        let next = self.pos.iter().flatten().max().map(|&m| m + 1);
+        let mut head = if self.head > self.used() + 2 * n { 0 } else { self.head };
+        let mut tested = 0;
+        while cells.len() - start < n {
+            if head >= size {
+                tested += size - head;
+                head = 0;
+                continue;
+            }
+            let free = match (self.pos[head], next) {
+                (None, _) => true,
+                (Some(p), Some(next)) => next - p >= self.window,
+                (Some(_), None) => false,
+            };
+            if free {
+                cells.push(head);
+            }
+            head += 1;
+            tested += 1;
+            if cells.len() - start < n && tested >= size {
+                cells.truncate(start);
+                return Err(RuntimeError::Invalid(format!(
+                    "no room for {n} positions from {pos0} in the {size}-cell sliding-window cache"
+                )));
+            }
+        }
+        // Place, then purge what precedes the positions overwritten.
+        let mut overwritten = None;
+        for (i, &c) in cells[start..].iter().enumerate() {
+            if let Some(p) = self.pos[c] {
+                overwritten = overwritten.max(Some(p));
+            }
+            self.pos[c] = Some(pos0 + i);
+            self.wrapped |= c != pos0 + i;
+        }
+        if let (Some(max_rm), Some(&min)) = (overwritten, self.pos.iter().flatten().min()) {
+            if min <= max_rm {
+                self.remove(min..max_rm + 1);
+            }
+        }
+        self.head = cells[cells.len() - 1] + 1;
+        Ok(())
+    }
+
+    /// Cells `0..n` hold positions `0..n` and nothing else (a restored prefix).
+    fn restore_prefix(&mut self, n: usize) {
+        for (i, p) in self.pos.iter_mut().enumerate() {
+            *p = (i < n).then_some(i);
+        }
+        self.head = n;
+        self.wrapped = false;
     }
 }
 
