@@ -296,12 +296,10 @@ fn tiled_body(
                 row.fill(0.0);
             }
         }
+        let kq = &mut kq[..rows * KV_TILE];
+        scores(q, hd, kt, kq);
         for r in 0..rows {
-            if !seen(r) {
-                continue;
-            }
             let s = &mut kq[r * KV_TILE..(r + 1) * KV_TILE];
-            scores_row(&q[r * hd..(r + 1) * hd], kt, s);
             for (c, sc) in s.iter_mut().enumerate() {
                 let at = lo + c;
                 *sc = if c < n && vis[r].contains(&at) && sees(r, at) {
@@ -311,55 +309,121 @@ fn tiled_body(
                 };
             }
             let tile_max = s.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+            if tile_max == f32::NEG_INFINITY {
+                // Nothing seen: zero weights in the value product, as ggml.
+                s.fill(0.0);
+                continue;
+            }
             let m = max[r].max(tile_max);
-            let acc = &mut out[r * hd..(r + 1) * hd];
             if m > max[r] {
                 let ms = (max[r] - m).exp();
-                for a in acc.iter_mut() {
+                for a in out[r * hd..(r + 1) * hd].iter_mut() {
                     *a *= ms;
                 }
                 sum[r] *= ms;
             }
             max[r] = m;
             sum[r] = (sum[r] as f64 + exp_sum(s, m)) as f32;
-            add_values(s, v32, acc);
         }
+        add_values(kq, v32, hd, out);
     }
     for r in 0..rows {
         normalize(&mut out[r * hd..(r + 1) * hd], sum[r]);
     }
 }
 
-/// `s[c] = sum over d of q[d] * kt[d][c]` for the tile's cells, each a chain
-/// of fused multiply-adds in dimension order from 0 (ggml's `simd_gemm`).
-#[inline(always)]
-fn scores_row(q: &[f32], kt: &[f32], s: &mut [f32]) {
+fn has_avx512f() -> bool {
     #[cfg(target_arch = "x86_64")]
-    if crate::dot::has_avx2() {
-        // SAFETY: avx2 and fma were detected at run time.
-        return unsafe { simd::scores_row(q, kt, s) };
+    {
+        use std::sync::OnceLock;
+        static AVX512F: OnceLock<bool> = OnceLock::new();
+        *AVX512F.get_or_init(|| std::arch::is_x86_feature_detected!("avx512f"))
     }
-    s.fill(0.0);
-    for (d, &qd) in q.iter().enumerate() {
-        for (sc, &kc) in s.iter_mut().zip(&kt[d * KV_TILE..(d + 1) * KV_TILE]) {
-            *sc = qd.mul_add(kc, *sc);
+    #[cfg(not(target_arch = "x86_64"))]
+    false
+}
+
+/// Every row's scores over the tile: `s[r][c] = sum over d of q[r][d] *
+/// kt[d][c]`, each a chain of fused multiply-adds in dimension order from 0
+/// (ggml's `simd_gemm`; blocking rows changes no result).
+#[inline(always)]
+fn scores(q: &[f32], hd: usize, kt: &[f32], s: &mut [f32]) {
+    let rows = s.len() / KV_TILE;
+    #[cfg(target_arch = "x86_64")]
+    if has_avx512f() {
+        let four = rows / 4 * 4;
+        for r in (0..four).step_by(4) {
+            // SAFETY: avx512f was detected at run time.
+            unsafe { simd::scores_rows::<4>(&q[r * hd..(r + 4) * hd], hd, kt, &mut s[r * KV_TILE..(r + 4) * KV_TILE]) };
+        }
+        for r in four..rows {
+            // SAFETY: as above.
+            unsafe { simd::scores_rows::<1>(&q[r * hd..(r + 1) * hd], hd, kt, &mut s[r * KV_TILE..(r + 1) * KV_TILE]) };
+        }
+        return;
+    }
+    for r in 0..rows {
+        let s = &mut s[r * KV_TILE..(r + 1) * KV_TILE];
+        let q = &q[r * hd..(r + 1) * hd];
+        #[cfg(target_arch = "x86_64")]
+        if crate::dot::has_avx2() {
+            // SAFETY: avx2 and fma were detected at run time.
+            unsafe { simd::scores_row(q, kt, s) };
+            continue;
+        }
+        s.fill(0.0);
+        for (d, &qd) in q.iter().enumerate() {
+            for (sc, &kc) in s.iter_mut().zip(&kt[d * KV_TILE..(d + 1) * KV_TILE]) {
+                *sc = qd.mul_add(kc, *sc);
+            }
         }
     }
 }
 
-/// `acc[d] += sum over c of p[c] * v32[c][d]`, each a chain of fused
-/// multiply-adds in cell order (ggml's `simd_gemm`).
+/// Every row's `acc[r][d] += sum over c of p[r][c] * v32[c][d]`, each a
+/// chain of fused multiply-adds in cell order (ggml's `simd_gemm`).
 #[inline(always)]
-fn add_values(p: &[f32], v32: &[f32], acc: &mut [f32]) {
+fn add_values(p: &[f32], v32: &[f32], hd: usize, acc: &mut [f32]) {
+    let rows = p.len() / KV_TILE;
     #[cfg(target_arch = "x86_64")]
-    if crate::dot::has_avx2() {
-        // SAFETY: avx2 and fma were detected at run time.
-        return unsafe { simd::add_values(p, v32, acc) };
+    if has_avx512f() {
+        let four = rows / 4 * 4;
+        for r in (0..four).step_by(4) {
+            // SAFETY: avx512f was detected at run time.
+            unsafe {
+                simd::values_rows::<4>(
+                    &p[r * KV_TILE..(r + 4) * KV_TILE],
+                    v32,
+                    hd,
+                    &mut acc[r * hd..(r + 4) * hd],
+                )
+            };
+        }
+        for r in four..rows {
+            // SAFETY: as above.
+            unsafe {
+                simd::values_rows::<1>(
+                    &p[r * KV_TILE..(r + 1) * KV_TILE],
+                    v32,
+                    hd,
+                    &mut acc[r * hd..(r + 1) * hd],
+                )
+            };
+        }
+        return;
     }
-    let hd = acc.len();
-    for (c, &pc) in p.iter().enumerate() {
-        for (a, &vd) in acc.iter_mut().zip(&v32[c * hd..(c + 1) * hd]) {
-            *a = pc.mul_add(vd, *a);
+    for r in 0..rows {
+        let (p, acc) = (&p[r * KV_TILE..(r + 1) * KV_TILE], &mut acc[r * hd..(r + 1) * hd]);
+        #[cfg(target_arch = "x86_64")]
+        if crate::dot::has_avx2() {
+            // SAFETY: avx2 and fma were detected at run time.
+            unsafe { simd::add_values(p, v32, acc) };
+            continue;
+        }
+        for (c, &pc) in p.iter().enumerate() {
+            for (a, &vd) in acc.iter_mut().zip(&v32[c * hd..(c + 1) * hd]) {
+                *a = pc.mul_add(vd, *a);
+            }
         }
     }
 }
@@ -419,6 +483,67 @@ mod simd {
         }
         for (o, &x) in dst[n..len].iter_mut().zip(&src[n..len]) {
             *o = x.to_f32();
+        }
+    }
+
+    /// `R` rows' scores at once: four 16-lane accumulators per row over
+    /// the 64 cells, each key load shared by the rows.
+    #[target_feature(enable = "avx512f")]
+    pub unsafe fn scores_rows<const R: usize>(q: &[f32], hd: usize, kt: &[f32], s: &mut [f32]) {
+        debug_assert!(q.len() == R * hd && kt.len() >= hd * KV_TILE && s.len() == R * KV_TILE);
+        let mut acc = [[_mm512_setzero_ps(); 4]; R];
+        let (k, qp) = (kt.as_ptr(), q.as_ptr());
+        for d in 0..hd {
+            // SAFETY: d < hd, so the key row and the query elements are in bounds.
+            let kv: [__m512; 4] = std::array::from_fn(|j| _mm512_loadu_ps(k.add(d * KV_TILE + 16 * j)));
+            for (r, a) in acc.iter_mut().enumerate() {
+                let qb = _mm512_set1_ps(*qp.add(r * hd + d));
+                for (aj, &kj) in a.iter_mut().zip(&kv) {
+                    *aj = _mm512_fmadd_ps(qb, kj, *aj);
+                }
+            }
+        }
+        for (r, a) in acc.iter().enumerate() {
+            for (j, aj) in a.iter().enumerate() {
+                _mm512_storeu_ps(s.as_mut_ptr().add(r * KV_TILE + 16 * j), *aj);
+            }
+        }
+    }
+
+    /// `R` rows' value sums at once, 64 dimensions at a time held in
+    /// registers across the cells, each value load shared by the rows.
+    #[target_feature(enable = "avx512f")]
+    pub unsafe fn values_rows<const R: usize>(p: &[f32], v32: &[f32], hd: usize, acc: &mut [f32]) {
+        debug_assert!(p.len() == R * KV_TILE && acc.len() == R * hd && v32.len() >= KV_TILE * hd);
+        let blocks = hd / 64 * 64;
+        let (v, o, pp) = (v32.as_ptr(), acc.as_mut_ptr(), p.as_ptr());
+        for d0 in (0..blocks).step_by(64) {
+            // SAFETY: d0 + 64 <= hd for every row's accumulator.
+            let mut a: [[__m512; 4]; R] =
+                std::array::from_fn(|r| std::array::from_fn(|j| _mm512_loadu_ps(o.add(r * hd + d0 + 16 * j))));
+            for c in 0..KV_TILE {
+                // SAFETY: c < KV_TILE rows of hd values.
+                let vv: [__m512; 4] = std::array::from_fn(|j| _mm512_loadu_ps(v.add(c * hd + d0 + 16 * j)));
+                for (r, ar) in a.iter_mut().enumerate() {
+                    let pb = _mm512_set1_ps(*pp.add(r * KV_TILE + c));
+                    for (aj, &vj) in ar.iter_mut().zip(&vv) {
+                        *aj = _mm512_fmadd_ps(pb, vj, *aj);
+                    }
+                }
+            }
+            for (r, ar) in a.iter().enumerate() {
+                for (j, aj) in ar.iter().enumerate() {
+                    _mm512_storeu_ps(o.add(r * hd + d0 + 16 * j), *aj);
+                }
+            }
+        }
+        for r in 0..R {
+            for c in 0..KV_TILE {
+                let pc = p[r * KV_TILE + c];
+                for d in blocks..hd {
+                    acc[r * hd + d] = pc.mul_add(v32[c * hd + d], acc[r * hd + d]);
+                }
+            }
         }
     }
 
@@ -499,6 +624,58 @@ mod simd {
         }
         for (e, &xi) in y[n..len].iter_mut().zip(&x[n..len]) {
             *e = f16::from_f32(xi.to_f32().mul_add(v, e.to_f32()));
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Every instruction set's tile products give the portable chain's bits.
+    #[test]
+    fn tile_products_agree_across_instruction_sets() {
+        let hd = 80; // one 64-wide block and a remainder
+        let rows = 6;
+        let val = |i: usize| ((i * 2654435761) % 1000) as f32 / 250.0 - 2.0;
+        let q: Vec<f32> = (0..rows * hd).map(val).collect();
+        let kt: Vec<f32> = (0..hd * KV_TILE).map(|i| val(i + 7)).collect();
+        let v32: Vec<f32> = (0..KV_TILE * hd).map(|i| val(i + 13)).collect();
+        let p: Vec<f32> = (0..rows * KV_TILE).map(|i| val(i + 29).abs()).collect();
+        let mut want_s = vec![0.0f32; rows * KV_TILE];
+        let mut want_acc: Vec<f32> = (0..rows * hd).map(|i| val(i + 31)).collect();
+        let mut got_acc = want_acc.clone();
+        for r in 0..rows {
+            for c in 0..KV_TILE {
+                let mut a = 0.0f32;
+                for d in 0..hd {
+                    a = q[r * hd + d].mul_add(kt[d * KV_TILE + c], a);
+                }
+                want_s[r * KV_TILE + c] = a;
+            }
+            for d in 0..hd {
+                for c in 0..KV_TILE {
+                    let i = r * hd + d;
+                    want_acc[i] = p[r * KV_TILE + c].mul_add(v32[c * hd + d], want_acc[i]);
+                }
+            }
+        }
+        let mut got_s = vec![0.0f32; rows * KV_TILE];
+        scores(&q, hd, &kt, &mut got_s);
+        add_values(&p, &v32, hd, &mut got_acc);
+        assert_eq!(got_s, want_s);
+        assert_eq!(got_acc, want_acc);
+        #[cfg(target_arch = "x86_64")]
+        if crate::dot::has_avx2() {
+            let (mut s2, mut acc2) = (vec![0.0f32; KV_TILE], got_acc[..hd].to_vec());
+            acc2.copy_from_slice(&(0..hd).map(|i| val(i + 31)).collect::<Vec<_>>());
+            // SAFETY: avx2 and fma were detected.
+            unsafe {
+                simd::scores_row(&q[..hd], &kt, &mut s2);
+                simd::add_values(&p[..KV_TILE], &v32, &mut acc2);
+            }
+            assert_eq!(s2, want_s[..KV_TILE]);
+            assert_eq!(acc2, want_acc[..hd]);
         }
     }
 }
