@@ -15,23 +15,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-// The same generator as kernels/tests/harness.
-static uint64_t lcg_state;
-static float next_value(void) {
-    lcg_state = lcg_state * 6364136223846793005ULL + 1442695040888963407ULL;
-    float u = (float) (lcg_state >> 40) / 16777216.0f - 0.5f;
-    return ((lcg_state >> 20) % 61 == 0) ? u * 40.0f : u * 2.0f;
-}
-
-static uint64_t fnv1a(const void * data, size_t len) {
-    const uint8_t * p = data;
-    uint64_t h = 0xcbf29ce484222325ULL;
-    for (size_t i = 0; i < len; ++i) {
-        h ^= p[i];
-        h *= 0x100000001b3ULL;
-    }
-    return h;
-}
+#include "golden_common.h"
 
 struct fa_case {
     int head_dim, n_head, n_head_kv, n_q, n_kv, pos0, window, threads;

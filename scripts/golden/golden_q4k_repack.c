@@ -19,19 +19,9 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "golden_common.h"
+
 // The generator of golden_vec_dot.c / kernels/tests/q4k_repack_golden.rs.
-static uint64_t lcg_state;
-static void lcg_step(void) { lcg_state = lcg_state * 6364136223846793005ULL + 1442695040888963407ULL; }
-static float next_value(void) {
-    lcg_step();
-    float u = (float) (lcg_state >> 40) / 16777216.0f - 0.5f;
-    // Every 61st value is an outlier, as real activations have.
-    return ((lcg_state >> 20) % 61 == 0) ? u * 40.0f : u * 2.0f;
-}
-static uint32_t next_u32(void) {
-    lcg_step();
-    return (uint32_t) (lcg_state >> 32);
-}
 
 // block_q4_K: d, dmin (f16), scales[12], qs[128].
 #define QK_K 256
@@ -51,16 +41,6 @@ static void random_q4k(uint8_t * dst, int64_t blocks) {
             memcpy(blk + 4 + i, &u, 4);
         }
     }
-}
-
-static uint64_t fnv1a(const void * data, size_t len) {
-    const uint8_t * p = data;
-    uint64_t h = 0xcbf29ce484222325ULL;
-    for (size_t i = 0; i < len; ++i) {
-        h ^= p[i];
-        h *= 0x100000001b3ULL;
-    }
-    return h;
 }
 
 static ggml_backend_buffer_type_t repack_buft(void) {

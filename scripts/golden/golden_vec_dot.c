@@ -8,14 +8,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-// The same generator as kernels/tests/vec_dot_golden.rs.
-static uint64_t lcg_state;
-static float next_value(void) {
-    lcg_state = lcg_state * 6364136223846793005ULL + 1442695040888963407ULL;
-    float u = (float)(lcg_state >> 40) / 16777216.0f - 0.5f;
-    // Every 61st value is an outlier, as real activations have.
-    return ((lcg_state >> 20) % 61 == 0) ? u * 40.0f : u * 2.0f;
-}
+#include "golden_common.h"
 
 int main(void) {
     ggml_cpu_init();

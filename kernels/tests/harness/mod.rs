@@ -4,7 +4,7 @@
 
 #![allow(dead_code)]
 
-/// The LCG of golden_vec_dot.c, golden_q4k_repack.c and golden_tiled_kquant.c.
+/// The LCG of scripts/golden/golden_common.h.
 pub struct Lcg(pub u64);
 
 impl Lcg {
