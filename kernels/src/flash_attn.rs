@@ -204,60 +204,64 @@ pub fn split(
     }
 }
 
-/// Up to [`Q_TILE`] query rows of one head (`q` is `rows * head_dim`,
-/// row `r` seeing the cells `c` of `visible(r)` with `sees(r, c)`) against cells `0..cells`, by the
-/// tiled route; `out` gets `rows * head_dim` normalized outputs. `scratch`
-/// is [`tile_scratch_len`]`(head_dim)` long.
-#[allow(clippy::too_many_arguments)]
+/// Up to [`Q_TILE`] query rows of one head against its cells, for the tiled route.
+#[derive(Clone, Copy)]
+pub struct Tile<'a> {
+    /// `rows * head_dim` queries in f32.
+    pub q: &'a [f32],
+    pub head_dim: usize,
+    /// Cells `0..cells` of the cache view.
+    pub cells: usize,
+    pub scale: f32,
+}
+
+/// `tile`'s rows (row `r` seeing the cells `c` of `visible(r)` with
+/// `sees(r, c)`) by the tiled route; `out` gets `rows * head_dim`
+/// normalized outputs. `scratch` is [`tile_scratch_len`]`(head_dim)` long.
 pub fn tiled(
     kv: &impl KvHead,
-    q: &[f32],
-    hd: usize,
+    tile: Tile,
     visible: impl Fn(usize) -> Range<usize>,
     sees: impl Fn(usize, usize) -> bool,
-    cells: usize,
-    scale: f32,
     scratch: &mut [f32],
     out: &mut [f32],
 ) {
     #[cfg(target_arch = "x86_64")]
     if crate::f16dot::has_f16c() {
         // SAFETY: avx2, fma and f16c were detected at run time.
-        return unsafe { tiled_fma(kv, q, hd, visible, sees, cells, scale, scratch, out) };
+        return unsafe { tiled_fma(kv, tile, visible, sees, scratch, out) };
     }
-    tiled_body(kv, q, hd, visible, sees, cells, scale, scratch, out)
+    tiled_body(kv, tile, visible, sees, scratch, out)
 }
 
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,fma,f16c")]
-#[allow(clippy::too_many_arguments)]
 unsafe fn tiled_fma(
     kv: &impl KvHead,
-    q: &[f32],
-    hd: usize,
+    tile: Tile,
     visible: impl Fn(usize) -> Range<usize>,
     sees: impl Fn(usize, usize) -> bool,
-    cells: usize,
-    scale: f32,
     scratch: &mut [f32],
     out: &mut [f32],
 ) {
-    tiled_body(kv, q, hd, visible, sees, cells, scale, scratch, out)
+    tiled_body(kv, tile, visible, sees, scratch, out)
 }
 
 #[inline(always)]
-#[allow(clippy::too_many_arguments)]
 fn tiled_body(
     kv: &impl KvHead,
-    q: &[f32],
-    hd: usize,
+    tile: Tile,
     visible: impl Fn(usize) -> Range<usize>,
     sees: impl Fn(usize, usize) -> bool,
-    cells: usize,
-    scale: f32,
     scratch: &mut [f32],
     out: &mut [f32],
 ) {
+    let Tile {
+        q,
+        head_dim: hd,
+        cells,
+        scale,
+    } = tile;
     let rows = q.len() / hd;
     debug_assert!(rows <= Q_TILE && out.len() == rows * hd);
     let (kt, rest) = scratch.split_at_mut(KV_TILE * hd);

@@ -9,7 +9,7 @@ use std::ops::Range;
 
 use half::f16;
 use harness::{bits_fnv, Lcg};
-use leanstream_kernels::flash_attn::{self, KvHead, Route, Q_TILE};
+use leanstream_kernels::flash_attn::{self, KvHead, Route, Tile, Q_TILE};
 use serde_json::Value;
 
 /// Keys and values as `[kv_head][cell][dim]`, as the harness lays them out.
@@ -96,17 +96,13 @@ fn flash_attention_matches_llama_cpp_bit_for_bit() {
                             .flat_map(|r| q[((t0 + r) * n_head + h) * hd..][..hd].iter().copied())
                             .collect();
                         let mut ot = vec![0.0f32; rows * hd];
-                        flash_attn::tiled(
-                            &kv,
-                            &qt,
-                            hd,
-                            |r| visible(t0 + r),
-                            |_, _| true,
+                        let tile = Tile {
+                            q: &qt,
+                            head_dim: hd,
                             cells,
                             scale,
-                            &mut scratch,
-                            &mut ot,
-                        );
+                        };
+                        flash_attn::tiled(&kv, tile, |r| visible(t0 + r), |_, _| true, &mut scratch, &mut ot);
                         for r in 0..rows {
                             out[((t0 + r) * n_head + h) * hd..][..hd].copy_from_slice(&ot[r * hd..(r + 1) * hd]);
                         }

@@ -10,7 +10,7 @@ use std::str::FromStr;
 
 use half::f16;
 use leanstream_kernels::f16dot::{dot_f16_gemm, dot_f16_gemm_x4, dot_f16_vec};
-use leanstream_kernels::flash_attn::{self, KvHead, Route, Q_TILE};
+use leanstream_kernels::flash_attn::{self, KvHead, Route, Tile, Q_TILE};
 use leanstream_kernels::ops;
 use rayon::prelude::*;
 
@@ -175,14 +175,17 @@ impl Attention {
                             qt[r * hd..(r + 1) * hd].copy_from_slice(&q[(t0 + r) * q_dim + h * hd..][..hd]);
                         }
                         let (qt, ot) = (&qt[..rows * hd], &mut ot[..rows * hd]);
+                        let tile = Tile {
+                            q: qt,
+                            head_dim: hd,
+                            cells,
+                            scale: c.kq_scale,
+                        };
                         flash_attn::tiled(
                             &head(h),
-                            qt,
-                            hd,
+                            tile,
                             |r| visible(t0 + r),
                             |r, cell| sees(t0 + r, cell),
-                            cells,
-                            c.kq_scale,
                             scratch,
                             ot,
                         );
