@@ -15,7 +15,7 @@ use leanstream_kernels::ops;
 use rayon::prelude::*;
 
 use super::config::Config;
-use super::kv_cache::{swa_cache_cells, KvCache, LANES};
+use super::kv_cache::{KvCache, LANES};
 use crate::RuntimeError;
 
 /// Which attention path runs (llama.cpp's `--flash-attn`).
@@ -142,7 +142,7 @@ impl Attention {
         let group = c.n_head / c.n_head_kv;
         let n = q.len() / q_dim;
         let threads = rayon::current_num_threads().max(1);
-        let cells = cache_view(c, layer, self.ctx, kv.used_cells(layer, pos0 + n));
+        let cells = cache_view(c, layer, kv, self.ctx, kv.used_cells(layer, pos0 + n));
         let vis = Visibility::new(c, layer, kv, pos0 + n);
         let visible = |t: usize| vis.range(pos0 + t);
         let sees = |t: usize, cell: usize| vis.sees(pos0 + t, cell);
@@ -255,10 +255,10 @@ fn grow(work: &mut Vec<f32>, item: usize) {
 /// the sliding-window layers' own cache is smaller, see
 /// `kv_cache::swa_cache_cells`). It decides, as there, whether a single
 /// query's cells are split across threads, and where.
-fn cache_view(c: &Config, layer: usize, ctx: usize, used: usize) -> usize {
+fn cache_view(c: &Config, layer: usize, kv: &KvCache, ctx: usize, used: usize) -> usize {
     let pad = |x: usize| x.div_ceil(256) * 256;
-    let size = match c.sliding_window {
-        Some(w) if c.swa_layers[layer] => swa_cache_cells(ctx, w),
+    let size = match kv.swa_size() {
+        Some(cells) if c.swa_layers[layer] => cells,
         _ => pad(ctx),
     };
     size.min(pad(used).max(256))

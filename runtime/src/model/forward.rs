@@ -73,7 +73,7 @@ impl RunState {
             attn: Attention::new(c, ctx, b, attn.enabled()),
             acts: ActBuffer::with_capacity(widest, b),
             rope: RopeTable::new(c.n_rot),
-            kv: KvCache::new(c, ctx, attn.enabled()),
+            kv: KvCache::new(c, ctx, b, attn.enabled()),
             logits: vec![0.0; max_logit_rows.max(1) * c.n_vocab],
             n_rows: 0,
         }

@@ -10,9 +10,10 @@ use crate::{Result, RuntimeError};
 /// aligned to cell 0 (see `attention::standard`).
 pub(super) const LANES: usize = 64;
 
-/// llama.cpp's default micro-batch: a batch is placed in the cache this
-/// many tokens at a time, and the sliding-window cache holds this many cells
-/// beyond the window.
+/// llama.cpp's default micro-batch (`n_ubatch`): a batch is placed in the
+/// cache this many tokens at a time, and the sliding-window cache holds this
+/// many cells beyond the window. A state made for larger batches runs as
+/// llama.cpp with `-ub` that large.
 pub const UBATCH: usize = 512;
 
 /// Keys as `[layer][cell][kv_head * head_dim]`. Values the same way for
@@ -41,9 +42,13 @@ pub struct KvCache {
 }
 
 impl KvCache {
-    pub(super) fn new(c: &Config, ctx: usize, value_rows: bool) -> Self {
+    /// A cache for `ctx` positions run in batches of up to `max_batch`.
+    pub(super) fn new(c: &Config, ctx: usize, max_batch: usize, value_rows: bool) -> Self {
+        let ubatch = max_batch.max(UBATCH);
         let swa = match c.sliding_window {
-            Some(w) if c.swa_layers.iter().any(|&s| s) => Some(SwaCells::new(swa_cache_cells(ctx, w), w)),
+            Some(w) if c.swa_layers.iter().any(|&s| s) => {
+                Some(SwaCells::new(swa_cache_cells(ctx, w, ubatch), w, ubatch))
+            }
             _ => None,
         };
         // Room for a whole group of LANES past the last position, which reads as zeros.
@@ -58,13 +63,12 @@ impl KvCache {
             value_rows,
             swa,
             swa_layers: c.swa_layers.clone(),
-            batch_cells: Vec::with_capacity(UBATCH),
+            batch_cells: Vec::with_capacity(max_batch),
             batch_pos0: 0,
         }
     }
 
-    /// Makes room for positions `pos0..pos0 + n` (a batch of at most
-    /// [`UBATCH`]): anything held at `pos0` or later is dropped first (a
+    /// Makes room for positions `pos0..pos0 + n`: anything held at `pos0` or later is dropped first (a
     /// sequence restarted or rewound), then the sliding-window layers' cells
     /// are picked as llama.cpp picks them.
     pub(super) fn place(&mut self, pos0: usize, n: usize) -> Result<()> {
@@ -73,7 +77,7 @@ impl KvCache {
         let Some(swa) = &mut self.swa else { return Ok(()) };
         if pos0 == 0 {
             // A new sequence: llama.cpp clears its cache.
-            *swa = SwaCells::new(swa.pos.len(), swa.window);
+            *swa = SwaCells::new(swa.pos.len(), swa.window, swa.ubatch);
         } else {
             swa.remove(pos0..usize::MAX);
         }
@@ -84,9 +88,10 @@ impl KvCache {
         if let Some(i) = (0..n).find(|&i| swa.pos[self.batch_cells[i]] != Some(pos0 + i)) {
             return Err(RuntimeError::Invalid(format!(
                 "a batch of {n} tokens from position {pos0} overruns the {}-cell sliding-window cache at position {}; \
-                 run at most {UBATCH} tokens at a time",
+                 run at most {} tokens at a time",
                 swa.pos.len(),
-                pos0 + i
+                pos0 + i,
+                swa.ubatch
             )));
         }
         Ok(())
@@ -109,6 +114,11 @@ impl KvCache {
     /// The position held by `cell` of a sliding-window layer.
     pub(super) fn swa_position(&self, cell: usize) -> Option<usize> {
         self.swa.as_ref().and_then(|s| s.pos.get(cell).copied().flatten())
+    }
+
+    /// Cells of the sliding-window layers' cache, if the model has them.
+    pub(super) fn swa_size(&self) -> Option<usize> {
+        self.swa.as_ref().map(|s| s.pos.len())
     }
 
     /// One past the last cell in use on `layer` after the batch ending at `end`.
@@ -258,11 +268,11 @@ impl KvPrefix {
 }
 
 /// Cells of llama.cpp's sliding-window cache for a context of `ctx`: the
-/// window plus a micro-batch, rounded up to 256, at most the whole context
-/// (itself rounded up to 256).
-pub fn swa_cache_cells(ctx: usize, window: usize) -> usize {
+/// window plus a micro-batch of `ubatch`, rounded up to 256, at most the
+/// whole context (itself rounded up to 256).
+pub fn swa_cache_cells(ctx: usize, window: usize, ubatch: usize) -> usize {
     let pad = |x: usize| x.div_ceil(256) * 256;
-    pad(pad(ctx).min(window + UBATCH))
+    pad(pad(ctx).min(window + ubatch))
 }
 
 /// Which position each cell of llama.cpp's sliding-window KV cache holds,
@@ -273,6 +283,8 @@ pub fn swa_cache_cells(ctx: usize, window: usize) -> usize {
 /// (`seq_rm`), reproduced so the same positions land in the same cells.
 pub struct SwaCells {
     window: usize,
+    /// Positions placed at a time.
+    ubatch: usize,
     pos: Vec<Option<usize>>,
     head: usize,
     /// Some cell holds a position other than its own index.
@@ -280,9 +292,10 @@ pub struct SwaCells {
 }
 
 impl SwaCells {
-    pub fn new(cells: usize, window: usize) -> Self {
+    pub fn new(cells: usize, window: usize, ubatch: usize) -> Self {
         Self {
             window,
+            ubatch,
             pos: vec![None; cells],
             head: 0,
             wrapped: false,
@@ -319,7 +332,7 @@ impl SwaCells {
     pub fn place(&mut self, pos0: usize, n: usize, cells: &mut Vec<usize>) -> Result<()> {
         let mut done = 0;
         while done < n {
-            let m = (n - done).min(UBATCH);
+            let m = (n - done).min(self.ubatch);
             self.place_ubatch(pos0 + done, m, cells)?;
             done += m;
         }
@@ -399,4 +412,62 @@ fn zeroed_f16(n: usize) -> Vec<f16> {
     // SAFETY: `f16` is `repr(transparent)` over `u16` (same size, alignment
     // and bit pattern for 0), and the allocation is handed over whole.
     unsafe { Vec::from_raw_parts(v.as_mut_ptr().cast::<f16>(), v.len(), v.capacity()) }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn place(s: &mut SwaCells, pos0: usize, n: usize) -> Vec<usize> {
+        let mut cells = Vec::new();
+        s.place(pos0, n, &mut cells).unwrap();
+        cells
+    }
+
+    /// Gemma 3's ring (window 512, 1024 cells) as llama.cpp fills it: in
+    /// order until full, then from cell 0 over positions out of every later
+    /// query's window, the next micro-batch after the previous one.
+    #[test]
+    fn positions_go_where_llama_cpp_puts_them() {
+        assert_eq!(swa_cache_cells(2048, 512, 512), 1024);
+        assert_eq!(swa_cache_cells(300, 512, 512), 512);
+        let mut s = SwaCells::new(1024, 512, 512);
+        assert_eq!(place(&mut s, 0, 1000), (0..1000).collect::<Vec<_>>()); // 512 + 488
+        assert!(!s.wrapped);
+        assert_eq!(place(&mut s, 1000, 24), (1000..1024).collect::<Vec<_>>());
+        // Full: the next 211 take cells 0..211, whose positions left the window.
+        assert_eq!(place(&mut s, 1024, 211), (0..211).collect::<Vec<_>>());
+        assert!(s.wrapped);
+        assert_eq!(s.used_max_p1(), 1024);
+        // Decoding goes on at the head.
+        assert_eq!(place(&mut s, 1235, 1), vec![211]);
+        assert_eq!(s.pos[211], Some(1235));
+        // The next micro-batch takes the cells after it, whose positions
+        // (212..) are out of the window of 1236 and later.
+        let next = place(&mut s, 1236, 300);
+        assert_eq!(next, (212..512).collect::<Vec<_>>());
+        // Every position the last query sees is still held.
+        let last = 1535;
+        let held: Vec<usize> = s.pos.iter().flatten().copied().filter(|&p| last - p < 512).collect();
+        assert_eq!(held.len(), 512);
+    }
+
+    #[test]
+    fn removing_positions_frees_their_cells_and_moves_the_head_back() {
+        let mut s = SwaCells::new(512, 256, 256);
+        place(&mut s, 0, 300);
+        s.remove(200..usize::MAX);
+        assert_eq!(s.used(), 200);
+        assert_eq!(place(&mut s, 200, 10), (200..210).collect::<Vec<_>>());
+        s.remove(0..usize::MAX);
+        assert!(!s.wrapped && s.used() == 0);
+    }
+
+    #[test]
+    fn a_micro_batch_larger_than_the_ring_is_an_error() {
+        let mut s = SwaCells::new(256, 128, 512);
+        let mut cells = Vec::new();
+        let err = s.place(0, 300, &mut cells).unwrap_err().to_string();
+        assert!(err.contains("256-cell sliding-window cache"), "{err}");
+    }
 }
