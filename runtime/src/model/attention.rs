@@ -128,7 +128,7 @@ impl Attention {
     /// the cache, written to `out` in the same layout.
     pub(super) fn run(&mut self, c: &Config, layer: usize, kv: &KvCache, q: &[f32], pos0: usize, out: &mut [f32]) {
         if self.flash {
-            return self.flash(c, layer, kv, q, pos0, out);
+            return self.run_flash(c, layer, kv, q, pos0, out);
         }
         let q16 = &mut self.q16[..q.len()];
         for (dst, &src) in q16.iter_mut().zip(q) {
@@ -137,7 +137,7 @@ impl Attention {
         standard(c, layer, kv, q16, pos0, &mut self.scores, &mut self.probs, out);
     }
 
-    fn flash(&mut self, c: &Config, layer: usize, kv: &KvCache, q: &[f32], pos0: usize, out: &mut [f32]) {
+    fn run_flash(&mut self, c: &Config, layer: usize, kv: &KvCache, q: &[f32], pos0: usize, out: &mut [f32]) {
         let (hd, q_dim) = (c.head_dim, c.q_dim());
         let group = c.n_head / c.n_head_kv;
         let n = q.len() / q_dim;
