@@ -67,6 +67,9 @@ const SCORE_SCRATCH: usize = 1 << 20;
 /// Tiles of the flash path computed at once per thread (more waves otherwise).
 const TILES_PER_THREAD: usize = 2;
 
+/// (token, head) pairs of the flash path's vector routes computed at once.
+const VECTOR_WAVE: usize = 64;
+
 /// An attention path with the scratch it needs, allocated once.
 pub(super) struct Attention {
     flash: bool,
@@ -86,7 +89,9 @@ impl Attention {
         if flash {
             let threads = rayon::current_num_threads().max(1);
             let hd = c.head_dim;
-            let vector = c.n_head * b.min(Q_TILE - 1) * flash_attn::vector_scratch_len(hd, threads);
+            // A decode step's heads in one wave; longer batches take several.
+            let pairs = (c.n_head * b.min(Q_TILE - 1)).min(c.n_head.max(VECTOR_WAVE));
+            let vector = pairs * flash_attn::vector_scratch_len(hd, threads);
             let tiles = if b >= Q_TILE {
                 (c.n_head * b.div_ceil(Q_TILE)).min(TILES_PER_THREAD * threads) * tile_item_len(hd)
             } else {
