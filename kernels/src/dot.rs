@@ -41,6 +41,19 @@ pub fn has_avx2() -> bool {
     }
 }
 
+/// Whether AVX-512F runs here (the CPU has it and the OS saves its
+/// registers), detected once, on top of [`has_avx2`]'s set.
+pub fn has_avx512f() -> bool {
+    #[cfg(target_arch = "x86_64")]
+    {
+        use std::sync::OnceLock;
+        static AVX512F: OnceLock<bool> = OnceLock::new();
+        *AVX512F.get_or_init(|| has_avx2() && std::arch::is_x86_feature_detected!("avx512f"))
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    false
+}
+
 #[cfg(target_arch = "x86_64")]
 fn detect_avx2() -> bool {
     is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma") && is_x86_feature_detected!("f16c")

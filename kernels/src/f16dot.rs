@@ -53,6 +53,11 @@ pub fn dot_f16_gemm(x: &[f16], y: &[f16]) -> f32 {
 /// same bits as four `dot_f16_gemm` calls, with `x` converted once.
 pub fn dot_f16_gemm_x4(x: &[f16], ys: [&[f16]; 4]) -> [f32; 4] {
     #[cfg(target_arch = "x86_64")]
+    if crate::dot::has_avx512f() {
+        // SAFETY: avx512f was detected at run time.
+        return unsafe { avx512::dot_f16_gemm_x4(x, ys) };
+    }
+    #[cfg(target_arch = "x86_64")]
     if has_f16c() {
         // SAFETY: the features the function is compiled for were detected.
         return unsafe { avx2::dot_f16_gemm_x4(x, ys) };
@@ -198,6 +203,39 @@ mod avx2 {
             lanes[j % 16] = x[j].to_f32().mul_add(y[j].to_f32(), lanes[j % 16]);
         }
         super::reduce16(&lanes)
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+mod avx512 {
+    use half::f16;
+    use std::arch::x86_64::*;
+
+    /// One 16-lane register per key: tinyBLAS's lanes, in one instruction each.
+    #[target_feature(enable = "avx512f")]
+    pub unsafe fn dot_f16_gemm_x4(x: &[f16], ys: [&[f16]; 4]) -> [f32; 4] {
+        let n = ys.iter().fold(x.len(), |n, y| n.min(y.len()));
+        let full = n / 16 * 16;
+        let mut acc = [_mm512_setzero_ps(); 4];
+        let xp = x.as_ptr() as *const __m256i;
+        let yp = ys.map(|y| y.as_ptr() as *const __m256i);
+        for i in (0..full).step_by(16) {
+            // SAFETY: i + 16 <= n for x and every y.
+            let xv = _mm512_cvtph_ps(_mm256_loadu_si256(xp.add(i / 16)));
+            for (a, y) in acc.iter_mut().zip(&yp) {
+                *a = _mm512_fmadd_ps(xv, _mm512_cvtph_ps(_mm256_loadu_si256(y.add(i / 16))), *a);
+            }
+        }
+        let mut out = [0.0f32; 4];
+        for (k, a) in acc.iter().enumerate() {
+            let mut lanes = [0.0f32; 16];
+            _mm512_storeu_ps(lanes.as_mut_ptr(), *a);
+            for j in full..n {
+                lanes[j % 16] = x[j].to_f32().mul_add(ys[k][j].to_f32(), lanes[j % 16]);
+            }
+            out[k] = super::reduce16(&lanes);
+        }
+        out
     }
 }
 

@@ -336,17 +336,6 @@ fn tiled_body(
     }
 }
 
-fn has_avx512f() -> bool {
-    #[cfg(target_arch = "x86_64")]
-    {
-        use std::sync::OnceLock;
-        static AVX512F: OnceLock<bool> = OnceLock::new();
-        *AVX512F.get_or_init(|| std::arch::is_x86_feature_detected!("avx512f"))
-    }
-    #[cfg(not(target_arch = "x86_64"))]
-    false
-}
-
 /// Every row's scores over the tile: `s[r][c] = sum over d of q[r][d] *
 /// kt[d][c]`, each a chain of fused multiply-adds in dimension order from 0
 /// (ggml's `simd_gemm`; blocking rows changes no result).
@@ -354,7 +343,7 @@ fn has_avx512f() -> bool {
 fn scores(q: &[f32], hd: usize, kt: &[f32], s: &mut [f32]) {
     let rows = s.len() / KV_TILE;
     #[cfg(target_arch = "x86_64")]
-    if has_avx512f() {
+    if crate::dot::has_avx512f() {
         let four = rows / 4 * 4;
         for r in (0..four).step_by(4) {
             // SAFETY: avx512f was detected at run time.
@@ -390,7 +379,7 @@ fn scores(q: &[f32], hd: usize, kt: &[f32], s: &mut [f32]) {
 fn add_values(p: &[f32], v32: &[f32], hd: usize, acc: &mut [f32]) {
     let rows = p.len() / KV_TILE;
     #[cfg(target_arch = "x86_64")]
-    if has_avx512f() {
+    if crate::dot::has_avx512f() {
         let four = rows / 4 * 4;
         for r in (0..four).step_by(4) {
             // SAFETY: avx512f was detected at run time.
