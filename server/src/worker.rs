@@ -366,6 +366,11 @@ fn run_job(
     let mut stops = StopScan::new(request.stop);
     let (mut cancelled, mut stopped) = (false, false);
     let mut reused = shared(cached, &ids);
+    if !st.kv.resumable(reused) {
+        // A sliding-window ring that wrapped no longer holds what the shared
+        // prefix's successors would see: run the prompt whole.
+        reused = 0;
+    }
     // An earlier prompt that shares more than the state does is put back
     // (a restore that fails has written nothing: the state stays as it was).
     if let Some((i, n)) = cache.best(&ids).filter(|&(_, n)| n > reused) {

@@ -116,6 +116,17 @@ impl KvCache {
         self.swa.as_ref().and_then(|s| s.pos.get(cell).copied().flatten())
     }
 
+    /// Whether a sequence can go on at position `pos` with what the cache
+    /// holds of positions `0..pos`: a sliding-window ring that wrapped may
+    /// have dropped positions the next queries still see (llama.cpp's
+    /// server then runs the prompt again, and so should callers).
+    pub fn resumable(&self, pos: usize) -> bool {
+        match &self.swa {
+            Some(s) => s.holds(pos.saturating_sub(s.window.saturating_sub(1))..pos),
+            None => true,
+        }
+    }
+
     /// Cells of the sliding-window layers' cache, if the model has them.
     pub(super) fn swa_size(&self) -> Option<usize> {
         self.swa.as_ref().map(|s| s.pos.len())
@@ -392,6 +403,17 @@ impl SwaCells {
         Ok(())
     }
 
+    /// Whether every position of `range` sits in some cell.
+    fn holds(&self, range: std::ops::Range<usize>) -> bool {
+        let mut held = vec![false; range.len()];
+        for &p in self.pos.iter().flatten() {
+            if range.contains(&p) {
+                held[p - range.start] = true;
+            }
+        }
+        held.iter().all(|&h| h)
+    }
+
     /// Cells `0..n` hold positions `0..n` and nothing else (a restored prefix).
     fn restore_prefix(&mut self, n: usize) {
         for (i, p) in self.pos.iter_mut().enumerate() {
@@ -450,6 +472,19 @@ mod tests {
         let last = 1535;
         let held: Vec<usize> = s.pos.iter().flatten().copied().filter(|&p| last - p < 512).collect();
         assert_eq!(held.len(), 512);
+    }
+
+    #[test]
+    fn a_wrapped_ring_resumes_only_where_it_holds_the_window() {
+        let mut s = SwaCells::new(1024, 512, 512);
+        place(&mut s, 0, 512);
+        place(&mut s, 512, 512);
+        place(&mut s, 1024, 512);
+        // Positions 0..512 were overwritten: going on at 1536 needs 1025..1536, held;
+        // going back to 300 (a shared prefix) needs 0..300, gone.
+        assert!(s.holds(1025..1536));
+        assert!(!s.holds(0..300));
+        assert!(s.holds(600..1000));
     }
 
     #[test]
