@@ -70,10 +70,10 @@ pub struct Partial {
     pub sum: f32,
 }
 
-/// f32 scratch of one vector-route query (q and the accumulator in f16,
-/// and the split route's partials for `chunks` chunks).
-pub fn vector_scratch_len(head_dim: usize, chunks: usize) -> usize {
-    head_dim + chunks * (head_dim + 2)
+/// f32 scratch of one vector- or split-route query: q and the accumulator
+/// in f16, then (split route) the chunk being merged.
+pub fn vector_scratch_len(head_dim: usize) -> usize {
+    2 * head_dim
 }
 
 /// f32 scratch of one tile of the tiled route.
@@ -85,7 +85,7 @@ pub fn tile_scratch_len(head_dim: usize) -> usize {
 /// One query `q` (f32) against the cells of `cells` it sees (those of
 /// `visible` for which `sees` holds), by the vector route; `out` gets the
 /// unnormalized sum (divide by the returned sum, or merge partials).
-/// `scratch` is [`vector_scratch_len`]`(head_dim, 0)` long.
+/// `scratch` holds at least `head_dim` f32s.
 #[allow(clippy::too_many_arguments)]
 pub fn vector_partial(
     kv: &impl KvHead,
@@ -151,8 +151,9 @@ pub fn vector(
 }
 
 /// One query by the split route: cells `0..cells` in `chunks` parts, each
-/// a vector-route partial, merged in chunk order. `scratch` is
-/// [`vector_scratch_len`]`(head_dim, chunks)` long.
+/// a vector-route partial, merged in chunk order as each is made (ggml
+/// makes them all first; the sums are the same). `scratch` is
+/// [`vector_scratch_len`]`(head_dim)` long.
 #[allow(clippy::too_many_arguments)]
 pub fn split(
     kv: &impl KvHead,
@@ -167,14 +168,11 @@ pub fn split(
 ) {
     let hd = q.len();
     let chunk = cells.div_ceil(chunks.max(1));
-    let (own, partials) = scratch.split_at_mut(hd);
+    let (own, part) = scratch.split_at_mut(hd);
+    let part = &mut part[..hd];
     let (mut max, mut sum) = (f32::NEG_INFINITY, 0.0f32);
     out.fill(0.0);
-    for (c, part) in partials.chunks_exact_mut(hd + 2).take(chunks).enumerate() {
-        let lo = c * chunk;
-        if lo >= cells {
-            break;
-        }
+    for lo in (0..cells).step_by(chunk.max(1)).take(chunks) {
         let p = vector_partial(
             kv,
             q,
@@ -183,25 +181,21 @@ pub fn split(
             lo..(lo + chunk).min(cells),
             scale,
             own,
-            &mut part[..hd],
+            part,
         );
         if p.sum == 0.0 {
             continue;
         }
         let m = max.max(p.max);
         let (old, new) = ((max - m).exp(), (p.max - m).exp());
-        for (o, &v) in out.iter_mut().zip(&part[..hd]) {
+        for (o, &v) in out.iter_mut().zip(part.iter()) {
             *o = o.mul_add(old, v * new);
         }
         sum = sum.mul_add(old, p.sum * new);
         max = m;
     }
-    if sum != 0.0 {
-        let inv = 1.0 / sum;
-        for o in out.iter_mut() {
-            *o *= inv;
-        }
-    }
+    // With nothing seen `out` stays 0, as ggml leaves it.
+    normalize(out, sum);
 }
 
 /// Up to [`Q_TILE`] query rows of one head against its cells, for the tiled route.

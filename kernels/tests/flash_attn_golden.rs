@@ -70,7 +70,7 @@ fn flash_attention_matches_llama_cpp_bit_for_bit() {
         routes.push(route);
         match route {
             Route::Vector | Route::Split { .. } => {
-                let mut scratch = vec![0.0f32; flash_attn::vector_scratch_len(hd, threads)];
+                let mut scratch = vec![0.0f32; flash_attn::vector_scratch_len(hd)];
                 for t in 0..n_q {
                     for h in 0..n_head {
                         let kv = Head(&cache, h / group);

@@ -253,7 +253,7 @@ impl DownTiles {
         let (g, blk, p) = (format.group(), block_bytes(ty)?, format.down_bytes());
         let row_bytes = ty.row_bytes(n_ff)?;
         let (grp, k) = (i / g, i % g);
-        let matrix = &mut bytemuck::cast_slice_mut::<u64, u8>(&mut self.matrix)[..d * row_bytes];
+        let matrix = self.matrix_for(d * row_bytes);
         // The part is tile bytes [k·P, (k+1)·P), cut at the tile's end; tile
         // byte t is byte t % B of row t / B's block of this group.
         let (start, end) = ((k * p).min(d * blk), ((k + 1) * p).min(d * blk));
@@ -292,7 +292,7 @@ impl DownTiles {
         check_rows(d, n_ff, a, ys)?;
         if groups.len() < n_groups {
             let (blk, row_bytes) = (block_bytes(ty)?, ty.row_bytes(n_ff)?);
-            let matrix = &mut bytemuck::cast_slice_mut::<u64, u8>(&mut self.matrix)[..d * row_bytes];
+            let matrix = self.matrix_for(d * row_bytes);
             let mut present = groups.iter().peekable();
             for grp in 0..n_groups {
                 if present.next_if(|&&x| x as usize == grp).is_some() {

@@ -91,7 +91,7 @@ impl Attention {
             let hd = c.head_dim;
             // A decode step's heads in one wave; longer batches take several.
             let pairs = (c.n_head * b.min(Q_TILE - 1)).min(c.n_head.max(VECTOR_WAVE));
-            let vector = pairs * flash_attn::vector_scratch_len(hd, threads);
+            let vector = pairs * flash_attn::vector_scratch_len(hd);
             let tiles = if b >= Q_TILE {
                 (c.n_head * b.div_ceil(Q_TILE)).min(TILES_PER_THREAD * threads) * tile_item_len(hd)
             } else {
@@ -160,7 +160,8 @@ impl Attention {
         if route == Route::Tiled {
             let item = tile_item_len(hd);
             let items = c.n_head * n.div_ceil(Q_TILE);
-            grow(&mut self.work, item);
+            // `new` sized the scratch for at least one tile (batches of 64+).
+            debug_assert!(self.work.len() >= item);
             let wave = (self.work.len() / item).clamp(1, items);
             for start in (0..items).step_by(wave) {
                 let end = (start + wave).min(items);
@@ -205,13 +206,9 @@ impl Attention {
             }
             return;
         }
-        let chunks = match route {
-            Route::Split { chunks } => chunks,
-            _ => 0,
-        };
-        let item = flash_attn::vector_scratch_len(hd, chunks);
+        let item = flash_attn::vector_scratch_len(hd);
         let pairs = n * c.n_head;
-        grow(&mut self.work, item);
+        debug_assert!(self.work.len() >= item);
         let wave = (self.work.len() / item).clamp(1, pairs);
         for start in (0..pairs).step_by(wave) {
             let end = (start + wave).min(pairs);
@@ -245,14 +242,6 @@ impl Attention {
 /// f32 scratch of one tile of the flash path: gathered queries, outputs, kernel scratch.
 fn tile_item_len(head_dim: usize) -> usize {
     2 * Q_TILE * head_dim + flash_attn::tile_scratch_len(head_dim)
-}
-
-/// Makes `work` hold at least one item (it holds a wave from the start
-/// unless the thread count grew since).
-fn grow(work: &mut Vec<f32>, item: usize) {
-    if work.len() < item {
-        work.resize(item, 0.0);
-    }
 }
 
 /// Cells of llama.cpp's KV cache view when `used` cells are in use: a

@@ -77,23 +77,14 @@ impl KvCache {
         let Some(swa) = &mut self.swa else { return Ok(()) };
         if pos0 == 0 {
             // A new sequence: llama.cpp clears its cache.
-            *swa = SwaCells::new(swa.pos.len(), swa.window, swa.ubatch);
+            swa.clear();
         } else {
             swa.remove(pos0..usize::MAX);
         }
         swa.place(pos0, n, &mut self.batch_cells)?;
-        // A batch longer than a micro-batch may have its later positions
-        // take cells its earlier ones still need (llama.cpp runs the
-        // micro-batches one after the other; this engine attends batch-wide).
-        if let Some(i) = (0..n).find(|&i| swa.pos[self.batch_cells[i]] != Some(pos0 + i)) {
-            return Err(RuntimeError::Invalid(format!(
-                "a batch of {n} tokens from position {pos0} overruns the {}-cell sliding-window cache at position {}; \
-                 run at most {} tokens at a time",
-                swa.pos.len(),
-                pos0 + i,
-                swa.ubatch
-            )));
-        }
+        // The ring holds the window plus a whole batch (`new`), so no
+        // position of this batch took a cell another one still needs.
+        debug_assert!((0..n).all(|i| swa.pos[self.batch_cells[i]] == Some(pos0 + i)));
         Ok(())
     }
 
@@ -141,34 +132,38 @@ impl KvCache {
     }
 
     pub(super) fn store(&mut self, layer: usize, cell: usize, k: &[f32], v: &[f32]) {
-        let pos = cell;
-        let base = (layer * self.ctx + pos) * self.kv_dim;
-        for (dst, &src) in self.k[base..base + self.kv_dim].iter_mut().zip(k) {
-            *dst = f16::from_f32(src);
-        }
-        if self.value_rows {
-            for (dst, &src) in self.v[base..base + self.kv_dim].iter_mut().zip(v) {
-                *dst = f16::from_f32(src);
+        let base = (layer * self.ctx + cell) * self.kv_dim;
+        let to_f16 = |dst: &mut [f16], src: &[f32]| {
+            for (d, &s) in dst.iter_mut().zip(src) {
+                *d = f16::from_f32(s);
             }
+        };
+        to_f16(&mut self.k[base..base + self.kv_dim], k);
+        if self.value_rows {
+            to_f16(&mut self.v[base..base + self.kv_dim], v);
             return;
         }
         let layer_base = layer * self.kv_dim * self.ctx;
         for (i, &src) in v.iter().enumerate() {
             // i = kv_head * head_dim + dim, which is also the row index in the transposed layout.
-            self.v[layer_base + i * self.ctx + pos] = f16::from_f32(src);
+            self.v[layer_base + i * self.ctx + cell] = f16::from_f32(src);
         }
     }
 
-    pub(super) fn key(&self, layer: usize, pos: usize, kv_head: usize) -> &[f16] {
-        let base = (layer * self.ctx + pos) * self.kv_dim + kv_head * self.head_dim;
-        &self.k[base..base + self.head_dim]
+    /// Where one kv head's row of `cell` lies in the key (and value-row) layout.
+    fn head_row(&self, layer: usize, cell: usize, kv_head: usize) -> std::ops::Range<usize> {
+        let base = (layer * self.ctx + cell) * self.kv_dim + kv_head * self.head_dim;
+        base..base + self.head_dim
     }
 
-    /// The value row of one kv head at `pos` (value-row layout only).
-    pub(super) fn value(&self, layer: usize, pos: usize, kv_head: usize) -> &[f16] {
+    pub(super) fn key(&self, layer: usize, cell: usize, kv_head: usize) -> &[f16] {
+        &self.k[self.head_row(layer, cell, kv_head)]
+    }
+
+    /// The value row of one kv head at `cell` (value-row layout only).
+    pub(super) fn value(&self, layer: usize, cell: usize, kv_head: usize) -> &[f16] {
         debug_assert!(self.value_rows);
-        let base = (layer * self.ctx + pos) * self.kv_dim + kv_head * self.head_dim;
-        &self.v[base..base + self.head_dim]
+        &self.v[self.head_row(layer, cell, kv_head)]
     }
 
     /// Values of one dimension of one kv head over positions `lo..hi`
@@ -311,6 +306,13 @@ impl SwaCells {
             head: 0,
             wrapped: false,
         }
+    }
+
+    /// Every cell empty, the head at 0 (`llama_kv_cache::clear`).
+    fn clear(&mut self) {
+        self.pos.fill(None);
+        self.head = 0;
+        self.wrapped = false;
     }
 
     fn used(&self) -> usize {
