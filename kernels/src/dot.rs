@@ -22,6 +22,8 @@ use crate::{GgmlType, KernelError};
 
 #[cfg(target_arch = "x86_64")]
 pub(crate) mod avx2;
+#[cfg(target_arch = "x86_64")]
+pub(crate) mod avx512;
 mod scalar;
 
 /// Whether the AVX2 kernels can run here: AVX2, FMA and F16C (which every

@@ -28,6 +28,10 @@ use rayon::prelude::*;
 
 use crate::blocks::cast_blocks;
 use crate::blocks::{BlockQ4K, BlockQ8K};
+#[cfg(target_arch = "x86_64")]
+use crate::blocks::{BlockQ5_0, BlockQ8_0};
+#[cfg(target_arch = "x86_64")]
+use crate::dot::avx512::{self, Q8KPanels, Q8_0Panels};
 use crate::dot::{has_avx2, with_kernel, with_tiled_kernel, Kernel, KernelUser, Path};
 use crate::quantize::quantize_row;
 use crate::repack::{self, Mode};
@@ -107,20 +111,53 @@ pub struct ActBuffer {
     n: usize,
     cols: usize,
     row_bytes: usize,
+    /// Where the prompt panels of the AVX-512 kernels start, when
+    /// [`Self::quantize`] made them (Q8_0 or Q8_K rows, enough of them, a CPU
+    /// that runs those kernels): the rows laid out again, see
+    /// [`crate::dot::avx512`].
+    panels_at: Option<usize>,
 }
 
 impl ActBuffer {
     /// Room for `max_n` rows of `max_cols` values in any dot type (F32, the
-    /// widest, sets the size).
+    /// widest, sets the size, or Q8_0/Q8_K rows with their prompt panels).
     pub fn with_capacity(max_cols: usize, max_n: usize) -> Self {
-        let bytes = max_cols.saturating_mul(max_n).saturating_mul(4);
+        let f32_bytes = max_cols.saturating_mul(max_n).saturating_mul(4);
+        let with_panels =
+            [GgmlType::Q8_0, GgmlType::Q8K].map(|ty| Self::panel_layout(ty, max_n, max_cols).map_or(0, |(_, end)| end));
+        let bytes = with_panels.into_iter().fold(f32_bytes, usize::max);
         Self {
             storage: vec![0u64; bytes.div_ceil(8)],
             dot_ty: GgmlType::F32,
             n: 0,
             cols: 0,
             row_bytes: 0,
+            panels_at: None,
         }
+    }
+
+    /// Where `n` rows of `cols` values of `dot_ty` get prompt panels: their
+    /// start (after the rows, at a 64-byte boundary) and end. Q8_0 for two
+    /// or more rows (Q5_0 weights), Q8_K for four or more (the repacked
+    /// Q4_K gemm's rows).
+    fn panel_layout(dot_ty: GgmlType, n: usize, cols: usize) -> Option<(usize, usize)> {
+        #[cfg(target_arch = "x86_64")]
+        if avx512::available() {
+            let blocks = cols / dot_ty.block_size();
+            let panels = match dot_ty {
+                GgmlType::Q8_0 if n > 1 => avx512::panel_bytes(n, blocks),
+                GgmlType::Q8K if repack::gemm_rows(n) > 0 => avx512::q8k_panel_bytes(n, blocks),
+                _ => return None,
+            };
+            let start = dot_ty
+                .row_bytes(cols)
+                .ok()?
+                .checked_mul(n)?
+                .checked_next_multiple_of(64)?;
+            return Some((start, start.checked_add(panels)?));
+        }
+        let _ = (dot_ty, n, cols);
+        None
     }
 
     /// Converts `n` rows of `cols` values (`x`, row-major) to `dot_ty`.
@@ -149,6 +186,7 @@ impl ActBuffer {
         // Forget the previous contents first so a failed conversion leaves an
         // empty buffer rather than a half-updated one.
         self.n = 0;
+        self.panels_at = None;
         if n > 0 && row_bytes > 0 {
             let dst = &mut bytes[..needed];
             if values >= PARALLEL_QUANTIZE_VALUES && n > 1 {
@@ -161,11 +199,44 @@ impl ActBuffer {
                 }
             }
         }
+        #[cfg(target_arch = "x86_64")]
+        if let Some((start, end)) = Self::panel_layout(dot_ty, n, cols).filter(|&(_, end)| end <= bytes.len()) {
+            let (rows, panels) = bytes[..end].split_at_mut(start);
+            let rows = &rows[..needed];
+            let blocks = cols / dot_ty.block_size();
+            let built = match dot_ty {
+                GgmlType::Q8_0 => Q8_0Panels::build(cast_blocks(rows, "activations")?, n, blocks, panels).is_some(),
+                _ => Q8KPanels::build(cast_blocks(rows, "activations")?, n, blocks, panels).is_some(),
+            };
+            self.panels_at = built.then_some(start);
+        }
         self.dot_ty = dot_ty;
         self.n = n;
         self.cols = cols;
         self.row_bytes = row_bytes;
         Ok(())
+    }
+
+    /// The bytes of the prompt panels, if [`Self::quantize`] made them.
+    #[cfg(target_arch = "x86_64")]
+    fn panel_bytes(&self, dot_ty: GgmlType) -> Option<&[u8]> {
+        let start = self.panels_at.filter(|_| self.dot_ty == dot_ty)?;
+        let bytes: &[u8] = bytemuck::cast_slice(&self.storage);
+        Some(&bytes[start..])
+    }
+
+    /// The AVX-512 prompt panels of these Q8_0 rows, if made.
+    #[cfg(target_arch = "x86_64")]
+    fn q8_0_panels(&self) -> Option<Q8_0Panels<'_>> {
+        let blocks = self.cols / GgmlType::Q8_0.block_size();
+        Q8_0Panels::from_bytes(self.panel_bytes(GgmlType::Q8_0)?, self.n, blocks)
+    }
+
+    /// The AVX-512 prompt panels of these Q8_K rows, if made.
+    #[cfg(target_arch = "x86_64")]
+    fn q8k_panels(&self) -> Option<Q8KPanels<'_>> {
+        let blocks = self.cols / GgmlType::Q8K.block_size();
+        Q8KPanels::from_bytes(self.panel_bytes(GgmlType::Q8K)?, self.n, blocks)
     }
 
     pub fn dot_type(&self) -> GgmlType {
@@ -208,9 +279,12 @@ const TOKEN_TILE: usize = 8;
 const ROW_TILE: usize = 4;
 /// Most weight rows handed to a kernel together for one activation row.
 const DECODE_ROW_TILE: usize = 8;
-/// Weight bytes per row group: small enough to stay in L1/L2 while every
-/// token tile passes over the group.
+/// Weight bytes per row group: small enough to stay in L1 while the token
+/// tiles of a block pass over the group.
 const ROW_GROUP_BYTES: usize = 32 * 1024;
+/// Activation bytes (as the weights' dot type; up to twice that with the
+/// AVX-512 panels) per token block: well inside a 512 KiB-1 MiB L2.
+const TOKEN_BLOCK_BYTES: usize = 128 * 1024;
 
 /// `out[t * w.rows + r] = dot(w row r, activation row t)`, on all rayon
 /// threads. Errors if the activations' dot type is not `w.ty.vec_dot_type()`
@@ -255,10 +329,14 @@ fn run_matmul(w: &QMatrix, acts: &ActBuffer, out: &mut [f32], path: Path, parall
     }
     let job = Product { w, acts, out, parallel };
     if w.ty == GgmlType::Q4K && repack::q4k_is_repacked(w.rows) {
-        return job.run_tiles::<BlockQ4K, BlockQ8K, _>(Q4kRepacked::new(path, acts.n()));
+        return job.run_tiles::<BlockQ4K, BlockQ8K, _>(Q4kRepacked::new(path, acts));
     }
     if uses_tiled_kquant(w.ty, w.rows, acts.n()) {
         return with_tiled_kernel(w.ty, path, job)?;
+    }
+    #[cfg(target_arch = "x86_64")]
+    if let Some(kernel) = Q5_0Panelled::new(w.ty, path, acts) {
+        return job.run_tiles::<BlockQ5_0, BlockQ8_0, _>(kernel);
     }
     with_kernel(w.ty, path, job)?
 }
@@ -311,24 +389,39 @@ impl<W: Sync, A: Sync> Tiles<W, A> for Kernel<W, A> {
 
 /// Q4_K in llama.cpp's repacked arithmetic ([`crate::repack`]).
 #[derive(Clone, Copy)]
-pub(crate) struct Q4kRepacked {
+pub(crate) struct Q4kRepacked<'a> {
     /// The AVX2 kernels (only set after `has_avx2()` said yes), else scalar.
     simd: bool,
     /// Activation rows before this go through the gemm, the rest the gemv.
     gemm_rows: usize,
+    /// The gemm rows laid out for the AVX-512 gemm, when made.
+    #[cfg(target_arch = "x86_64")]
+    panels: Option<Q8KPanels<'a>>,
+    #[cfg(not(target_arch = "x86_64"))]
+    panels: std::marker::PhantomData<&'a ()>,
 }
 
-impl Q4kRepacked {
-    /// The kernel `matmul` takes on `path` for `n` activation rows.
-    pub(crate) fn new(path: Path, n: usize) -> Self {
+impl<'a> Q4kRepacked<'a> {
+    /// The kernel `matmul` takes on `path` for `acts`.
+    pub(crate) fn new(path: Path, acts: &'a ActBuffer) -> Self {
+        let simd = path == Path::Fastest && has_avx2();
         Self {
-            simd: path == Path::Fastest && has_avx2(),
-            gemm_rows: repack::gemm_rows(n),
+            simd,
+            gemm_rows: repack::gemm_rows(acts.n()),
+            #[cfg(target_arch = "x86_64")]
+            panels: acts.q8k_panels().filter(|_| simd),
+            #[cfg(not(target_arch = "x86_64"))]
+            panels: std::marker::PhantomData,
         }
     }
 }
 
-impl Tiles<BlockQ4K, BlockQ8K> for Q4kRepacked {
+// The panels hold tiles of TOKEN_TILE tokens from 0, as `prompt_rows` cuts
+// the gemm rows.
+#[cfg(target_arch = "x86_64")]
+const _: () = assert!(TOKEN_TILE == avx512::PANEL_TOKENS);
+
+impl Tiles<BlockQ4K, BlockQ8K> for Q4kRepacked<'_> {
     fn decode_rows(&self) -> usize {
         if self.simd {
             DECODE_ROW_TILE
@@ -349,12 +442,57 @@ impl Tiles<BlockQ4K, BlockQ8K> for Q4kRepacked {
             Mode::Gemv
         };
         #[cfg(target_arch = "x86_64")]
+        if let (Mode::Gemm, Some(panels)) = (mode, self.panels) {
+            // SAFETY: panels are only made where `avx512::available()` said yes.
+            unsafe { avx512::q4_k_gemm(w_rows, panels, first_token, a_rows.len(), out) };
+            return;
+        }
+        #[cfg(target_arch = "x86_64")]
         if self.simd {
             // SAFETY: `simd` is only set when `has_avx2()` holds.
             unsafe { repack::avx2::tiles(w_rows, a_rows, mode, out) };
             return;
         }
         repack::scalar_tiles(w_rows, a_rows, mode, out);
+    }
+}
+
+/// Q5_0 against Q8_0 prompt panels ([`crate::dot::avx512`]; the same
+/// results as the AVX2 kernel). The panels replace the activation rows, so
+/// tiles must start at panel boundaries: `prompt_rows` cuts tokens in
+/// tiles of `TOKEN_TILE` from 0.
+#[cfg(target_arch = "x86_64")]
+#[derive(Clone, Copy)]
+pub(crate) struct Q5_0Panelled<'a> {
+    panels: Q8_0Panels<'a>,
+}
+
+#[cfg(target_arch = "x86_64")]
+impl<'a> Q5_0Panelled<'a> {
+    /// The kernel for weights of type `ty` on `path` against `acts`, when
+    /// they are Q5_0 and the activations have panels.
+    pub(crate) fn new(ty: GgmlType, path: Path, acts: &'a ActBuffer) -> Option<Self> {
+        let panels = acts
+            .q8_0_panels()
+            .filter(|_| ty == GgmlType::Q5_0 && path == Path::Fastest)?;
+        Some(Self { panels })
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+impl Tiles<BlockQ5_0, BlockQ8_0> for Q5_0Panelled<'_> {
+    fn decode_rows(&self) -> usize {
+        1
+    }
+
+    fn token_split(&self) -> usize {
+        0
+    }
+
+    #[inline]
+    fn dot(&self, w_rows: &[&[BlockQ5_0]], a_rows: &[&[BlockQ8_0]], first_token: usize, out: &mut [f32]) {
+        // SAFETY: panels are only made where `avx512::available()` said yes.
+        unsafe { avx512::q5_0_q8_0(w_rows, self.panels, first_token, a_rows.len(), out) }
     }
 }
 
@@ -469,9 +607,13 @@ fn decode_rows<W, A, K: Tiles<W, A>>(
     }
 }
 
-/// Several activation rows: each cache-sized group of weight rows is swept
-/// by every tile of activation rows before moving on. Tiles do not straddle
-/// the kernel's `token_split`.
+/// Several activation rows: the tokens are taken in blocks whose
+/// activations fit in L2; within a block, each L1-sized group of weight rows
+/// is swept by every tile of activation rows before moving on. So weights
+/// come from memory once per token block and activations from L2 once per
+/// row group (a 512-token prompt's activations, laid out for the AVX-512
+/// kernels, are several MB: swept whole per row group they would come from
+/// L3 every time). Tiles do not straddle the kernel's `token_split`.
 fn prompt_rows<W, A, K: Tiles<W, A>>(
     kernel: K,
     weights: &[W],
@@ -487,36 +629,42 @@ fn prompt_rows<W, A, K: Tiles<W, A>>(
     let mut a_tile: [&[A]; TOKEN_TILE] = [&[]; TOKEN_TILE];
     let mut results = [0.0f32; ROW_TILE * TOKEN_TILE];
     let group_rows = (ROW_GROUP_BYTES / shape.row_bytes.max(1)).max(ROW_TILE);
-    let mut group_start = row_range.start;
-    while group_start < row_range.end {
-        let group_end = (group_start + group_rows).min(row_range.end);
-        let split = kernel.token_split().min(shape.n);
-        let token_tiles = (0..split)
+    let split = kernel.token_split().min(shape.n);
+    let tiles_per_block = (TOKEN_BLOCK_BYTES / (shape.row_bytes.max(1) * TOKEN_TILE)).max(1);
+    let token_tiles = || {
+        (0..split)
             .step_by(TOKEN_TILE)
-            .map(|t0| (t0, TOKEN_TILE.min(split - t0)))
+            .map(move |t0| (t0, TOKEN_TILE.min(split - t0)))
             .chain(
                 (split..shape.n)
                     .step_by(TOKEN_TILE)
-                    .map(|t0| (t0, TOKEN_TILE.min(shape.n - t0))),
-            );
-        for (t0, tokens) in token_tiles {
-            for (i, slot) in a_tile[..tokens].iter_mut().enumerate() {
-                *slot = a_row(t0 + i);
-            }
-            for r0 in (group_start..group_end).step_by(ROW_TILE) {
-                let rows = ROW_TILE.min(group_end - r0);
-                for (i, slot) in w_tile[..rows].iter_mut().enumerate() {
-                    *slot = w_row(r0 + i);
+                    .map(move |t0| (t0, TOKEN_TILE.min(shape.n - t0))),
+            )
+    };
+    let tile_count = token_tiles().count();
+    for first_tile in (0..tile_count).step_by(tiles_per_block) {
+        let mut group_start = row_range.start;
+        while group_start < row_range.end {
+            let group_end = (group_start + group_rows).min(row_range.end);
+            for (t0, tokens) in token_tiles().skip(first_tile).take(tiles_per_block) {
+                for (i, slot) in a_tile[..tokens].iter_mut().enumerate() {
+                    *slot = a_row(t0 + i);
                 }
-                kernel.dot(&w_tile[..rows], &a_tile[..tokens], t0, &mut results[..rows * tokens]);
-                for r in 0..rows {
-                    for t in 0..tokens {
-                        out.write((t0 + t) * shape.rows + r0 + r, results[r * tokens + t]);
+                for r0 in (group_start..group_end).step_by(ROW_TILE) {
+                    let rows = ROW_TILE.min(group_end - r0);
+                    for (i, slot) in w_tile[..rows].iter_mut().enumerate() {
+                        *slot = w_row(r0 + i);
+                    }
+                    kernel.dot(&w_tile[..rows], &a_tile[..tokens], t0, &mut results[..rows * tokens]);
+                    for r in 0..rows {
+                        for t in 0..tokens {
+                            out.write((t0 + t) * shape.rows + r0 + r, results[r * tokens + t]);
+                        }
                     }
                 }
             }
+            group_start = group_end;
         }
-        group_start = group_end;
     }
 }
 

@@ -5,6 +5,25 @@
 use std::sync::OnceLock;
 
 use half::f16;
+use rayon::prelude::*;
+
+/// Elementwise ops over at least this many values split across rayon's
+/// threads (a 512-token prompt's FFN activations are 1M values; a decode
+/// step's few thousand stay on the calling thread).
+const PARALLEL_VALUES: usize = 1 << 15;
+/// Values per parallel piece.
+const PARALLEL_CHUNK: usize = 1 << 13;
+
+/// `op(x, y)` over matching pieces of `x` and `y`, in parallel when large.
+fn pieces(x: &mut [f32], y: &[f32], op: impl Fn(&mut [f32], &[f32]) + Sync) {
+    if x.len() >= PARALLEL_VALUES {
+        x.par_chunks_mut(PARALLEL_CHUNK)
+            .zip(y.par_chunks(PARALLEL_CHUNK))
+            .for_each(|(x, y)| op(x, y));
+    } else {
+        op(x, y);
+    }
+}
 
 /// `out = x / rms(x) * weight`, the sum of squares accumulated in f64 as GGML does.
 pub fn rms_norm(x: &[f32], weight: &[f32], eps: f32, out: &mut [f32]) {
@@ -20,8 +39,21 @@ pub fn rms_norm(x: &[f32], weight: &[f32], eps: f32, out: &mut [f32]) {
 /// `rms_norm` of each row of `x` (rows as long as `weight`) into `out`.
 pub fn rms_norm_rows(x: &[f32], weight: &[f32], eps: f32, out: &mut [f32]) {
     let d = weight.len();
-    for (row, out_row) in x.chunks_exact(d).zip(out.chunks_exact_mut(d)) {
-        rms_norm(row, weight, eps, out_row);
+    if d == 0 {
+        return;
+    }
+    let rows = |x: &[f32], out: &mut [f32]| {
+        for (row, out_row) in x.chunks_exact(d).zip(out.chunks_exact_mut(d)) {
+            rms_norm(row, weight, eps, out_row);
+        }
+    };
+    if x.len() >= PARALLEL_VALUES {
+        let piece = PARALLEL_CHUNK.div_ceil(d) * d;
+        out.par_chunks_mut(piece)
+            .zip(x.par_chunks(piece))
+            .for_each(|(out, x)| rows(x, out));
+    } else {
+        rows(x, out);
     }
 }
 
@@ -117,12 +149,14 @@ pub fn exp_sum(x: &mut [f32], max: f32) -> f64 {
 
 /// SiLU-gated unit: `gate[i] = silu(gate[i]) * up[i]`, with GGML's exp.
 pub fn swiglu(gate: &mut [f32], up: &[f32]) {
-    #[cfg(target_arch = "x86_64")]
-    if crate::dot::has_avx2() {
-        // SAFETY: avx2 and fma were detected at run time.
-        return unsafe { swiglu_fma(gate, up) };
-    }
-    swiglu_body(gate, up)
+    pieces(gate, up, |gate, up| {
+        #[cfg(target_arch = "x86_64")]
+        if crate::dot::has_avx2() {
+            // SAFETY: avx2 and fma were detected at run time.
+            return unsafe { swiglu_fma(gate, up) };
+        }
+        swiglu_body(gate, up)
+    })
 }
 
 #[cfg(target_arch = "x86_64")]
@@ -181,9 +215,44 @@ pub fn gelu(x: f32) -> f32 {
 /// GELU-gated unit: `gate[i] = gelu(gate[i]) * up[i]`.
 pub fn geglu(gate: &mut [f32], up: &[f32]) {
     let table = gelu_table();
+    pieces(gate, up, |gate, up| {
+        #[cfg(target_arch = "x86_64")]
+        if crate::dot::has_avx2() {
+            // SAFETY: AVX2, FMA and F16C were detected at run time.
+            return unsafe { geglu_avx2(table, gate, up) };
+        }
+        geglu_scalar(table, gate, up)
+    })
+}
+
+fn geglu_scalar(table: &[f32], gate: &mut [f32], up: &[f32]) {
     for (g, &u) in gate.iter_mut().zip(up) {
         *g = geglu_with(table, *g, u);
     }
+}
+
+/// [`geglu_with`] eight at a time: F16C's round to nearest even is the
+/// same rounding as `f16::from_f32`, and the table read is a gather.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn geglu_avx2(table: &[f32], gate: &mut [f32], up: &[f32]) {
+    use std::arch::x86_64::*;
+    debug_assert_eq!(table.len(), 1 << 16);
+    let len = gate.len().min(up.len());
+    let body = len - len % 8;
+    let (low, high) = (_mm256_set1_ps(-10.0), _mm256_set1_ps(10.0));
+    for i in (0..body).step_by(8) {
+        let g = _mm256_loadu_ps(gate.as_ptr().add(i));
+        let u = _mm256_loadu_ps(up.as_ptr().add(i));
+        let bits = _mm256_cvtepu16_epi32(_mm256_cvtps_ph::<_MM_FROUND_TO_NEAREST_INT>(g));
+        // Every u16 indexes the 65536-entry table.
+        let looked_up = _mm256_mul_ps(_mm256_i32gather_ps::<4>(table.as_ptr(), bits), u);
+        let above = _mm256_cmp_ps::<_CMP_GE_OQ>(g, high);
+        let below = _mm256_cmp_ps::<_CMP_LE_OQ>(g, low);
+        let value = _mm256_blendv_ps(looked_up, _mm256_mul_ps(g, u), above);
+        _mm256_storeu_ps(gate.as_mut_ptr().add(i), _mm256_andnot_ps(below, value));
+    }
+    geglu_scalar(table, &mut gate[body..len], &up[body..len]);
 }
 
 /// One element of [`geglu`]: `gelu(g) * u`, the same float operations.
@@ -243,6 +312,23 @@ impl RopeTable {
 
     /// Rotates every `head_dim` chunk of `x` (dims past n_rot pass through).
     pub fn apply(&self, x: &mut [f32], head_dim: usize, style: RopeStyle) {
+        #[cfg(target_arch = "x86_64")]
+        if crate::dot::has_avx2() {
+            // SAFETY: FMA was detected at run time. The fused multiply-adds
+            // are then instructions instead of libm calls: the same bits.
+            return unsafe { self.apply_fma(x, head_dim, style) };
+        }
+        self.apply_body(x, head_dim, style)
+    }
+
+    #[cfg(target_arch = "x86_64")]
+    #[target_feature(enable = "avx2,fma")]
+    unsafe fn apply_fma(&self, x: &mut [f32], head_dim: usize, style: RopeStyle) {
+        self.apply_body(x, head_dim, style)
+    }
+
+    #[inline(always)]
+    fn apply_body(&self, x: &mut [f32], head_dim: usize, style: RopeStyle) {
         let half = self.cos.len();
         for head in x.chunks_exact_mut(head_dim) {
             for i in 0..half {
@@ -330,6 +416,33 @@ mod tests {
             let n1: f32 = x.iter().map(|v| v * v).sum();
             assert!((n0 - n1).abs() < 1e-4);
             assert_ne!(x, orig);
+        }
+    }
+
+    #[test]
+    fn gated_units_match_their_elementwise_forms_at_any_size() {
+        // Above and below the parallel threshold, with a ragged tail, and
+        // across every branch of the GELU table (|g| >= 10, ties to f16).
+        for len in [7, 1000, PARALLEL_VALUES + 13] {
+            let g: Vec<f32> = (0..len).map(|i| ((i * 7919) % 4001) as f32 / 150.0 - 13.3).collect();
+            let u: Vec<f32> = (0..len).map(|i| ((i * 104_729) % 997) as f32 / 300.0 - 1.5).collect();
+            let mut geglu_out = g.clone();
+            geglu(&mut geglu_out, &u);
+            let mut swiglu_out = g.clone();
+            swiglu(&mut swiglu_out, &u);
+            for i in 0..len {
+                assert_eq!(
+                    geglu_out[i].to_bits(),
+                    geglu_element(g[i], u[i]).to_bits(),
+                    "geglu {i}: {}",
+                    g[i]
+                );
+                assert_eq!(
+                    swiglu_out[i].to_bits(),
+                    swiglu_element(g[i], u[i]).to_bits(),
+                    "swiglu {i}"
+                );
+            }
         }
     }
 

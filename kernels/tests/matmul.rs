@@ -156,8 +156,11 @@ fn matmul_rejects_mismatched_inputs() {
 fn act_buffer_checks_capacity_and_shapes() {
     let mut acts = ActBuffer::with_capacity(256, 2);
     let x = vec![0.5f32; 256 * 3];
+    // Room for 2 rows (more where the prompt panels of Q8_0 rows need it,
+    // but never 8 rows of F32).
+    let many = vec![0.5f32; 256 * 8];
     assert!(matches!(
-        acts.quantize(GgmlType::F32, &x, 3, 256),
+        acts.quantize(GgmlType::F32, &many, 8, 256),
         Err(KernelError::ActBufferCapacity { .. })
     ));
     assert!(matches!(

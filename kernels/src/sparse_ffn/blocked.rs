@@ -20,7 +20,11 @@ use rayon::prelude::*;
 
 use super::{axpy_scalar_unchecked, BundleFormat, FfnActivation};
 use crate::blocks::{cast_blocks, BlockQ4K, BlockQ8K};
+#[cfg(target_arch = "x86_64")]
+use crate::blocks::{BlockQ5_0, BlockQ8_0};
 use crate::dot::{has_avx2, with_kernel, with_tiled_kernel, Kernel, KernelUser, Path};
+#[cfg(target_arch = "x86_64")]
+use crate::matmul::Q5_0Panelled;
 use crate::matmul::{uses_tiled_kquant, ActBuffer, Q4kRepacked, Tiles};
 use crate::repack;
 use crate::{GgmlType, KernelError};
@@ -225,7 +229,12 @@ fn stage1_on(
 fn like_matmul(ty: GgmlType, matrix_rows: usize, path: Path, job: StridedDots) -> Result<(), KernelError> {
     let n = job.acts.n();
     if matrix_rows > 0 && ty == GgmlType::Q4K && repack::q4k_is_repacked(matrix_rows) {
-        return job.strided::<BlockQ4K, BlockQ8K, _>(Q4kRepacked::new(path, n));
+        let kernel = Q4kRepacked::new(path, job.acts);
+        return job.strided::<BlockQ4K, BlockQ8K, _>(kernel);
+    }
+    #[cfg(target_arch = "x86_64")]
+    if let Some(kernel) = Q5_0Panelled::new(ty, path, job.acts) {
+        return job.strided::<BlockQ5_0, BlockQ8_0, _>(kernel);
     }
     if matrix_rows > 0 && uses_tiled_kquant(ty, matrix_rows, n) {
         return with_tiled_kernel(ty, path, job)?;

@@ -1,0 +1,608 @@
+//! AVX-512 prompt kernels: for several activation rows at once, the same
+//! outputs as llama.cpp's (and our AVX2 kernels'), bit for bit, in fewer
+//! instructions.
+//!
+//! A quantized product's float arithmetic is fixed per output (which
+//! integer sums are converted, scaled and accumulated, in which order); the
+//! integer sums are exact, so any instruction sequence that reaches the same
+//! integers gives the same bits. Both kernels here read activations from
+//! *panels*, the rows laid out again once per layer input
+//! ([`crate::matmul::ActBuffer`] makes them) and read by every weight row:
+//!
+//! - **Q5_0 · Q8_0** (tinyBLAS / `ggml_vec_dot_q5_0_q8_0`: eight lanes of
+//!   four-byte sums per block, `fma(dx * dy, lanes, acc)`, summed at the
+//!   end). The weights are used as their raw 5-bit values `u = x + 16`,
+//!   which `vpdpbusd` takes directly as its unsigned operand, and the offset
+//!   comes out by starting each lane at `-16 * (its four activation bytes)`,
+//!   kept in the panel: no sign trick per product. (The same integers as the
+//!   sign trick for every byte Q8_0 quantization makes, -127..=127; the
+//!   trick, GGML's included, would get -128 wrong.) The scale products
+//!   `dx * dy` of a block are made eight tokens per multiply from the panel's
+//!   f32 scales.
+//! - **Q4_K · Q8_K as llama.cpp's repacked gemm** ([`crate::repack`]: one
+//!   exact integer per output and sub-block pair, one FMA each). The panel
+//!   puts eight tokens in the eight lanes, four bytes each, so `vpdpbusd` of
+//!   four weight nibbles broadcast to all lanes gives eight outputs' partial
+//!   sums with no horizontal reduction afterwards.
+//!
+//! 256-bit registers (EVEX `vpdpbusd` needs AVX512-VNNI + VL), not 512: on
+//! this project's AMD EPYC (Zen 4, which splits 512-bit operations in two) a
+//! 512-bit Q5_0 form with two rows per register measured 15% slower, its
+//! scale products costing one multiply per pair.
+
+use std::arch::x86_64::*;
+
+use super::avx2::{fp16, hsum_float_8};
+use crate::blocks::{unpack_scales_mins_k4, BlockQ4K, BlockQ5_0, BlockQ8K, BlockQ8_0, QK, QK_K};
+
+/// Whether these kernels run here: AVX-512 F, BW, VL and VNNI on top of the
+/// AVX2 set, detected once.
+pub(crate) fn available() -> bool {
+    use std::sync::OnceLock;
+    static FOUND: OnceLock<bool> = OnceLock::new();
+    *FOUND.get_or_init(|| {
+        super::has_avx512f()
+            && is_x86_feature_detected!("avx512bw")
+            && is_x86_feature_detected!("avx512vl")
+            && is_x86_feature_detected!("avx512vnni")
+    })
+}
+
+/// Tokens per panel, and the most one call computes at once.
+pub(crate) const PANEL_TOKENS: usize = 8;
+/// Weight rows computed together: 2 x 8 outputs, sixteen accumulators.
+const ROWS: usize = 2;
+
+/// One block of [`PANEL_TOKENS`] tokens: their 32 bytes each, their scales
+/// as f32, and each token's eight lane offsets `-16 * (sum of four bytes)`.
+/// Slots past the last token are zero.
+#[repr(C)]
+#[derive(Clone, Copy)]
+struct PanelBlock {
+    qs: [[i8; QK]; PANEL_TOKENS],
+    d: [f32; PANEL_TOKENS],
+    offset16: [[i32; 8]; PANEL_TOKENS],
+}
+
+const PANEL_BLOCK_BYTES: usize = std::mem::size_of::<PanelBlock>();
+const _: () = assert!(PANEL_BLOCK_BYTES == 544);
+
+/// Bytes of the panels of `n` tokens of `blocks` Q8_0 blocks each.
+pub(crate) fn panel_bytes(n: usize, blocks: usize) -> usize {
+    n.div_ceil(PANEL_TOKENS)
+        .saturating_mul(blocks)
+        .saturating_mul(PANEL_BLOCK_BYTES)
+}
+
+/// `fill(index, block)` for each `size`-byte block of `out`, across rayon's
+/// threads when there are many (a prompt's panels: thousands).
+fn for_each_block(out: &mut [u8], size: usize, fill: impl Fn(usize, &mut [u8]) + Sync + Send) {
+    use rayon::prelude::*;
+    const PARALLEL_BLOCKS: usize = 256;
+    if out.len() / size >= PARALLEL_BLOCKS {
+        out.par_chunks_exact_mut(size)
+            .enumerate()
+            .for_each(|(index, block)| fill(index, block));
+    } else {
+        out.chunks_exact_mut(size)
+            .enumerate()
+            .for_each(|(index, block)| fill(index, block));
+    }
+}
+
+/// Q8_0 activation rows laid out for [`q5_0_q8_0`]: panel `p` holds tokens
+/// `8p..8p + 8`, block by block.
+#[derive(Clone, Copy)]
+pub(crate) struct Q8_0Panels<'a> {
+    bytes: &'a [u8],
+    blocks: usize,
+}
+
+impl<'a> Q8_0Panels<'a> {
+    /// Lays out `rows` (`n` rows of `blocks` blocks, back to back) in `out`,
+    /// which must hold [`panel_bytes`]`(n, blocks)` bytes.
+    pub(crate) fn build(rows: &[BlockQ8_0], n: usize, blocks: usize, out: &'a mut [u8]) -> Option<Self> {
+        let bytes = panel_bytes(n, blocks);
+        if rows.len() != n * blocks || out.len() < bytes {
+            return None;
+        }
+        let out = &mut out[..bytes];
+        for_each_block(out, PANEL_BLOCK_BYTES, |index, chunk| {
+            let (panel, ib) = (index / blocks, index % blocks);
+            let mut block = PanelBlock {
+                qs: [[0; QK]; PANEL_TOKENS],
+                d: [0.0; PANEL_TOKENS],
+                offset16: [[0; 8]; PANEL_TOKENS],
+            };
+            for t in 0..PANEL_TOKENS {
+                let token = panel * PANEL_TOKENS + t;
+                if token >= n {
+                    break;
+                }
+                let y = &rows[token * blocks + ib];
+                block.qs[t] = y.qs;
+                block.d[t] = fp16(y.d);
+                for (lane, offset) in block.offset16[t].iter_mut().enumerate() {
+                    *offset = -16 * y.qs[4 * lane..4 * lane + 4].iter().map(|&q| q as i32).sum::<i32>();
+                }
+            }
+            // SAFETY: `PanelBlock` is plain `repr(C)` data without padding
+            // (the size assert), copied byte for byte.
+            let raw =
+                unsafe { std::slice::from_raw_parts(&block as *const PanelBlock as *const u8, PANEL_BLOCK_BYTES) };
+            chunk.copy_from_slice(raw);
+        });
+        Some(Self { bytes: out, blocks })
+    }
+
+    /// The panels already in `bytes` (as [`Self::build`] left them).
+    pub(crate) fn from_bytes(bytes: &'a [u8], n: usize, blocks: usize) -> Option<Self> {
+        let len = panel_bytes(n, blocks);
+        bytes.get(..len).map(|bytes| Self { bytes, blocks })
+    }
+}
+
+/// Q5_0 weight rows · the tokens `first_token..first_token +
+/// tokens` of `panels` (`first_token` a multiple of [`PANEL_TOKENS`],
+/// `tokens` at most that), into `out[r * tokens + t]`: equal to
+/// [`super::avx2::q5_0_q8_0`] on the same rows, bit for bit.
+///
+/// # Safety
+/// [`available`] must have returned true.
+#[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
+pub(crate) unsafe fn q5_0_q8_0(
+    ws: &[&[BlockQ5_0]],
+    panels: Q8_0Panels,
+    first_token: usize,
+    tokens: usize,
+    out: &mut [f32],
+) {
+    let nb = panels.blocks;
+    let start = (first_token / PANEL_TOKENS) * nb * PANEL_BLOCK_BYTES;
+    let end = start + nb * PANEL_BLOCK_BYTES;
+    if !first_token.is_multiple_of(PANEL_TOKENS)
+        || !(1..=PANEL_TOKENS).contains(&tokens)
+        || ws.is_empty()
+        || ws.iter().any(|w| w.len() != nb)
+        || panels.bytes.len() < end
+        || out.len() < ws.len() * tokens
+    {
+        return;
+    }
+    let panel = panels.bytes[start..end].as_ptr();
+    for r0 in (0..ws.len()).step_by(ROWS) {
+        let rows = ROWS.min(ws.len() - r0);
+        macro_rules! run {
+            ($R:literal, $T:literal) => {{
+                let w: [*const BlockQ5_0; $R] = std::array::from_fn(|i| ws[r0 + i].as_ptr());
+                let result = q5_0_tile::<$R, $T>(w, panel, nb);
+                for (r, row) in result.iter().enumerate() {
+                    out[(r0 + r) * tokens..][..$T].copy_from_slice(row);
+                }
+            }};
+        }
+        match (rows, tokens) {
+            (2, 1) => run!(2, 1),
+            (2, 2) => run!(2, 2),
+            (2, 3) => run!(2, 3),
+            (2, 4) => run!(2, 4),
+            (2, 5) => run!(2, 5),
+            (2, 6) => run!(2, 6),
+            (2, 7) => run!(2, 7),
+            (2, 8) => run!(2, 8),
+            (1, 1) => run!(1, 1),
+            (1, 2) => run!(1, 2),
+            (1, 3) => run!(1, 3),
+            (1, 4) => run!(1, 4),
+            (1, 5) => run!(1, 5),
+            (1, 6) => run!(1, 6),
+            (1, 7) => run!(1, 7),
+            (1, 8) => run!(1, 8),
+            // Checked above: 1..=8 tokens; rows come in twos.
+            _ => {}
+        }
+    }
+}
+
+/// `R` weight rows against the first `T` tokens of one panel, one output
+/// per 256-bit register; the scale products of a block are made `R` at a
+/// time and read back as broadcasts.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
+unsafe fn q5_0_tile<const R: usize, const T: usize>(
+    ws: [*const BlockQ5_0; R],
+    panel: *const u8,
+    nb: usize,
+) -> [[f32; T]; R] {
+    let mut acc = [[_mm256_setzero_ps(); T]; R];
+    let mut products = [[0.0f32; PANEL_TOKENS]; R];
+    for ib in 0..nb {
+        let block = panel.add(ib * PANEL_BLOCK_BYTES) as *const PanelBlock;
+        let dy = _mm256_loadu_ps((*block).d.as_ptr());
+        let mut wx = [_mm256_setzero_si256(); R];
+        for r in 0..R {
+            let x = &*ws[r].add(ib);
+            wx[r] = raw_q5_0(x);
+            _mm256_storeu_ps(products[r].as_mut_ptr(), _mm256_mul_ps(_mm256_set1_ps(fp16(x.d)), dy));
+        }
+        for t in 0..T {
+            let y = _mm256_loadu_si256((*block).qs[t].as_ptr() as *const __m256i);
+            let offset = _mm256_loadu_si256((*block).offset16[t].as_ptr() as *const __m256i);
+            for r in 0..R {
+                let q = _mm256_cvtepi32_ps(_mm256_dpbusd_epi32(offset, wx[r], y));
+                let d = _mm256_set1_ps(products[r][t]);
+                acc[r][t] = _mm256_fmadd_ps(d, q, acc[r][t]);
+            }
+        }
+    }
+    let mut out = [[0.0f32; T]; R];
+    for r in 0..R {
+        for t in 0..T {
+            out[r][t] = hsum_float_8(acc[r][t]);
+        }
+    }
+    out
+}
+
+/// A Q5_0 block's 32 values as unsigned bytes `x + 16` in `0..32`: low
+/// nibbles then high nibbles, the fifth bit from `qh`.
+#[inline]
+#[target_feature(enable = "avx2,avx512f,avx512bw,avx512vl")]
+unsafe fn raw_q5_0(b: &BlockQ5_0) -> __m256i {
+    let qs = _mm_loadu_si128(b.qs.as_ptr() as *const __m128i);
+    let nibbles = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(qs, 4), qs), _mm256_set1_epi8(0x0F));
+    let fifth: __mmask32 = u32::from_le_bytes(b.qh);
+    _mm256_mask_add_epi8(nibbles, fifth, nibbles, _mm256_set1_epi8(16))
+}
+
+// ---------------------------------------------------------------------------
+// Q4_K in llama.cpp's repacked gemm arithmetic ([`crate::repack`]).
+
+/// One super-block of [`PANEL_TOKENS`] Q8_K tokens with one token per lane:
+/// `qs[g][t]` is bytes `4g..4g + 4` of token `t`, so a `vpdpbusd` of four
+/// weight bytes broadcast to every lane against `qs[g]` gives eight tokens'
+/// partial sums with no reduction afterwards. `pair_bsums[p][t]` holds token
+/// `t`'s sums of sub-blocks `2p` and `2p + 1` (for the min terms), `d` its
+/// scale. Slots past the last token are zero.
+#[repr(C)]
+#[derive(Clone, Copy)]
+struct Q8KPanelBlock {
+    qs: [[[i8; 4]; PANEL_TOKENS]; QK_K / 4],
+    d: [f32; PANEL_TOKENS],
+    pair_bsums: [[[i16; 2]; PANEL_TOKENS]; QK_K / 64],
+}
+
+const Q8K_PANEL_BLOCK_BYTES: usize = std::mem::size_of::<Q8KPanelBlock>();
+const _: () = assert!(Q8K_PANEL_BLOCK_BYTES == 2048 + 32 + 128);
+
+/// Bytes of the Q8_K panels of `n` tokens of `blocks` super-blocks each.
+pub(crate) fn q8k_panel_bytes(n: usize, blocks: usize) -> usize {
+    n.div_ceil(PANEL_TOKENS)
+        .saturating_mul(blocks)
+        .saturating_mul(Q8K_PANEL_BLOCK_BYTES)
+}
+
+/// Q8_K activation rows laid out for [`q4_k_gemm`]: panel `p` holds tokens
+/// `8p..8p + 8`, super-block by super-block.
+#[derive(Clone, Copy)]
+pub(crate) struct Q8KPanels<'a> {
+    bytes: &'a [u8],
+    blocks: usize,
+}
+
+impl<'a> Q8KPanels<'a> {
+    /// Lays out `rows` (`n` rows of `blocks` super-blocks, back to back) in
+    /// `out`, which must hold [`q8k_panel_bytes`]`(n, blocks)` bytes.
+    pub(crate) fn build(rows: &[BlockQ8K], n: usize, blocks: usize, out: &'a mut [u8]) -> Option<Self> {
+        let bytes = q8k_panel_bytes(n, blocks);
+        if rows.len() != n * blocks || out.len() < bytes {
+            return None;
+        }
+        let out = &mut out[..bytes];
+        for_each_block(out, Q8K_PANEL_BLOCK_BYTES, |index, chunk| {
+            let (panel, ib) = (index / blocks, index % blocks);
+            let mut block = Q8KPanelBlock {
+                qs: [[[0; 4]; PANEL_TOKENS]; QK_K / 4],
+                d: [0.0; PANEL_TOKENS],
+                pair_bsums: [[[0; 2]; PANEL_TOKENS]; QK_K / 64],
+            };
+            for t in 0..PANEL_TOKENS {
+                let token = panel * PANEL_TOKENS + t;
+                if token >= n {
+                    break;
+                }
+                let y = &rows[token * blocks + ib];
+                for (g, group) in block.qs.iter_mut().enumerate() {
+                    group[t].copy_from_slice(&y.qs[4 * g..4 * g + 4]);
+                }
+                block.d[t] = y.d;
+                let sub_block_sum = |s: usize| y.bsums[2 * s].wrapping_add(y.bsums[2 * s + 1]);
+                for (p, pair) in block.pair_bsums.iter_mut().enumerate() {
+                    pair[t] = [sub_block_sum(2 * p), sub_block_sum(2 * p + 1)];
+                }
+            }
+            // SAFETY: plain `repr(C)` data without padding (the size assert).
+            let raw = unsafe {
+                std::slice::from_raw_parts(&block as *const Q8KPanelBlock as *const u8, Q8K_PANEL_BLOCK_BYTES)
+            };
+            chunk.copy_from_slice(raw);
+        });
+        Some(Self { bytes: out, blocks })
+    }
+
+    /// The panels already in `bytes` (as [`Self::build`] left them).
+    pub(crate) fn from_bytes(bytes: &'a [u8], n: usize, blocks: usize) -> Option<Self> {
+        let len = q8k_panel_bytes(n, blocks);
+        bytes.get(..len).map(|bytes| Self { bytes, blocks })
+    }
+}
+
+/// Weight rows computed together by [`q4_k_gemm`]: four rows' low and high
+/// sums are eight independent `vpdpbusd` chains.
+const Q4K_ROWS: usize = 4;
+
+/// Q4_K weight rows · the tokens `first_token..first_token + tokens` of
+/// `panels` (`first_token` a multiple of [`PANEL_TOKENS`], `tokens` at most
+/// that), into `out[r * tokens + t]`, all as rows of llama.cpp's repacked
+/// gemm ([`crate::repack::Mode::Gemm`]): equal to `repack::avx2::tiles`
+/// there, bit for bit.
+///
+/// # Safety
+/// [`available`] must have returned true.
+#[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
+pub(crate) unsafe fn q4_k_gemm(
+    ws: &[&[BlockQ4K]],
+    panels: Q8KPanels,
+    first_token: usize,
+    tokens: usize,
+    out: &mut [f32],
+) {
+    let nb = panels.blocks;
+    let start = (first_token / PANEL_TOKENS) * nb * Q8K_PANEL_BLOCK_BYTES;
+    let end = start + nb * Q8K_PANEL_BLOCK_BYTES;
+    if !first_token.is_multiple_of(PANEL_TOKENS)
+        || !(1..=PANEL_TOKENS).contains(&tokens)
+        || ws.iter().any(|w| w.len() != nb)
+        || panels.bytes.len() < end
+        || out.len() < ws.len() * tokens
+    {
+        return;
+    }
+    let panel = panels.bytes[start..end].as_ptr();
+    for r0 in (0..ws.len()).step_by(Q4K_ROWS) {
+        let rows = Q4K_ROWS.min(ws.len() - r0);
+        macro_rules! run {
+            ($R:literal) => {{
+                let w: [*const BlockQ4K; $R] = std::array::from_fn(|i| ws[r0 + i].as_ptr());
+                let result = q4_k_tile::<$R>(w, panel, nb);
+                for (r, row) in result.iter().enumerate() {
+                    out[(r0 + r) * tokens..][..tokens].copy_from_slice(&row[..tokens]);
+                }
+            }};
+        }
+        match rows {
+            1 => run!(1),
+            2 => run!(2),
+            3 => run!(3),
+            4 => run!(4),
+            // Q4K_ROWS is 4.
+            _ => {}
+        }
+    }
+}
+
+/// `R` weight rows against all eight token slots of one panel (results for
+/// empty slots are dropped by the caller).
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
+unsafe fn q4_k_tile<const R: usize>(ws: [*const BlockQ4K; R], panel: *const u8, nb: usize) -> [[f32; PANEL_TOKENS]; R] {
+    let m4 = _mm256_set1_epi8(0x0F);
+    let mut acc = [_mm256_setzero_ps(); R];
+    let mut acc_min = [_mm256_setzero_ps(); R];
+    // Each row's nibbles of one sub-block pair, low then high, read back as
+    // 4-byte broadcasts (loads, where shuffles of a register would compete
+    // with the multiply-adds).
+    let mut nibbles = [[0u8; 64]; R];
+    let nibbles: *mut [u8; 64] = std::hint::black_box(nibbles.as_mut_ptr());
+    for ib in 0..nb {
+        let block = &*(panel.add(ib * Q8K_PANEL_BLOCK_BYTES) as *const Q8KPanelBlock);
+        let d8 = _mm256_loadu_ps(block.d.as_ptr());
+        let mut d = [_mm256_setzero_ps(); R];
+        let mut dmin = [_mm256_setzero_ps(); R];
+        let mut scales = [[0u8; 8]; R];
+        let mut mins = [[0u8; 8]; R];
+        for r in 0..R {
+            let xb = &*ws[r].add(ib);
+            // fp16(d) * d8 and fp16(dmin) * d8, the products GGML forms.
+            d[r] = _mm256_mul_ps(_mm256_set1_ps(fp16(xb.d)), d8);
+            dmin[r] = _mm256_mul_ps(_mm256_set1_ps(fp16(xb.dmin)), d8);
+            (scales[r], mins[r]) = unpack_scales_mins_k4(&xb.scales);
+        }
+        for p in 0..QK_K / 64 {
+            for (r, w) in ws.iter().enumerate() {
+                let q4 = _mm256_loadu_si256((*w.add(ib)).qs.as_ptr().add(32 * p) as *const __m256i);
+                let slot = (*nibbles.add(r)).as_mut_ptr();
+                _mm256_storeu_si256(slot as *mut __m256i, _mm256_and_si256(q4, m4));
+                _mm256_storeu_si256(
+                    slot.add(32) as *mut __m256i,
+                    _mm256_and_si256(_mm256_srli_epi16(q4, 4), m4),
+                );
+            }
+            let mut lo = [_mm256_setzero_si256(); R];
+            let mut hi = [_mm256_setzero_si256(); R];
+            for j in 0..8 {
+                let y_lo = _mm256_loadu_si256(block.qs[16 * p + j].as_ptr() as *const __m256i);
+                let y_hi = _mm256_loadu_si256(block.qs[16 * p + 8 + j].as_ptr() as *const __m256i);
+                for r in 0..R {
+                    let slot = (*nibbles.add(r)).as_ptr();
+                    let w_lo = _mm256_set1_epi32((slot.add(4 * j) as *const i32).read_unaligned());
+                    let w_hi = _mm256_set1_epi32((slot.add(32 + 4 * j) as *const i32).read_unaligned());
+                    lo[r] = _mm256_dpbusd_epi32(lo[r], w_lo, y_lo);
+                    hi[r] = _mm256_dpbusd_epi32(hi[r], w_hi, y_hi);
+                }
+            }
+            let bsums = _mm256_loadu_si256(block.pair_bsums[p].as_ptr() as *const __m256i);
+            for r in 0..R {
+                let (sl, sh) = (scales[r][2 * p] as i32, scales[r][2 * p + 1] as i32);
+                let isum = _mm256_add_epi32(
+                    _mm256_mullo_epi32(lo[r], _mm256_set1_epi32(sl)),
+                    _mm256_mullo_epi32(hi[r], _mm256_set1_epi32(sh)),
+                );
+                acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), d[r], acc[r]);
+                // min(2p) * bsum(2p) + min(2p + 1) * bsum(2p + 1), per token.
+                let pair_mins = (mins[r][2 * p] as i32) | ((mins[r][2 * p + 1] as i32) << 16);
+                let imin = _mm256_madd_epi16(_mm256_set1_epi32(pair_mins), bsums);
+                acc_min[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(imin), dmin[r], acc_min[r]);
+            }
+        }
+    }
+    let mut out = [[0.0f32; PANEL_TOKENS]; R];
+    for r in 0..R {
+        _mm256_storeu_ps(out[r].as_mut_ptr(), _mm256_sub_ps(acc[r], acc_min[r]));
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn lcg(state: &mut u64) -> u64 {
+        *state = state
+            .wrapping_mul(6364136223846793005)
+            .wrapping_add(1442695040888963407);
+        *state >> 33
+    }
+
+    fn weights(blocks: usize, state: &mut u64, extreme: bool) -> Vec<BlockQ5_0> {
+        (0..blocks)
+            .map(|_| BlockQ5_0 {
+                d: half::f16::from_f32(0.01 + (lcg(state) % 100) as f32 * 1e-3),
+                // All bits clear: every value -16, the offset at its largest.
+                qh: if extreme {
+                    [0; 4]
+                } else {
+                    (lcg(state) as u32).to_le_bytes()
+                },
+                qs: std::array::from_fn(|_| if extreme { 0 } else { lcg(state) as u8 }),
+            })
+            .collect()
+    }
+
+    /// Q8_0 quantization's range, -127..=127 (see the module notes).
+    fn activations(blocks: usize, state: &mut u64, extreme: bool) -> Vec<BlockQ8_0> {
+        (0..blocks)
+            .map(|_| BlockQ8_0 {
+                d: half::f16::from_f32(0.02 + (lcg(state) % 100) as f32 * 1e-3),
+                qs: std::array::from_fn(|_| {
+                    if extreme {
+                        -127
+                    } else {
+                        ((lcg(state) % 255) as i32 - 127) as i8
+                    }
+                }),
+            })
+            .collect()
+    }
+
+    #[test]
+    fn q5_0_matches_the_avx2_kernel_bit_for_bit() {
+        if !available() {
+            eprintln!("no AVX-512 VNNI/BW/VL here: nothing to compare");
+            return;
+        }
+        let mut state = 0x2545_F491_4F6C_DD1Du64;
+        for extreme in [false, true] {
+            for rows in 1..=5 {
+                for n in 1..=19 {
+                    let blocks = 1 + (rows * n) % 7;
+                    let ws: Vec<_> = (0..rows).map(|_| weights(blocks, &mut state, extreme)).collect();
+                    let ys: Vec<BlockQ8_0> = (0..n).flat_map(|_| activations(blocks, &mut state, extreme)).collect();
+                    let ws: Vec<&[BlockQ5_0]> = ws.iter().map(|w| &w[..]).collect();
+                    let y_rows: Vec<&[BlockQ8_0]> = ys.chunks(blocks).collect();
+                    let mut expected = vec![0.0f32; rows * n];
+                    // SAFETY: `available()` covers the AVX2 kernel's features.
+                    unsafe { super::super::avx2::q5_0_q8_0(&ws, &y_rows, &mut expected) };
+                    let mut storage = vec![0u8; panel_bytes(n, blocks)];
+                    let panels = Q8_0Panels::build(&ys, n, blocks, &mut storage).unwrap();
+                    for first in (0..n).step_by(PANEL_TOKENS) {
+                        let tokens = PANEL_TOKENS.min(n - first);
+                        let mut got = vec![f32::NAN; rows * tokens];
+                        // SAFETY: `available()` said yes.
+                        unsafe { q5_0_q8_0(&ws, panels, first, tokens, &mut got) };
+                        for r in 0..rows {
+                            for t in 0..tokens {
+                                let (e, g) = (expected[r * n + first + t], got[r * tokens + t]);
+                                assert_eq!(
+                                    e.to_bits(),
+                                    g.to_bits(),
+                                    "{rows} rows x {n} tokens ({blocks} blocks), row {r} token {}",
+                                    first + t
+                                );
+                            }
+                        }
+                    }
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn q4_k_gemm_matches_the_repacked_arithmetic_bit_for_bit() {
+        if !available() {
+            eprintln!("no AVX-512 VNNI/BW/VL here: nothing to compare");
+            return;
+        }
+        use crate::repack::{scalar_tiles, Mode};
+        let mut state = 0x9E37_79B9_7F4A_7C15u64;
+        for rows in 1..=6 {
+            for n in [1, 3, 4, 8, 9, 16, 19] {
+                let blocks = 1 + (rows + n) % 3;
+                let ws: Vec<Vec<BlockQ4K>> = (0..rows)
+                    .map(|_| {
+                        (0..blocks)
+                            .map(|_| {
+                                let mut b: BlockQ4K = bytemuck::Zeroable::zeroed();
+                                b.d = half::f16::from_bits(0x1400 + (lcg(&mut state) % 0x400) as u16);
+                                b.dmin = half::f16::from_bits(0x1000 + (lcg(&mut state) % 0x800) as u16);
+                                b.scales = std::array::from_fn(|_| lcg(&mut state) as u8);
+                                b.qs = std::array::from_fn(|_| lcg(&mut state) as u8);
+                                b
+                            })
+                            .collect()
+                    })
+                    .collect();
+                let x: Vec<f32> = (0..n * blocks * QK_K)
+                    .map(|_| (lcg(&mut state) % 2001) as f32 / 250.0 - 4.0)
+                    .collect();
+                let mut ys = vec![<BlockQ8K as bytemuck::Zeroable>::zeroed(); n * blocks];
+                for (row, xs) in ys.chunks_mut(blocks).zip(x.chunks(blocks * QK_K)) {
+                    crate::quantize::quantize_row_q8_k(xs, bytemuck::cast_slice_mut(row)).unwrap();
+                }
+                let ws: Vec<&[BlockQ4K]> = ws.iter().map(|w| &w[..]).collect();
+                let y_rows: Vec<&[BlockQ8K]> = ys.chunks(blocks).collect();
+                let mut expected = vec![0.0f32; rows * n];
+                scalar_tiles(&ws, &y_rows, Mode::Gemm, &mut expected);
+                let mut storage = vec![0u8; q8k_panel_bytes(n, blocks)];
+                let panels = Q8KPanels::build(&ys, n, blocks, &mut storage).unwrap();
+                for first in (0..n).step_by(PANEL_TOKENS) {
+                    let tokens = PANEL_TOKENS.min(n - first);
+                    let mut got = vec![f32::NAN; rows * tokens];
+                    // SAFETY: `available()` said yes.
+                    unsafe { q4_k_gemm(&ws, panels, first, tokens, &mut got) };
+                    for r in 0..rows {
+                        for t in 0..tokens {
+                            let (e, g) = (expected[r * n + first + t], got[r * tokens + t]);
+                            assert_eq!(
+                                e.to_bits(),
+                                g.to_bits(),
+                                "{rows} rows x {n} tokens, row {r} token {}",
+                                first + t
+                            );
+                        }
+                    }
+                }
+            }
+        }
+    }
+}
