@@ -65,6 +65,40 @@ pub fn dot_f16_gemm_x4(x: &[f16], ys: [&[f16]; 4]) -> [f32; 4] {
     ys.map(|y| dot_f16_gemm_scalar(x, y))
 }
 
+/// Most rows of `xs` one [`dot_f16_gemm_rows`] tile takes at once.
+pub const GEMM_TILE_ROWS: usize = 4;
+
+/// `out[m][k] = dot_f16_gemm(xs[m], ys[k])` for up to [`GEMM_TILE_ROWS`]
+/// rows `xs` against four `ys`: the same bits as separate calls, with every
+/// row and every `ys[k]` converted once per step (the 4x4 register tile of
+/// tinyBLAS's f16 GEMM, where llama.cpp's `-fa off` attention runs its
+/// scores and outputs). All rows are as long as the shortest of them and
+/// of `ys`; rows of `out` past `xs.len()` are left alone.
+pub fn dot_f16_gemm_rows(xs: &[&[f16]], ys: [&[f16]; 4], out: &mut [[f32; 4]]) {
+    #[cfg(target_arch = "x86_64")]
+    if crate::dot::has_avx512f() {
+        macro_rules! tile {
+            ($M:literal) => {{
+                let x: [&[f16]; $M] = std::array::from_fn(|m| xs[m]);
+                // SAFETY: avx512f was detected at run time.
+                let d = unsafe { avx512::dot_f16_gemm_tile::<$M>(x, ys) };
+                out[..$M].copy_from_slice(&d);
+                return;
+            }};
+        }
+        match xs.len().min(out.len()) {
+            1 => tile!(1),
+            2 => tile!(2),
+            3 => tile!(3),
+            4 => tile!(4),
+            _ => {}
+        }
+    }
+    for (x, o) in xs.iter().zip(out.iter_mut()) {
+        *o = dot_f16_gemm_x4(x, ys);
+    }
+}
+
 /// Folds four 16-lane accumulators as `GGML_F32x16_REDUCE` does.
 #[inline(always)]
 fn fold4(acc: &[[f32; 16]; 4]) -> f32 {
@@ -211,6 +245,38 @@ mod avx512 {
     use half::f16;
     use std::arch::x86_64::*;
 
+    /// `M` rows against four keys, one 16-lane register per pair.
+    #[target_feature(enable = "avx512f")]
+    pub unsafe fn dot_f16_gemm_tile<const M: usize>(xs: [&[f16]; M], ys: [&[f16]; 4]) -> [[f32; 4]; M] {
+        let n = ys.iter().chain(&xs).fold(usize::MAX, |n, v| n.min(v.len()));
+        let full = n / 16 * 16;
+        let mut acc = [[_mm512_setzero_ps(); 4]; M];
+        let xp = xs.map(|x| x.as_ptr() as *const __m256i);
+        let yp = ys.map(|y| y.as_ptr() as *const __m256i);
+        for i in (0..full).step_by(16) {
+            // SAFETY: i + 16 <= n for every row.
+            let yv = yp.map(|y| _mm512_cvtph_ps(_mm256_loadu_si256(y.add(i / 16))));
+            for (row, x) in acc.iter_mut().zip(&xp) {
+                let xv = _mm512_cvtph_ps(_mm256_loadu_si256(x.add(i / 16)));
+                for (a, y) in row.iter_mut().zip(&yv) {
+                    *a = _mm512_fmadd_ps(xv, *y, *a);
+                }
+            }
+        }
+        let mut out = [[0.0f32; 4]; M];
+        for m in 0..M {
+            for k in 0..4 {
+                let mut lanes = [0.0f32; 16];
+                _mm512_storeu_ps(lanes.as_mut_ptr(), acc[m][k]);
+                for j in full..n {
+                    lanes[j % 16] = xs[m][j].to_f32().mul_add(ys[k][j].to_f32(), lanes[j % 16]);
+                }
+                out[m][k] = super::reduce16(&lanes);
+            }
+        }
+        out
+    }
+
     /// One 16-lane register per key: tinyBLAS's lanes, in one instruction each.
     #[target_feature(enable = "avx512f")]
     pub unsafe fn dot_f16_gemm_x4(x: &[f16], ys: [&[f16]; 4]) -> [f32; 4] {
@@ -254,6 +320,18 @@ mod tests {
                 .collect();
             let exact: f64 = x.iter().zip(&y).map(|(a, b)| a.to_f64() * b.to_f64()).sum();
             let four = dot_f16_gemm_x4(&x, [&y, &x, &y, &y]);
+            let mut tile = [[f32::NAN; 4]; GEMM_TILE_ROWS];
+            let z: Vec<f16> = x.iter().rev().copied().collect();
+            let rows: [&[f16]; GEMM_TILE_ROWS] = [&x, &y, &z, &y];
+            for m in 1..=GEMM_TILE_ROWS {
+                dot_f16_gemm_rows(&rows[..m], [&y, &x, &y, &x], &mut tile);
+                for (r, row) in rows[..m].iter().enumerate() {
+                    for (k, other) in [&y, &x, &y, &x].iter().enumerate() {
+                        let single = dot_f16_gemm_scalar(row, other);
+                        assert_eq!(tile[r][k].to_bits(), single.to_bits(), "n={n}, {m} rows, ({r}, {k})");
+                    }
+                }
+            }
             assert_eq!(four[0].to_bits(), dot_f16_gemm_scalar(&x, &y).to_bits(), "n={n}");
             assert_eq!(four[1].to_bits(), dot_f16_gemm_scalar(&x, &x).to_bits(), "n={n}");
             for (fast, slow) in [

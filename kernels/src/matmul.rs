@@ -29,7 +29,7 @@ use rayon::prelude::*;
 use crate::blocks::cast_blocks;
 use crate::blocks::{BlockQ4K, BlockQ8K};
 #[cfg(target_arch = "x86_64")]
-use crate::blocks::{BlockQ5_0, BlockQ8_0};
+use crate::blocks::{BlockQ5_0, BlockQ6K, BlockQ8_0};
 #[cfg(target_arch = "x86_64")]
 use crate::dot::avx512::{self, Q8KPanels, Q8_0Panels};
 use crate::dot::{has_avx2, with_kernel, with_tiled_kernel, Kernel, KernelUser, Path};
@@ -331,11 +331,15 @@ fn run_matmul(w: &QMatrix, acts: &ActBuffer, out: &mut [f32], path: Path, parall
     if w.ty == GgmlType::Q4K && repack::q4k_is_repacked(w.rows) {
         return job.run_tiles::<BlockQ4K, BlockQ8K, _>(Q4kRepacked::new(path, acts));
     }
+    #[cfg(target_arch = "x86_64")]
+    if let Some(kernel) = PanelKernel::q6_k(w.ty, w.rows, path, acts) {
+        return job.run_tiles::<BlockQ6K, BlockQ8K, _>(kernel);
+    }
     if uses_tiled_kquant(w.ty, w.rows, acts.n()) {
         return with_tiled_kernel(w.ty, path, job)?;
     }
     #[cfg(target_arch = "x86_64")]
-    if let Some(kernel) = Q5_0Panelled::new(w.ty, path, acts) {
+    if let Some(kernel) = PanelKernel::q5_0(w.ty, path, acts) {
         return job.run_tiles::<BlockQ5_0, BlockQ8_0, _>(kernel);
     }
     with_kernel(w.ty, path, job)?
@@ -457,30 +461,68 @@ impl Tiles<BlockQ4K, BlockQ8K> for Q4kRepacked<'_> {
     }
 }
 
-/// Q5_0 against Q8_0 prompt panels ([`crate::dot::avx512`]; the same
-/// results as the AVX2 kernel). The panels replace the activation rows, so
-/// tiles must start at panel boundaries: `prompt_rows` cuts tokens in
-/// tiles of `TOKEN_TILE` from 0.
+/// An AVX-512 prompt kernel reading panels ([`crate::dot::avx512`]; the same
+/// results as the AVX2 kernels). The panels replace the activation rows, so
+/// tiles must start at panel boundaries: `prompt_rows` (and the sparse FFN's
+/// strided products) cut tokens in tiles of `TOKEN_TILE` from 0.
 #[cfg(target_arch = "x86_64")]
-#[derive(Clone, Copy)]
-pub(crate) struct Q5_0Panelled<'a> {
-    panels: Q8_0Panels<'a>,
+pub(crate) struct PanelKernel<P, W> {
+    panels: P,
+    // Invariant: only set where `avx512::available()` said yes (panels are
+    // only made there).
+    run: PanelFn<P, W>,
 }
 
+/// `(weight rows, panels, first token, tokens, out)`, as the kernels of
+/// [`crate::dot::avx512`] take them.
 #[cfg(target_arch = "x86_64")]
-impl<'a> Q5_0Panelled<'a> {
-    /// The kernel for weights of type `ty` on `path` against `acts`, when
-    /// they are Q5_0 and the activations have panels.
-    pub(crate) fn new(ty: GgmlType, path: Path, acts: &'a ActBuffer) -> Option<Self> {
-        let panels = acts
-            .q8_0_panels()
-            .filter(|_| ty == GgmlType::Q5_0 && path == Path::Fastest)?;
-        Some(Self { panels })
+type PanelFn<P, W> = unsafe fn(&[&[W]], P, usize, usize, &mut [f32]);
+
+#[cfg(target_arch = "x86_64")]
+impl<P: Copy, W> Clone for PanelKernel<P, W> {
+    fn clone(&self) -> Self {
+        *self
     }
 }
 
 #[cfg(target_arch = "x86_64")]
-impl Tiles<BlockQ5_0, BlockQ8_0> for Q5_0Panelled<'_> {
+impl<P: Copy, W> Copy for PanelKernel<P, W> {}
+
+#[cfg(target_arch = "x86_64")]
+const _: () = assert!(TOKEN_TILE == avx512::PANEL_TOKENS);
+
+#[cfg(target_arch = "x86_64")]
+impl<'a> PanelKernel<Q8_0Panels<'a>, BlockQ5_0> {
+    /// The kernel for weights of type `ty` on `path` against `acts`, when
+    /// they are Q5_0 and the activations have panels.
+    pub(crate) fn q5_0(ty: GgmlType, path: Path, acts: &'a ActBuffer) -> Option<Self> {
+        let panels = acts
+            .q8_0_panels()
+            .filter(|_| ty == GgmlType::Q5_0 && path == Path::Fastest)?;
+        Some(Self {
+            panels,
+            run: avx512::q5_0_q8_0,
+        })
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+impl<'a> PanelKernel<Q8KPanels<'a>, BlockQ6K> {
+    /// The kernel for `rows` weight rows of type `ty` on `path` against
+    /// `acts`, when they are Q6_K in llama.cpp's tiled matmul and the
+    /// activations have panels.
+    pub(crate) fn q6_k(ty: GgmlType, rows: usize, path: Path, acts: &'a ActBuffer) -> Option<Self> {
+        let wanted = ty == GgmlType::Q6K && path == Path::Fastest && uses_tiled_kquant(ty, rows, acts.n());
+        let panels = acts.q8k_panels().filter(|_| wanted)?;
+        Some(Self {
+            panels,
+            run: avx512::q6_k_tiled,
+        })
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+impl<P: Copy + Send + Sync, W: Sync, A> Tiles<W, A> for PanelKernel<P, W> {
     fn decode_rows(&self) -> usize {
         1
     }
@@ -490,9 +532,9 @@ impl Tiles<BlockQ5_0, BlockQ8_0> for Q5_0Panelled<'_> {
     }
 
     #[inline]
-    fn dot(&self, w_rows: &[&[BlockQ5_0]], a_rows: &[&[BlockQ8_0]], first_token: usize, out: &mut [f32]) {
-        // SAFETY: panels are only made where `avx512::available()` said yes.
-        unsafe { avx512::q5_0_q8_0(w_rows, self.panels, first_token, a_rows.len(), out) }
+    fn dot(&self, w_rows: &[&[W]], a_rows: &[&[A]], first_token: usize, out: &mut [f32]) {
+        // SAFETY: see the invariant on `run`.
+        unsafe { (self.run)(w_rows, self.panels, first_token, a_rows.len(), out) }
     }
 }
 

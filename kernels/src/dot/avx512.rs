@@ -33,7 +33,7 @@
 use std::arch::x86_64::*;
 
 use super::avx2::{fp16, hsum_float_8};
-use crate::blocks::{unpack_scales_mins_k4, BlockQ4K, BlockQ5_0, BlockQ8K, BlockQ8_0, QK, QK_K};
+use crate::blocks::{unpack_scales_mins_k4, BlockQ4K, BlockQ5_0, BlockQ6K, BlockQ8K, BlockQ8_0, QK, QK_K};
 
 /// Whether these kernels run here: AVX-512 F, BW, VL and VNNI on top of the
 /// AVX2 set, detected once.
@@ -262,18 +262,20 @@ unsafe fn raw_q5_0(b: &BlockQ5_0) -> __m256i {
 /// `qs[g][t]` is bytes `4g..4g + 4` of token `t`, so a `vpdpbusd` of four
 /// weight bytes broadcast to every lane against `qs[g]` gives eight tokens'
 /// partial sums with no reduction afterwards. `pair_bsums[p][t]` holds token
-/// `t`'s sums of sub-blocks `2p` and `2p + 1` (for the min terms), `d` its
-/// scale. Slots past the last token are zero.
+/// `t`'s sums of 32-value sub-blocks `2p` and `2p + 1` (Q4_K's min terms),
+/// `bsums16[k][t]` its sums of 16-value groups `2k` and `2k + 1` (Q6_K's
+/// offset), `d` its scale. Slots past the last token are zero.
 #[repr(C)]
 #[derive(Clone, Copy)]
 struct Q8KPanelBlock {
     qs: [[[i8; 4]; PANEL_TOKENS]; QK_K / 4],
     d: [f32; PANEL_TOKENS],
     pair_bsums: [[[i16; 2]; PANEL_TOKENS]; QK_K / 64],
+    bsums16: [[[i16; 2]; PANEL_TOKENS]; QK_K / 32],
 }
 
 const Q8K_PANEL_BLOCK_BYTES: usize = std::mem::size_of::<Q8KPanelBlock>();
-const _: () = assert!(Q8K_PANEL_BLOCK_BYTES == 2048 + 32 + 128);
+const _: () = assert!(Q8K_PANEL_BLOCK_BYTES == 2048 + 32 + 128 + 256);
 
 /// Bytes of the Q8_K panels of `n` tokens of `blocks` super-blocks each.
 pub(crate) fn q8k_panel_bytes(n: usize, blocks: usize) -> usize {
@@ -305,6 +307,7 @@ impl<'a> Q8KPanels<'a> {
                 qs: [[[0; 4]; PANEL_TOKENS]; QK_K / 4],
                 d: [0.0; PANEL_TOKENS],
                 pair_bsums: [[[0; 2]; PANEL_TOKENS]; QK_K / 64],
+                bsums16: [[[0; 2]; PANEL_TOKENS]; QK_K / 32],
             };
             for t in 0..PANEL_TOKENS {
                 let token = panel * PANEL_TOKENS + t;
@@ -319,6 +322,9 @@ impl<'a> Q8KPanels<'a> {
                 let sub_block_sum = |s: usize| y.bsums[2 * s].wrapping_add(y.bsums[2 * s + 1]);
                 for (p, pair) in block.pair_bsums.iter_mut().enumerate() {
                     pair[t] = [sub_block_sum(2 * p), sub_block_sum(2 * p + 1)];
+                }
+                for (k, pair) in block.bsums16.iter_mut().enumerate() {
+                    pair[t] = [y.bsums[2 * k], y.bsums[2 * k + 1]];
                 }
             }
             // SAFETY: plain `repr(C)` data without padding (the size assert).
@@ -463,6 +469,134 @@ unsafe fn q4_k_tile<const R: usize>(ws: [*const BlockQ4K; R], panel: *const u8, 
     out
 }
 
+/// Q6_K weight rows · the tokens `first_token..first_token + tokens` of
+/// `panels` (as [`q4_k_gemm`]), into `out[r * tokens + t]`, in the arithmetic
+/// of llama.cpp's tiled K-quant matmul (one exact integer per output and
+/// super-block, `fma(float(sum) * d, d8, acc)`): equal to
+/// `avx2::q6_k_q8_k_tiled`, bit for bit.
+///
+/// # Safety
+/// [`available`] must have returned true.
+#[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
+pub(crate) unsafe fn q6_k_tiled(
+    ws: &[&[BlockQ6K]],
+    panels: Q8KPanels,
+    first_token: usize,
+    tokens: usize,
+    out: &mut [f32],
+) {
+    let nb = panels.blocks;
+    let start = (first_token / PANEL_TOKENS) * nb * Q8K_PANEL_BLOCK_BYTES;
+    let end = start + nb * Q8K_PANEL_BLOCK_BYTES;
+    if !first_token.is_multiple_of(PANEL_TOKENS)
+        || !(1..=PANEL_TOKENS).contains(&tokens)
+        || ws.iter().any(|w| w.len() != nb)
+        || panels.bytes.len() < end
+        || out.len() < ws.len() * tokens
+    {
+        return;
+    }
+    let panel = panels.bytes[start..end].as_ptr();
+    for r0 in (0..ws.len()).step_by(Q4K_ROWS) {
+        let rows = Q4K_ROWS.min(ws.len() - r0);
+        macro_rules! run {
+            ($R:literal) => {{
+                let w: [*const BlockQ6K; $R] = std::array::from_fn(|i| ws[r0 + i].as_ptr());
+                let result = q6_k_tile::<$R>(w, panel, nb);
+                for (r, row) in result.iter().enumerate() {
+                    out[(r0 + r) * tokens..][..tokens].copy_from_slice(&row[..tokens]);
+                }
+            }};
+        }
+        match rows {
+            1 => run!(1),
+            2 => run!(2),
+            3 => run!(3),
+            4 => run!(4),
+            // Q4K_ROWS is 4.
+            _ => {}
+        }
+    }
+}
+
+/// `R` Q6_K weight rows against all eight token slots of one panel.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
+unsafe fn q6_k_tile<const R: usize>(ws: [*const BlockQ6K; R], panel: *const u8, nb: usize) -> [[f32; PANEL_TOKENS]; R] {
+    let m15 = _mm256_set1_epi8(15);
+    let m3 = _mm256_set1_epi8(3);
+    let mut acc = [_mm256_setzero_ps(); R];
+    // Each row's 256 unsigned 6-bit values, read back as 4-byte broadcasts.
+    let mut values = [[0u8; QK_K]; R];
+    let values: *mut [u8; QK_K] = std::hint::black_box(values.as_mut_ptr());
+    for ib in 0..nb {
+        let block = &*(panel.add(ib * Q8K_PANEL_BLOCK_BYTES) as *const Q8KPanelBlock);
+        let yd = _mm256_loadu_ps(block.d.as_ptr());
+        let mut sums = [_mm256_setzero_si256(); R];
+        for (r, w) in ws.iter().enumerate() {
+            let xb = &*w.add(ib);
+            let slot = (*values.add(r)).as_mut_ptr();
+            for j in 0..QK_K / 128 {
+                let ql1 = _mm256_loadu_si256(xb.ql.as_ptr().add(64 * j) as *const __m256i);
+                let ql2 = _mm256_loadu_si256(xb.ql.as_ptr().add(64 * j + 32) as *const __m256i);
+                let qh = _mm256_loadu_si256(xb.qh.as_ptr().add(32 * j) as *const __m256i);
+                let q = [
+                    _mm256_or_si256(
+                        _mm256_and_si256(ql1, m15),
+                        _mm256_slli_epi16(_mm256_and_si256(qh, m3), 4),
+                    ),
+                    _mm256_or_si256(
+                        _mm256_and_si256(ql2, m15),
+                        _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, 2), m3), 4),
+                    ),
+                    _mm256_or_si256(
+                        _mm256_and_si256(_mm256_srli_epi16(ql1, 4), m15),
+                        _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, 4), m3), 4),
+                    ),
+                    _mm256_or_si256(
+                        _mm256_and_si256(_mm256_srli_epi16(ql2, 4), m15),
+                        _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, 6), m3), 4),
+                    ),
+                ];
+                for (k, v) in q.iter().enumerate() {
+                    _mm256_storeu_si256(slot.add(128 * j + 32 * k) as *mut __m256i, *v);
+                }
+            }
+            // 32 * sum(scale * bsum): the -32 offset of every value at once.
+            let mut offset = _mm256_setzero_si256();
+            for (k, pair) in block.bsums16.iter().enumerate() {
+                let scales = (xb.scales[2 * k] as i16 as u16 as i32) | ((xb.scales[2 * k + 1] as i16 as i32) << 16);
+                let bsums = _mm256_loadu_si256(pair.as_ptr() as *const __m256i);
+                offset = _mm256_add_epi32(offset, _mm256_madd_epi16(_mm256_set1_epi32(scales), bsums));
+            }
+            sums[r] = _mm256_sub_epi32(_mm256_setzero_si256(), _mm256_slli_epi32(offset, 5));
+        }
+        for sub in 0..QK_K / 16 {
+            let mut raw = [_mm256_setzero_si256(); R];
+            for g in 4 * sub..4 * sub + 4 {
+                let y = _mm256_loadu_si256(block.qs[g].as_ptr() as *const __m256i);
+                for (r, raw) in raw.iter_mut().enumerate() {
+                    let w = ((*values.add(r)).as_ptr().add(4 * g) as *const i32).read_unaligned();
+                    *raw = _mm256_dpbusd_epi32(*raw, _mm256_set1_epi32(w), y);
+                }
+            }
+            for r in 0..R {
+                let scale = _mm256_set1_epi32((*ws[r].add(ib)).scales[sub] as i32);
+                sums[r] = _mm256_add_epi32(sums[r], _mm256_mullo_epi32(raw[r], scale));
+            }
+        }
+        for r in 0..R {
+            let d = _mm256_set1_ps(fp16((*ws[r].add(ib)).d));
+            acc[r] = _mm256_fmadd_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(sums[r]), d), yd, acc[r]);
+        }
+    }
+    let mut out = [[0.0f32; PANEL_TOKENS]; R];
+    for r in 0..R {
+        _mm256_storeu_ps(out[r].as_mut_ptr(), acc[r]);
+    }
+    out
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -595,6 +729,63 @@ mod tests {
                             let (e, g) = (expected[r * n + first + t], got[r * tokens + t]);
                             assert_eq!(
                                 e.to_bits(),
+                                g.to_bits(),
+                                "{rows} rows x {n} tokens, row {r} token {}",
+                                first + t
+                            );
+                        }
+                    }
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn q6_k_tiled_matches_the_tiled_matmul_arithmetic_bit_for_bit() {
+        if !available() {
+            eprintln!("no AVX-512 VNNI/BW/VL here: nothing to compare");
+            return;
+        }
+        let mut state = 0x5851_F42D_4C95_7F2Du64;
+        for rows in 1..=6 {
+            for n in [1, 4, 8, 9, 16, 19] {
+                let blocks = 1 + (rows + n) % 3;
+                let ws: Vec<Vec<BlockQ6K>> = (0..rows)
+                    .map(|_| {
+                        (0..blocks)
+                            .map(|_| {
+                                let mut b: BlockQ6K = bytemuck::Zeroable::zeroed();
+                                b.d = half::f16::from_bits(0x1400 + (lcg(&mut state) % 0x400) as u16);
+                                b.scales = std::array::from_fn(|_| lcg(&mut state) as i8);
+                                b.ql = std::array::from_fn(|_| lcg(&mut state) as u8);
+                                b.qh = std::array::from_fn(|_| lcg(&mut state) as u8);
+                                b
+                            })
+                            .collect()
+                    })
+                    .collect();
+                let x: Vec<f32> = (0..n * blocks * QK_K)
+                    .map(|_| (lcg(&mut state) % 2001) as f32 / 250.0 - 4.0)
+                    .collect();
+                let mut ys = vec![<BlockQ8K as bytemuck::Zeroable>::zeroed(); n * blocks];
+                for (row, xs) in ys.chunks_mut(blocks).zip(x.chunks(blocks * QK_K)) {
+                    crate::quantize::quantize_row_q8_k(xs, bytemuck::cast_slice_mut(row)).unwrap();
+                }
+                let mut storage = vec![0u8; q8k_panel_bytes(n, blocks)];
+                let panels = Q8KPanels::build(&ys, n, blocks, &mut storage).unwrap();
+                let w_rows: Vec<&[BlockQ6K]> = ws.iter().map(|w| &w[..]).collect();
+                for first in (0..n).step_by(PANEL_TOKENS) {
+                    let tokens = PANEL_TOKENS.min(n - first);
+                    let mut got = vec![f32::NAN; rows * tokens];
+                    // SAFETY: `available()` said yes.
+                    unsafe { q6_k_tiled(&w_rows, panels, first, tokens, &mut got) };
+                    for r in 0..rows {
+                        for t in 0..tokens {
+                            let y = &ys[(first + t) * blocks..(first + t + 1) * blocks];
+                            let expected = super::super::scalar::q6_k_q8_k_tiled(&ws[r], y);
+                            let g = got[r * tokens + t];
+                            assert_eq!(
+                                expected.to_bits(),
                                 g.to_bits(),
                                 "{rows} rows x {n} tokens, row {r} token {}",
                                 first + t

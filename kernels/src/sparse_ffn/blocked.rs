@@ -21,10 +21,10 @@ use rayon::prelude::*;
 use super::{axpy_scalar_unchecked, BundleFormat, FfnActivation};
 use crate::blocks::{cast_blocks, BlockQ4K, BlockQ8K};
 #[cfg(target_arch = "x86_64")]
-use crate::blocks::{BlockQ5_0, BlockQ8_0};
+use crate::blocks::{BlockQ5_0, BlockQ6K, BlockQ8_0};
 use crate::dot::{has_avx2, with_kernel, with_tiled_kernel, Kernel, KernelUser, Path};
 #[cfg(target_arch = "x86_64")]
-use crate::matmul::Q5_0Panelled;
+use crate::matmul::PanelKernel;
 use crate::matmul::{uses_tiled_kquant, ActBuffer, Q4kRepacked, Tiles};
 use crate::repack;
 use crate::{GgmlType, KernelError};
@@ -233,8 +233,12 @@ fn like_matmul(ty: GgmlType, matrix_rows: usize, path: Path, job: StridedDots) -
         return job.strided::<BlockQ4K, BlockQ8K, _>(kernel);
     }
     #[cfg(target_arch = "x86_64")]
-    if let Some(kernel) = Q5_0Panelled::new(ty, path, job.acts) {
+    if let Some(kernel) = PanelKernel::q5_0(ty, path, job.acts) {
         return job.strided::<BlockQ5_0, BlockQ8_0, _>(kernel);
+    }
+    #[cfg(target_arch = "x86_64")]
+    if let Some(kernel) = PanelKernel::q6_k(ty, matrix_rows, path, job.acts).filter(|_| matrix_rows > 0) {
+        return job.strided::<BlockQ6K, BlockQ8K, _>(kernel);
     }
     if matrix_rows > 0 && uses_tiled_kquant(ty, matrix_rows, n) {
         return with_tiled_kernel(ty, path, job)?;

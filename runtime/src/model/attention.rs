@@ -9,7 +9,8 @@ use std::ops::Range;
 use std::str::FromStr;
 
 use half::f16;
-use leanstream_kernels::f16dot::{dot_f16_gemm, dot_f16_gemm_x4, dot_f16_vec};
+use half::slice::HalfFloatSliceExt;
+use leanstream_kernels::f16dot::{dot_f16_gemm, dot_f16_gemm_rows, dot_f16_vec, GEMM_TILE_ROWS};
 use leanstream_kernels::flash_attn::{self, KvHead, Route, Tile, Q_TILE};
 use leanstream_kernels::ops;
 use rayon::prelude::*;
@@ -109,7 +110,9 @@ impl Attention {
         // One wave holds every (token, head) pair of a batch when that is
         // smaller than the bound: a short context needs little scratch.
         let ctx_padded = ctx.div_ceil(LANES) * LANES;
-        let score_len = SCORE_SCRATCH.min(b * c.n_head * ctx_padded).max(ctx_padded);
+        // At least one token's heads that share a kv head (the unit of work).
+        let group = c.n_head / c.n_head_kv.max(1);
+        let score_len = SCORE_SCRATCH.min(b * c.n_head * ctx_padded).max(group * ctx_padded);
         Self {
             flash,
             ctx,
@@ -136,9 +139,8 @@ impl Attention {
             return self.run_flash(c, layer, kv, q, pos0, out);
         }
         let q16 = &mut self.q16[..q.len()];
-        for (dst, &src) in q16.iter_mut().zip(q) {
-            *dst = f16::from_f32(src);
-        }
+        // F16C where the CPU has it: the same rounding (to nearest even).
+        q16.convert_from_f32_slice(q);
         standard(c, layer, kv, q16, pos0, &mut self.scores, &mut self.probs, out);
     }
 
@@ -347,57 +349,82 @@ fn standard(
     let gemm = pairs > c.n_head;
     let dot = if gemm { dot_f16_gemm } else { dot_f16_vec };
     let vis = Visibility::new(c, layer, kv, pos0 + pairs / c.n_head);
-    let wave = (scores.len() / ctx).clamp(1, pairs);
+    // Work comes in units of one token's `group` heads that share a kv head
+    // (consecutive pairs): the same cells and visibility, so their rows go
+    // through the GEMM tile together.
+    let wave = (scores.len() / ctx / group * group).clamp(group, pairs.max(group));
     for start in (0..pairs).step_by(wave) {
         let end = (start + wave).min(pairs);
         out[start * hd..end * hd]
-            .par_chunks_mut(hd)
-            .zip(scores.par_chunks_mut(ctx))
-            .zip(probs.par_chunks_mut(ctx))
+            .par_chunks_mut(group * hd)
+            .zip(scores.par_chunks_mut(group * ctx))
+            .zip(probs.par_chunks_mut(group * ctx))
             .enumerate()
             .for_each(|(i, ((o, s), p))| {
-                let pair = start + i;
-                let (t, h) = (pair / c.n_head, pair % c.n_head);
-                let kv_head = h / group;
+                let first = start + i * group;
+                let (t, kv_head) = (first / c.n_head, first % c.n_head / group);
                 let pos = pos0 + t;
                 let range = vis.range(pos);
                 let (lo_a, hi_a) = (range.start / LANES * LANES, range.end.div_ceil(LANES) * LANES);
-                let q = &q16[pair * hd..(pair + 1) * hd];
-                let s = &mut s[..hi_a - lo_a];
-                s.fill(f32::NEG_INFINITY);
+                let width = hi_a - lo_a;
+                let heads = o.len() / hd;
+                let q = |h: usize| &q16[(first + h) * hd..(first + h + 1) * hd];
                 let key = |at: usize| kv.key(layer, at, kv_head);
+                for h in 0..heads {
+                    s[h * ctx..h * ctx + width].fill(f32::NEG_INFINITY);
+                }
                 let mut at = range.start;
                 if gemm && !vis.wrapped {
-                    // Four keys per call share the conversion of q; each sum keeps its order.
+                    // Four keys per call against up to four heads; each sum keeps its order.
+                    let mut d = [[0.0f32; 4]; GEMM_TILE_ROWS];
                     while at + 4 <= range.end {
-                        let d = dot_f16_gemm_x4(q, [key(at), key(at + 1), key(at + 2), key(at + 3)]);
-                        for (k, dk) in d.iter().enumerate() {
-                            s[at + k - lo_a] = dk * c.kq_scale;
+                        let keys = [key(at), key(at + 1), key(at + 2), key(at + 3)];
+                        for h0 in (0..heads).step_by(GEMM_TILE_ROWS) {
+                            let rows = GEMM_TILE_ROWS.min(heads - h0);
+                            let qs: [&[f16]; GEMM_TILE_ROWS] = std::array::from_fn(|m| q(h0 + m.min(rows - 1)));
+                            dot_f16_gemm_rows(&qs[..rows], keys, &mut d);
+                            for (m, dm) in d[..rows].iter().enumerate() {
+                                let row = &mut s[(h0 + m) * ctx..];
+                                for (k, dk) in dm.iter().enumerate() {
+                                    row[at + k - lo_a] = dk * c.kq_scale;
+                                }
+                            }
                         }
                         at += 4;
                     }
                 }
-                for at in at..range.end {
-                    if vis.sees(pos, at) {
-                        s[at - lo_a] = dot(key(at), q) * c.kq_scale;
+                for h in 0..heads {
+                    let row = &mut s[h * ctx..h * ctx + width];
+                    for at in at..range.end {
+                        if vis.sees(pos, at) {
+                            row[at - lo_a] = dot(key(at), q(h)) * c.kq_scale;
+                        }
                     }
-                }
-                ops::softmax(s);
-                let p = &mut p[..hi_a - lo_a];
-                for (pj, &sj) in p.iter_mut().zip(s.iter()) {
-                    *pj = f16::from_f32(sj);
+                    ops::softmax(row);
+                    p[h * ctx..h * ctx + width].convert_from_f32_slice(row);
                 }
                 let value = |dim: usize| kv.value_row(layer, kv_head, dim, lo_a, hi_a);
+                let prob = |h: usize| &p[h * ctx..h * ctx + width];
                 let mut dim = 0;
                 if gemm {
+                    let mut d = [[0.0f32; 4]; GEMM_TILE_ROWS];
                     while dim + 4 <= hd {
-                        let d = dot_f16_gemm_x4(p, [value(dim), value(dim + 1), value(dim + 2), value(dim + 3)]);
-                        o[dim..dim + 4].copy_from_slice(&d);
+                        let values = [value(dim), value(dim + 1), value(dim + 2), value(dim + 3)];
+                        for h0 in (0..heads).step_by(GEMM_TILE_ROWS) {
+                            let rows = GEMM_TILE_ROWS.min(heads - h0);
+                            let ps: [&[f16]; GEMM_TILE_ROWS] = std::array::from_fn(|m| prob(h0 + m.min(rows - 1)));
+                            dot_f16_gemm_rows(&ps[..rows], values, &mut d);
+                            for (m, dm) in d[..rows].iter().enumerate() {
+                                o[(h0 + m) * hd + dim..][..4].copy_from_slice(dm);
+                            }
+                        }
                         dim += 4;
                     }
                 }
-                for (dim, od) in o.iter_mut().enumerate().skip(dim) {
-                    *od = dot(value(dim), p);
+                for h in 0..heads {
+                    for (d, od) in o[h * hd..(h + 1) * hd].iter_mut().enumerate().skip(dim) {
+                        *od = dot(value(d), prob(h));
+                    }
                 }
             });
     }

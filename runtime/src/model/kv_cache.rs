@@ -2,6 +2,7 @@
 //! out for the attention path that reads them (see `attention.rs`).
 
 use half::f16;
+use half::slice::HalfFloatSliceExt;
 
 use super::config::Config;
 use crate::{Result, RuntimeError};
@@ -133,11 +134,8 @@ impl KvCache {
 
     pub(super) fn store(&mut self, layer: usize, cell: usize, k: &[f32], v: &[f32]) {
         let base = (layer * self.ctx + cell) * self.kv_dim;
-        let to_f16 = |dst: &mut [f16], src: &[f32]| {
-            for (d, &s) in dst.iter_mut().zip(src) {
-                *d = f16::from_f32(s);
-            }
-        };
+        // F16C where the CPU has it: the same rounding (to nearest even).
+        let to_f16 = |dst: &mut [f16], src: &[f32]| dst.convert_from_f32_slice(src);
         to_f16(&mut self.k[base..base + self.kv_dim], k);
         if self.value_rows {
             to_f16(&mut self.v[base..base + self.kv_dim], v);
