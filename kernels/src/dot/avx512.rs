@@ -215,22 +215,36 @@ unsafe fn q5_0_tile<const R: usize, const T: usize>(
     nb: usize,
 ) -> [[f32; T]; R] {
     let mut acc = [[_mm256_setzero_ps(); T]; R];
-    let mut products = [[0.0f32; PANEL_TOKENS]; R];
-    for ib in 0..nb {
+    // The scale products `dx * dy` of block `ib` are made during block
+    // `ib - 1` and read back as broadcasts folded into the FMAs (loads,
+    // where broadcasting from a register is a shuffle per output; a block
+    // ahead, so the reads never wait on the stores).
+    let mut products = [[[0.0f32; PANEL_TOKENS]; R]; 2];
+    let products: *mut [[f32; PANEL_TOKENS]; R] = std::hint::black_box(products.as_mut_ptr());
+    let scale_products = |ib: usize, slot: *mut [[f32; PANEL_TOKENS]; R]| {
         let block = panel.add(ib * PANEL_BLOCK_BYTES) as *const PanelBlock;
         let dy = _mm256_loadu_ps((*block).d.as_ptr());
-        let mut wx = [_mm256_setzero_si256(); R];
         for r in 0..R {
-            let x = &*ws[r].add(ib);
-            wx[r] = raw_q5_0(x);
-            _mm256_storeu_ps(products[r].as_mut_ptr(), _mm256_mul_ps(_mm256_set1_ps(fp16(x.d)), dy));
+            let dx = _mm256_set1_ps(fp16((*ws[r].add(ib)).d));
+            _mm256_storeu_ps((*slot)[r].as_mut_ptr(), _mm256_mul_ps(dx, dy));
         }
+    };
+    if nb > 0 {
+        scale_products(0, products);
+    }
+    for ib in 0..nb {
+        let block = panel.add(ib * PANEL_BLOCK_BYTES) as *const PanelBlock;
+        let current = products.add(ib % 2);
+        if ib + 1 < nb {
+            scale_products(ib + 1, products.add((ib + 1) % 2));
+        }
+        let wx: [__m256i; R] = std::array::from_fn(|r| raw_q5_0(&*ws[r].add(ib)));
         for t in 0..T {
             let y = _mm256_loadu_si256((*block).qs[t].as_ptr() as *const __m256i);
             let offset = _mm256_loadu_si256((*block).offset16[t].as_ptr() as *const __m256i);
             for r in 0..R {
                 let q = _mm256_cvtepi32_ps(_mm256_dpbusd_epi32(offset, wx[r], y));
-                let d = _mm256_set1_ps(products[r][t]);
+                let d = _mm256_broadcast_ss(&(*current)[r][t]);
                 acc[r][t] = _mm256_fmadd_ps(d, q, acc[r][t]);
             }
         }
