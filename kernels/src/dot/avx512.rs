@@ -209,6 +209,8 @@ pub(crate) unsafe fn q5_0_q8_0(
 /// time and read back as broadcasts.
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
+// Rows and tokens index several arrays in step.
+#[allow(clippy::needless_range_loop)]
 unsafe fn q5_0_tile<const R: usize, const T: usize>(
     ws: [*const BlockQ5_0; R],
     panel: *const u8,
