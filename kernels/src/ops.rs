@@ -28,11 +28,59 @@ fn pieces(x: &mut [f32], y: &[f32], op: impl Fn(&mut [f32], &[f32]) + Sync) {
 /// `out = x / rms(x) * weight`, the sum of squares accumulated in f64 as GGML does.
 pub fn rms_norm(x: &[f32], weight: &[f32], eps: f32, out: &mut [f32]) {
     debug_assert!(x.len() == weight.len() && x.len() == out.len());
-    let sum: f64 = x.iter().map(|&v| (v * v) as f64).sum();
-    let mean = (sum / x.len() as f64) as f32;
-    let scale = 1.0 / (mean + eps).sqrt();
+    let [sum] = sums_of_squares([x]);
+    scale_row(x, weight, rms_scale(sum, x.len(), eps), out);
+}
+
+/// Rows normalized together: their sums of squares are separate chains of
+/// f64 adds (each in GGML's order), so running several at once hides the
+/// adds' latency, which bounds a lone row.
+const NORM_ROWS: usize = 4;
+
+/// Each row's sum of squares, `(v * v) as f64` added in order, the rows'
+/// chains interleaved.
+#[inline(always)]
+fn sums_of_squares<const R: usize>(rows: [&[f32]; R]) -> [f64; R] {
+    let len = rows.iter().map(|r| r.len()).min().unwrap_or(0);
+    let mut sums = [0.0f64; R];
+    for i in 0..len {
+        for (sum, row) in sums.iter_mut().zip(&rows) {
+            let v = row[i];
+            *sum += (v * v) as f64;
+        }
+    }
+    sums
+}
+
+#[inline(always)]
+fn rms_scale(sum: f64, len: usize, eps: f32) -> f32 {
+    let mean = (sum / len as f64) as f32;
+    1.0 / (mean + eps).sqrt()
+}
+
+#[inline(always)]
+fn scale_row(x: &[f32], weight: &[f32], scale: f32, out: &mut [f32]) {
     for ((o, &v), &w) in out.iter_mut().zip(x).zip(weight) {
         *o = (v * scale) * w;
+    }
+}
+
+/// [`rms_norm`] of consecutive rows of `x` (as long as `weight`), up to
+/// [`NORM_ROWS`] at a time, into `out`.
+fn rms_norm_chunk(x: &[f32], weight: &[f32], eps: f32, out: &mut [f32]) {
+    let d = weight.len();
+    let rows = x.len().min(out.len()) / d;
+    let row = |r: usize| r * d..(r + 1) * d;
+    let mut r = 0;
+    while r + NORM_ROWS <= rows {
+        let xs: [&[f32]; NORM_ROWS] = std::array::from_fn(|i| &x[row(r + i)]);
+        for (i, sum) in sums_of_squares(xs).into_iter().enumerate() {
+            scale_row(xs[i], weight, rms_scale(sum, d, eps), &mut out[row(r + i)]);
+        }
+        r += NORM_ROWS;
+    }
+    for r in r..rows {
+        rms_norm(&x[row(r)], weight, eps, &mut out[row(r)]);
     }
 }
 
@@ -42,31 +90,43 @@ pub fn rms_norm_rows(x: &[f32], weight: &[f32], eps: f32, out: &mut [f32]) {
     if d == 0 {
         return;
     }
-    let rows = |x: &[f32], out: &mut [f32]| {
-        for (row, out_row) in x.chunks_exact(d).zip(out.chunks_exact_mut(d)) {
-            rms_norm(row, weight, eps, out_row);
-        }
-    };
     if x.len() >= PARALLEL_VALUES {
         let piece = PARALLEL_CHUNK.div_ceil(d) * d;
         out.par_chunks_mut(piece)
             .zip(x.par_chunks(piece))
-            .for_each(|(out, x)| rows(x, out));
+            .for_each(|(out, x)| rms_norm_chunk(x, weight, eps, out));
     } else {
-        rows(x, out);
+        rms_norm_chunk(x, weight, eps, out);
     }
 }
 
-/// In-place RMS norm of each `head_dim` chunk of `x` (per-head q/k norms).
+/// In-place RMS norm of each `head_dim` chunk of `x` (per-head q/k norms),
+/// up to [`NORM_ROWS`] heads at a time.
 pub fn rms_norm_heads(x: &mut [f32], weight: &[f32], eps: f32) {
     let d = weight.len();
-    for head in x.chunks_exact_mut(d) {
-        let sum: f64 = head.iter().map(|&v| (v * v) as f64).sum();
-        let mean = (sum / d as f64) as f32;
-        let scale = 1.0 / (mean + eps).sqrt();
-        for (v, &w) in head.iter_mut().zip(weight) {
-            *v = (*v * scale) * w;
+    if d == 0 {
+        return;
+    }
+    let mut groups = x.chunks_exact_mut(d * NORM_ROWS);
+    for group in &mut groups {
+        let sums = {
+            let heads: [&[f32]; NORM_ROWS] = std::array::from_fn(|i| &group[i * d..(i + 1) * d]);
+            sums_of_squares(heads)
+        };
+        for (head, sum) in group.chunks_exact_mut(d).zip(sums) {
+            scale_in_place(head, weight, rms_scale(sum, d, eps));
         }
+    }
+    for head in groups.into_remainder().chunks_exact_mut(d) {
+        let [sum] = sums_of_squares([&*head]);
+        scale_in_place(head, weight, rms_scale(sum, d, eps));
+    }
+}
+
+#[inline(always)]
+fn scale_in_place(x: &mut [f32], weight: &[f32], scale: f32) {
+    for (v, &w) in x.iter_mut().zip(weight) {
+        *v = (*v * scale) * w;
     }
 }
 
@@ -416,6 +476,42 @@ mod tests {
             let n1: f32 = x.iter().map(|v| v * v).sum();
             assert!((n0 - n1).abs() < 1e-4);
             assert_ne!(x, orig);
+        }
+    }
+
+    #[test]
+    fn norms_of_several_rows_equal_one_row_at_a_time() {
+        let d = 40;
+        let weight: Vec<f32> = (0..d).map(|i| 0.5 + i as f32 / 64.0).collect();
+        for rows in [1, 3, 4, 7, 9] {
+            // Wide dynamic range, so a changed order of f64 adds would show.
+            let x: Vec<f32> = (0..rows * d)
+                .map(|i| ((i * 7919) % 211) as f32 * 10f32.powi((i % 9) as i32 - 4))
+                .collect();
+            let mut together = vec![0.0; rows * d];
+            rms_norm_rows(&x, &weight, 1e-6, &mut together);
+            let mut heads = x.clone();
+            rms_norm_heads(&mut heads, &weight, 1e-6);
+            for r in 0..rows {
+                let mut alone = vec![0.0; d];
+                rms_norm(&x[r * d..(r + 1) * d], &weight, 1e-6, &mut alone);
+                let sum: f64 = x[r * d..(r + 1) * d].iter().map(|&v| (v * v) as f64).sum();
+                let scale = 1.0 / ((sum / d as f64) as f32 + 1e-6).sqrt();
+                for i in 0..d {
+                    let expected = (x[r * d + i] * scale) * weight[i];
+                    assert_eq!(alone[i].to_bits(), expected.to_bits(), "row {r} col {i}");
+                    assert_eq!(
+                        together[r * d + i].to_bits(),
+                        expected.to_bits(),
+                        "rows {rows}: row {r} col {i}"
+                    );
+                    assert_eq!(
+                        heads[r * d + i].to_bits(),
+                        expected.to_bits(),
+                        "heads {rows}: row {r} col {i}"
+                    );
+                }
+            }
         }
     }
 
