@@ -205,7 +205,7 @@ pub(crate) fn fp16(h: f16) -> f32 {
 /// `hsum_float_8`.
 #[inline]
 #[target_feature(enable = "avx2,fma")]
-pub(crate) unsafe fn hsum_float_8(x: __m256) -> f32 {
+unsafe fn hsum_float_8(x: __m256) -> f32 {
     let mut res = _mm_add_ps(_mm256_extractf128_ps(x, 1), _mm256_castps256_ps128(x));
     res = _mm_add_ps(res, _mm_movehl_ps(res, res));
     res = _mm_add_ss(res, _mm_movehdup_ps(res));
@@ -214,7 +214,7 @@ pub(crate) unsafe fn hsum_float_8(x: __m256) -> f32 {
 
 #[inline]
 #[target_feature(enable = "avx2,fma")]
-unsafe fn hsum_each<const R: usize, const T: usize>(acc: [[__m256; T]; R]) -> [[f32; T]; R] {
+pub(crate) unsafe fn hsum_each<const R: usize, const T: usize>(acc: [[__m256; T]; R]) -> [[f32; T]; R] {
     let mut out = [[0.0f32; T]; R];
     for r in 0..R {
         for t in 0..T {

@@ -32,7 +32,7 @@
 
 use std::arch::x86_64::*;
 
-use super::avx2::{fp16, hsum_float_8};
+use super::avx2::{fp16, hsum_each};
 use crate::blocks::{unpack_scales_mins_k4, BlockQ4K, BlockQ5_0, BlockQ6K, BlockQ8K, BlockQ8_0, QK, QK_K};
 
 /// Whether these kernels run here: AVX-512 F, BW, VL and VNNI on top of the
@@ -72,6 +72,17 @@ pub(crate) fn panel_bytes(n: usize, blocks: usize) -> usize {
     n.div_ceil(PANEL_TOKENS)
         .saturating_mul(blocks)
         .saturating_mul(PANEL_BLOCK_BYTES)
+}
+
+/// The start of the panel (`panel_bytes` long) holding tokens
+/// `first_token..first_token + tokens`, if they are one panel's start and at
+/// most its width and `bytes` holds it.
+fn panel_start(bytes: &[u8], first_token: usize, tokens: usize, panel_bytes: usize) -> Option<*const u8> {
+    let start = (first_token / PANEL_TOKENS) * panel_bytes;
+    let fits = first_token.is_multiple_of(PANEL_TOKENS) && (1..=PANEL_TOKENS).contains(&tokens);
+    fits.then(|| bytes.get(start..start + panel_bytes))
+        .flatten()
+        .map(|panel| panel.as_ptr())
 }
 
 /// `fill(index, block)` for each `size`-byte block of `out`, across rayon's
@@ -158,18 +169,12 @@ pub(crate) unsafe fn q5_0_q8_0(
     out: &mut [f32],
 ) {
     let nb = panels.blocks;
-    let start = (first_token / PANEL_TOKENS) * nb * PANEL_BLOCK_BYTES;
-    let end = start + nb * PANEL_BLOCK_BYTES;
-    if !first_token.is_multiple_of(PANEL_TOKENS)
-        || !(1..=PANEL_TOKENS).contains(&tokens)
-        || ws.is_empty()
-        || ws.iter().any(|w| w.len() != nb)
-        || panels.bytes.len() < end
-        || out.len() < ws.len() * tokens
-    {
+    let Some(panel) = panel_start(panels.bytes, first_token, tokens, nb * PANEL_BLOCK_BYTES) else {
+        return;
+    };
+    if ws.iter().any(|w| w.len() != nb) || out.len() < ws.len() * tokens {
         return;
     }
-    let panel = panels.bytes[start..end].as_ptr();
     for r0 in (0..ws.len()).step_by(ROWS) {
         let rows = ROWS.min(ws.len() - r0);
         macro_rules! run {
@@ -251,13 +256,7 @@ unsafe fn q5_0_tile<const R: usize, const T: usize>(
             }
         }
     }
-    let mut out = [[0.0f32; T]; R];
-    for r in 0..R {
-        for t in 0..T {
-            out[r][t] = hsum_float_8(acc[r][t]);
-        }
-    }
-    out
+    hsum_each(acc)
 }
 
 /// A Q5_0 block's 32 values as unsigned bytes `x + 16` in `0..32`: low
@@ -357,61 +356,73 @@ impl<'a> Q8KPanels<'a> {
         let len = q8k_panel_bytes(n, blocks);
         bytes.get(..len).map(|bytes| Self { bytes, blocks })
     }
+
+    /// The panel holding tokens `first_token..first_token + tokens`, if that
+    /// is one panel's start and at most its width.
+    fn tile(&self, first_token: usize, tokens: usize) -> Option<*const u8> {
+        panel_start(self.bytes, first_token, tokens, self.blocks * Q8K_PANEL_BLOCK_BYTES)
+    }
 }
 
 /// Weight rows computed together by [`q4_k_gemm`]: four rows' low and high
 /// sums are eight independent `vpdpbusd` chains.
 const Q4K_ROWS: usize = 4;
 
-/// Q4_K weight rows · the tokens `first_token..first_token + tokens` of
-/// `panels` (`first_token` a multiple of [`PANEL_TOKENS`], `tokens` at most
-/// that), into `out[r * tokens + t]`, all as rows of llama.cpp's repacked
-/// gemm ([`crate::repack::Mode::Gemm`]): equal to `repack::avx2::tiles`
-/// there, bit for bit.
-///
-/// # Safety
-/// [`available`] must have returned true.
-#[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
-pub(crate) unsafe fn q4_k_gemm(
-    ws: &[&[BlockQ4K]],
-    panels: Q8KPanels,
-    first_token: usize,
-    tokens: usize,
-    out: &mut [f32],
-) {
-    let nb = panels.blocks;
-    let start = (first_token / PANEL_TOKENS) * nb * Q8K_PANEL_BLOCK_BYTES;
-    let end = start + nb * Q8K_PANEL_BLOCK_BYTES;
-    if !first_token.is_multiple_of(PANEL_TOKENS)
-        || !(1..=PANEL_TOKENS).contains(&tokens)
-        || ws.iter().any(|w| w.len() != nb)
-        || panels.bytes.len() < end
-        || out.len() < ws.len() * tokens
-    {
-        return;
-    }
-    let panel = panels.bytes[start..end].as_ptr();
-    for r0 in (0..ws.len()).step_by(Q4K_ROWS) {
-        let rows = Q4K_ROWS.min(ws.len() - r0);
-        macro_rules! run {
-            ($R:literal) => {{
-                let w: [*const BlockQ4K; $R] = std::array::from_fn(|i| ws[r0 + i].as_ptr());
-                let result = q4_k_tile::<$R>(w, panel, nb);
-                for (r, row) in result.iter().enumerate() {
-                    out[(r0 + r) * tokens..][..tokens].copy_from_slice(&row[..tokens]);
+/// Defines `$name(ws, panels, first_token, tokens, out)`: weight rows of
+/// `$W` · the tokens `first_token..first_token + tokens` of Q8_K `panels`
+/// (`first_token` a multiple of [`PANEL_TOKENS`], `tokens` at most that),
+/// into `out[r * tokens + t]`, by `$tile::<R>` over groups of up to
+/// [`Q4K_ROWS`] rows. Shapes that do not fit leave `out` alone.
+macro_rules! q8k_panel_kernel {
+    ($(#[$doc:meta])* $name:ident($W:ty) => $tile:ident) => {
+        $(#[$doc])*
+        ///
+        /// # Safety
+        /// [`available`] must have returned true.
+        #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
+        pub(crate) unsafe fn $name(ws: &[&[$W]], panels: Q8KPanels, first_token: usize, tokens: usize, out: &mut [f32]) {
+            let nb = panels.blocks;
+            let Some(panel) = panels.tile(first_token, tokens) else { return };
+            if ws.iter().any(|w| w.len() != nb) || out.len() < ws.len() * tokens {
+                return;
+            }
+            for r0 in (0..ws.len()).step_by(Q4K_ROWS) {
+                let rows = Q4K_ROWS.min(ws.len() - r0);
+                macro_rules! run {
+                    ($R:literal) => {{
+                        let w: [*const $W; $R] = std::array::from_fn(|i| ws[r0 + i].as_ptr());
+                        let result = $tile::<$R>(w, panel, nb);
+                        for (r, row) in result.iter().enumerate() {
+                            out[(r0 + r) * tokens..][..tokens].copy_from_slice(&row[..tokens]);
+                        }
+                    }};
                 }
-            }};
+                match rows {
+                    1 => run!(1),
+                    2 => run!(2),
+                    3 => run!(3),
+                    4 => run!(4),
+                    // Q4K_ROWS is 4.
+                    _ => {}
+                }
+            }
         }
-        match rows {
-            1 => run!(1),
-            2 => run!(2),
-            3 => run!(3),
-            4 => run!(4),
-            // Q4K_ROWS is 4.
-            _ => {}
-        }
-    }
+    };
 }
+
+q8k_panel_kernel!(
+    /// All rows as rows of llama.cpp's repacked Q4_K gemm
+    /// ([`crate::repack::Mode::Gemm`]): equal to `repack::avx2::tiles`
+    /// there, bit for bit.
+    q4_k_gemm(BlockQ4K) => q4_k_tile
+);
+
+q8k_panel_kernel!(
+    /// In the arithmetic of llama.cpp's tiled K-quant matmul (one exact
+    /// integer per output and super-block, `fma(float(sum) * d, d8, acc)`):
+    /// equal to `avx2::q6_k_q8_k_tiled`, bit for bit.
+    q6_k_tiled(BlockQ6K) => q6_k_tile
+);
 
 /// `R` weight rows against all eight token slots of one panel (results for
 /// empty slots are dropped by the caller).
@@ -483,56 +494,6 @@ unsafe fn q4_k_tile<const R: usize>(ws: [*const BlockQ4K; R], panel: *const u8, 
         _mm256_storeu_ps(out[r].as_mut_ptr(), _mm256_sub_ps(acc[r], acc_min[r]));
     }
     out
-}
-
-/// Q6_K weight rows · the tokens `first_token..first_token + tokens` of
-/// `panels` (as [`q4_k_gemm`]), into `out[r * tokens + t]`, in the arithmetic
-/// of llama.cpp's tiled K-quant matmul (one exact integer per output and
-/// super-block, `fma(float(sum) * d, d8, acc)`): equal to
-/// `avx2::q6_k_q8_k_tiled`, bit for bit.
-///
-/// # Safety
-/// [`available`] must have returned true.
-#[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
-pub(crate) unsafe fn q6_k_tiled(
-    ws: &[&[BlockQ6K]],
-    panels: Q8KPanels,
-    first_token: usize,
-    tokens: usize,
-    out: &mut [f32],
-) {
-    let nb = panels.blocks;
-    let start = (first_token / PANEL_TOKENS) * nb * Q8K_PANEL_BLOCK_BYTES;
-    let end = start + nb * Q8K_PANEL_BLOCK_BYTES;
-    if !first_token.is_multiple_of(PANEL_TOKENS)
-        || !(1..=PANEL_TOKENS).contains(&tokens)
-        || ws.iter().any(|w| w.len() != nb)
-        || panels.bytes.len() < end
-        || out.len() < ws.len() * tokens
-    {
-        return;
-    }
-    let panel = panels.bytes[start..end].as_ptr();
-    for r0 in (0..ws.len()).step_by(Q4K_ROWS) {
-        let rows = Q4K_ROWS.min(ws.len() - r0);
-        macro_rules! run {
-            ($R:literal) => {{
-                let w: [*const BlockQ6K; $R] = std::array::from_fn(|i| ws[r0 + i].as_ptr());
-                let result = q6_k_tile::<$R>(w, panel, nb);
-                for (r, row) in result.iter().enumerate() {
-                    out[(r0 + r) * tokens..][..tokens].copy_from_slice(&row[..tokens]);
-                }
-            }};
-        }
-        match rows {
-            1 => run!(1),
-            2 => run!(2),
-            3 => run!(3),
-            4 => run!(4),
-            // Q4K_ROWS is 4.
-            _ => {}
-        }
-    }
 }
 
 /// `R` Q6_K weight rows against all eight token slots of one panel.
