@@ -577,6 +577,7 @@ unsafe fn q6_k_tile<const R: usize>(ws: [*const BlockQ6K; R], panel: *const u8, 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use bytemuck::Zeroable;
 
     fn lcg(state: &mut u64) -> u64 {
         *state = state
@@ -585,7 +586,7 @@ mod tests {
         *state >> 33
     }
 
-    fn weights(blocks: usize, state: &mut u64, extreme: bool) -> Vec<BlockQ5_0> {
+    fn q5_0_weights(blocks: usize, state: &mut u64, extreme: bool) -> Vec<BlockQ5_0> {
         (0..blocks)
             .map(|_| BlockQ5_0 {
                 d: half::f16::from_f32(0.01 + (lcg(state) % 100) as f32 * 1e-3),
@@ -601,8 +602,8 @@ mod tests {
     }
 
     /// Q8_0 quantization's range, -127..=127 (see the module notes).
-    fn activations(blocks: usize, state: &mut u64, extreme: bool) -> Vec<BlockQ8_0> {
-        (0..blocks)
+    fn q8_0_rows(n: usize, blocks: usize, state: &mut u64, extreme: bool) -> Vec<BlockQ8_0> {
+        (0..n * blocks)
             .map(|_| BlockQ8_0 {
                 d: half::f16::from_f32(0.02 + (lcg(state) % 100) as f32 * 1e-3),
                 qs: std::array::from_fn(|_| {
@@ -616,6 +617,46 @@ mod tests {
             .collect()
     }
 
+    /// `n` rows of `blocks` super-blocks, quantized from values in [-4, 4].
+    fn q8k_rows(n: usize, blocks: usize, state: &mut u64) -> Vec<BlockQ8K> {
+        let x: Vec<f32> = (0..n * blocks * QK_K)
+            .map(|_| (lcg(state) % 2001) as f32 / 250.0 - 4.0)
+            .collect();
+        let mut ys = vec![BlockQ8K::zeroed(); n * blocks];
+        for (row, xs) in ys.chunks_mut(blocks).zip(x.chunks(blocks * QK_K)) {
+            crate::quantize::quantize_row_q8_k(xs, bytemuck::cast_slice_mut(row)).unwrap();
+        }
+        ys
+    }
+
+    /// Runs `kernel(first_token, tokens, out)` over every panel of `n`
+    /// tokens and checks each output against `expected(row, token)` bit for bit.
+    fn check_panels(
+        what: &str,
+        rows: usize,
+        n: usize,
+        expected: impl Fn(usize, usize) -> f32,
+        mut kernel: impl FnMut(usize, usize, &mut [f32]),
+    ) {
+        for first in (0..n).step_by(PANEL_TOKENS) {
+            let tokens = PANEL_TOKENS.min(n - first);
+            let mut got = vec![f32::NAN; rows * tokens];
+            kernel(first, tokens, &mut got);
+            for r in 0..rows {
+                for t in 0..tokens {
+                    let e = expected(r, first + t);
+                    let g = got[r * tokens + t];
+                    assert_eq!(
+                        e.to_bits(),
+                        g.to_bits(),
+                        "{what}: {rows} rows x {n} tokens, row {r} token {}",
+                        first + t
+                    );
+                }
+            }
+        }
+    }
+
     #[test]
     fn q5_0_matches_the_avx2_kernel_bit_for_bit() {
         if !available() {
@@ -627,8 +668,8 @@ mod tests {
             for rows in 1..=5 {
                 for n in 1..=19 {
                     let blocks = 1 + (rows * n) % 7;
-                    let ws: Vec<_> = (0..rows).map(|_| weights(blocks, &mut state, extreme)).collect();
-                    let ys: Vec<BlockQ8_0> = (0..n).flat_map(|_| activations(blocks, &mut state, extreme)).collect();
+                    let ws: Vec<_> = (0..rows).map(|_| q5_0_weights(blocks, &mut state, extreme)).collect();
+                    let ys = q8_0_rows(n, blocks, &mut state, extreme);
                     let ws: Vec<&[BlockQ5_0]> = ws.iter().map(|w| &w[..]).collect();
                     let y_rows: Vec<&[BlockQ8_0]> = ys.chunks(blocks).collect();
                     let mut expected = vec![0.0f32; rows * n];
@@ -636,23 +677,16 @@ mod tests {
                     unsafe { super::super::avx2::q5_0_q8_0(&ws, &y_rows, &mut expected) };
                     let mut storage = vec![0u8; panel_bytes(n, blocks)];
                     let panels = Q8_0Panels::build(&ys, n, blocks, &mut storage).unwrap();
-                    for first in (0..n).step_by(PANEL_TOKENS) {
-                        let tokens = PANEL_TOKENS.min(n - first);
-                        let mut got = vec![f32::NAN; rows * tokens];
-                        // SAFETY: `available()` said yes.
-                        unsafe { q5_0_q8_0(&ws, panels, first, tokens, &mut got) };
-                        for r in 0..rows {
-                            for t in 0..tokens {
-                                let (e, g) = (expected[r * n + first + t], got[r * tokens + t]);
-                                assert_eq!(
-                                    e.to_bits(),
-                                    g.to_bits(),
-                                    "{rows} rows x {n} tokens ({blocks} blocks), row {r} token {}",
-                                    first + t
-                                );
-                            }
-                        }
-                    }
+                    check_panels(
+                        "q5_0",
+                        rows,
+                        n,
+                        |r, t| expected[r * n + t],
+                        |first, tokens, out| {
+                            // SAFETY: `available()` said yes.
+                            unsafe { q5_0_q8_0(&ws, panels, first, tokens, out) }
+                        },
+                    );
                 }
             }
         }
@@ -664,55 +698,37 @@ mod tests {
             eprintln!("no AVX-512 VNNI/BW/VL here: nothing to compare");
             return;
         }
-        use crate::repack::{scalar_tiles, Mode};
+        use crate::repack::{dot, Mode};
         let mut state = 0x9E37_79B9_7F4A_7C15u64;
         for rows in 1..=6 {
             for n in [1, 3, 4, 8, 9, 16, 19] {
                 let blocks = 1 + (rows + n) % 3;
+                let random_block = |state: &mut u64| {
+                    let mut b = BlockQ4K::zeroed();
+                    b.d = half::f16::from_bits(0x1400 + (lcg(state) % 0x400) as u16);
+                    b.dmin = half::f16::from_bits(0x1000 + (lcg(state) % 0x800) as u16);
+                    b.scales = std::array::from_fn(|_| lcg(state) as u8);
+                    b.qs = std::array::from_fn(|_| lcg(state) as u8);
+                    b
+                };
                 let ws: Vec<Vec<BlockQ4K>> = (0..rows)
-                    .map(|_| {
-                        (0..blocks)
-                            .map(|_| {
-                                let mut b: BlockQ4K = bytemuck::Zeroable::zeroed();
-                                b.d = half::f16::from_bits(0x1400 + (lcg(&mut state) % 0x400) as u16);
-                                b.dmin = half::f16::from_bits(0x1000 + (lcg(&mut state) % 0x800) as u16);
-                                b.scales = std::array::from_fn(|_| lcg(&mut state) as u8);
-                                b.qs = std::array::from_fn(|_| lcg(&mut state) as u8);
-                                b
-                            })
-                            .collect()
-                    })
+                    .map(|_| (0..blocks).map(|_| random_block(&mut state)).collect())
                     .collect();
-                let x: Vec<f32> = (0..n * blocks * QK_K)
-                    .map(|_| (lcg(&mut state) % 2001) as f32 / 250.0 - 4.0)
-                    .collect();
-                let mut ys = vec![<BlockQ8K as bytemuck::Zeroable>::zeroed(); n * blocks];
-                for (row, xs) in ys.chunks_mut(blocks).zip(x.chunks(blocks * QK_K)) {
-                    crate::quantize::quantize_row_q8_k(xs, bytemuck::cast_slice_mut(row)).unwrap();
-                }
-                let ws: Vec<&[BlockQ4K]> = ws.iter().map(|w| &w[..]).collect();
-                let y_rows: Vec<&[BlockQ8K]> = ys.chunks(blocks).collect();
-                let mut expected = vec![0.0f32; rows * n];
-                scalar_tiles(&ws, &y_rows, Mode::Gemm, &mut expected);
+                let ys = q8k_rows(n, blocks, &mut state);
+                let w_rows: Vec<&[BlockQ4K]> = ws.iter().map(|w| &w[..]).collect();
                 let mut storage = vec![0u8; q8k_panel_bytes(n, blocks)];
                 let panels = Q8KPanels::build(&ys, n, blocks, &mut storage).unwrap();
-                for first in (0..n).step_by(PANEL_TOKENS) {
-                    let tokens = PANEL_TOKENS.min(n - first);
-                    let mut got = vec![f32::NAN; rows * tokens];
-                    // SAFETY: `available()` said yes.
-                    unsafe { q4_k_gemm(&ws, panels, first, tokens, &mut got) };
-                    for r in 0..rows {
-                        for t in 0..tokens {
-                            let (e, g) = (expected[r * n + first + t], got[r * tokens + t]);
-                            assert_eq!(
-                                e.to_bits(),
-                                g.to_bits(),
-                                "{rows} rows x {n} tokens, row {r} token {}",
-                                first + t
-                            );
-                        }
-                    }
-                }
+                let y = |t: usize| &ys[t * blocks..(t + 1) * blocks];
+                check_panels(
+                    "q4_k",
+                    rows,
+                    n,
+                    |r, t| dot(&ws[r], y(t), Mode::Gemm),
+                    |first, tokens, out| {
+                        // SAFETY: `available()` said yes.
+                        unsafe { q4_k_gemm(&w_rows, panels, first, tokens, out) }
+                    },
+                );
             }
         }
     }
@@ -727,49 +743,27 @@ mod tests {
         for rows in 1..=6 {
             for n in [1, 4, 8, 9, 16, 19] {
                 let blocks = 1 + (rows + n) % 3;
+                let random_block = |state: &mut u64| {
+                    let mut b = BlockQ6K::zeroed();
+                    b.d = half::f16::from_bits(0x1400 + (lcg(state) % 0x400) as u16);
+                    b.scales = std::array::from_fn(|_| lcg(state) as i8);
+                    b.ql = std::array::from_fn(|_| lcg(state) as u8);
+                    b.qh = std::array::from_fn(|_| lcg(state) as u8);
+                    b
+                };
                 let ws: Vec<Vec<BlockQ6K>> = (0..rows)
-                    .map(|_| {
-                        (0..blocks)
-                            .map(|_| {
-                                let mut b: BlockQ6K = bytemuck::Zeroable::zeroed();
-                                b.d = half::f16::from_bits(0x1400 + (lcg(&mut state) % 0x400) as u16);
-                                b.scales = std::array::from_fn(|_| lcg(&mut state) as i8);
-                                b.ql = std::array::from_fn(|_| lcg(&mut state) as u8);
-                                b.qh = std::array::from_fn(|_| lcg(&mut state) as u8);
-                                b
-                            })
-                            .collect()
-                    })
+                    .map(|_| (0..blocks).map(|_| random_block(&mut state)).collect())
                     .collect();
-                let x: Vec<f32> = (0..n * blocks * QK_K)
-                    .map(|_| (lcg(&mut state) % 2001) as f32 / 250.0 - 4.0)
-                    .collect();
-                let mut ys = vec![<BlockQ8K as bytemuck::Zeroable>::zeroed(); n * blocks];
-                for (row, xs) in ys.chunks_mut(blocks).zip(x.chunks(blocks * QK_K)) {
-                    crate::quantize::quantize_row_q8_k(xs, bytemuck::cast_slice_mut(row)).unwrap();
-                }
+                let ys = q8k_rows(n, blocks, &mut state);
+                let w_rows: Vec<&[BlockQ6K]> = ws.iter().map(|w| &w[..]).collect();
                 let mut storage = vec![0u8; q8k_panel_bytes(n, blocks)];
                 let panels = Q8KPanels::build(&ys, n, blocks, &mut storage).unwrap();
-                let w_rows: Vec<&[BlockQ6K]> = ws.iter().map(|w| &w[..]).collect();
-                for first in (0..n).step_by(PANEL_TOKENS) {
-                    let tokens = PANEL_TOKENS.min(n - first);
-                    let mut got = vec![f32::NAN; rows * tokens];
+                let y = |t: usize| &ys[t * blocks..(t + 1) * blocks];
+                let expected = |r: usize, t: usize| super::super::scalar::q6_k_q8_k_tiled(&ws[r], y(t));
+                check_panels("q6_k", rows, n, expected, |first, tokens, out| {
                     // SAFETY: `available()` said yes.
-                    unsafe { q6_k_tiled(&w_rows, panels, first, tokens, &mut got) };
-                    for r in 0..rows {
-                        for t in 0..tokens {
-                            let y = &ys[(first + t) * blocks..(first + t + 1) * blocks];
-                            let expected = super::super::scalar::q6_k_q8_k_tiled(&ws[r], y);
-                            let g = got[r * tokens + t];
-                            assert_eq!(
-                                expected.to_bits(),
-                                g.to_bits(),
-                                "{rows} rows x {n} tokens, row {r} token {}",
-                                first + t
-                            );
-                        }
-                    }
-                }
+                    unsafe { q6_k_tiled(&w_rows, panels, first, tokens, out) }
+                });
             }
         }
     }
