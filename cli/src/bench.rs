@@ -14,7 +14,7 @@ use leanstream_runtime::generate::sampler::Rng;
 use leanstream_runtime::model::{FlashAttn, RunState};
 use leanstream_runtime::perplexity::perplexity_in_batches;
 
-use crate::plot;
+use leanstream_plot::{LineChart, Series};
 use leanstream_runtime::engine::Decisions;
 use leanstream_runtime::session::{Session, StreamSettings};
 use serde_json::{json, Value};
@@ -408,14 +408,14 @@ fn sweep(a: &BenchArgs) -> Result<()> {
     let json_path = out.join("sweep.json");
     std::fs::write(&json_path, serde_json::to_string_pretty(&runs)?)
         .with_context(|| format!("writing {}", json_path.display()))?;
-    let mut series: Vec<plot::Series> = Vec::new();
+    let mut series: Vec<Series> = Vec::new();
     for r in &runs {
         let name = r["policy"].as_str().unwrap_or("?").to_string();
         let x = r["memory"]["total"].as_f64().unwrap_or(0.0) / (1 << 20) as f64;
         let y = r["decode_tok_s"].as_f64().unwrap_or(0.0);
         match series.iter_mut().find(|s| s.name == name) {
             Some(s) => s.points.push((x, y)),
-            None => series.push(plot::Series {
+            None => series.push(Series {
                 name,
                 points: vec![(x, y)],
             }),
@@ -428,12 +428,16 @@ fn sweep(a: &BenchArgs) -> Result<()> {
             .map_or(a.model.clone(), |f| f.to_string_lossy().into_owned()),
         a.flash.sparsity
     );
-    let svg = plot::line_chart(
-        &title,
-        "accounted memory, MiB (weights, tokenizer, KV, cache, I/O, predictor)",
-        "decode tokens/s",
-        &series,
-    );
+    let svg = LineChart {
+        title: &title,
+        x_label: "accounted memory (MiB: weights, tokenizer, KV, cache, I/O, predictor)",
+        y_label: "decode (tokens/s)",
+        x_log: false,
+        y_min: None,
+        y_max: None,
+        series: &series,
+    }
+    .to_svg()?;
     let svg_path = out.join("sweep.svg");
     std::fs::write(&svg_path, svg).with_context(|| format!("writing {}", svg_path.display()))?;
     println!(

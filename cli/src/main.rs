@@ -22,7 +22,6 @@ use leanstream_server::terminal::ChatOptions;
 use leanstream_server::{Engine, EngineOptions, ServeOptions};
 
 mod bench;
-mod plot;
 
 #[derive(Parser)]
 #[command(

@@ -126,13 +126,22 @@ fn sweep_writes_json_and_plot() {
     let mem = |i: usize| runs[i]["memory"]["total"].as_u64().unwrap();
     assert!(mem(1) < mem(2), "25% vs 100% budget");
     let svg = std::fs::read_to_string(out.join("sweep.svg")).unwrap();
-    assert_eq!(
-        svg.matches("<polyline").count(),
-        3,
-        "one line per policy with two budgets"
-    );
-    for p in ["dense", "dense-stream", "oracle", "gate-first"] {
-        assert!(svg.contains(&format!(">{p}</text>")), "legend lacks {p}");
+    // Series lines and legend samples are the 2-pixel polylines (axes and
+    // ticks are 1 pixel): a line per policy with two budgets (3), a legend
+    // sample per policy (4), and dense's single point drawn or not.
+    let thick = svg
+        .lines()
+        .filter(|l| l.starts_with("<polyline") && l.contains("stroke-width=\"2\""))
+        .count();
+    assert!((7..=8).contains(&thick), "{thick} series polylines");
+    let texts: Vec<&str> = svg
+        .split("<text")
+        .skip(1)
+        .filter_map(|t| t.split_once('>').and_then(|(_, rest)| rest.split_once("</text>")))
+        .map(|(text, _)| text.trim())
+        .collect();
+    for p in ["dense", "dense-stream", "oracle", "gate-first", "decode (tokens/s)"] {
+        assert!(texts.contains(&p), "the chart lacks {p}: {texts:?}");
     }
 }
 

@@ -5,6 +5,8 @@ use std::path::PathBuf;
 /// Everything the profiler's library can fail with. Errors about files name the file.
 #[derive(Debug, thiserror::Error)]
 pub enum ProfileError {
+    #[error(transparent)]
+    Plot(#[from] leanstream_plot::PlotError),
     #[error("{path}: {source}")]
     Io {
         path: PathBuf,

@@ -24,6 +24,8 @@ pub enum SynthError {
     Runtime(#[from] leanstream_runtime::RuntimeError),
     #[error(transparent)]
     Predict(#[from] leanstream_runtime::predict::PredictError),
+    #[error(transparent)]
+    Plot(#[from] leanstream_plot::PlotError),
     #[error("polars: {0}")]
     Polars(#[from] polars::error::PolarsError),
     #[error("solver failed: {0}")]

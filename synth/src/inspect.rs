@@ -49,80 +49,90 @@ pub fn describe(t: &ControlTable, file_bytes: usize) -> String {
     s
 }
 
-/// SVG heatmaps: one panel per action component, missing bytes (x) against
-/// read bandwidth (y), the other axes at their middle bins.
-pub fn heatmap_svg(t: &ControlTable) -> String {
+/// A value of `kind` in the unit its axis title names.
+fn axis_value(kind: AxisKind, v: f64) -> String {
+    match kind {
+        AxisKind::QueuedBytes | AxisKind::MissingBytes => format!("{:.0}", v / 1024.0),
+        AxisKind::ReadBandwidth => format!("{:.0}", v / 1e6),
+        AxisKind::ComputeNsPerNeuron => format!("{v:.1}"),
+        AxisKind::LayerPosition => format!("{v:.2}"),
+    }
+}
+
+/// An axis title with its unit.
+fn axis_title(kind: AxisKind) -> &'static str {
+    match kind {
+        AxisKind::QueuedBytes => "queued bytes (KiB)",
+        AxisKind::MissingBytes => "missing bytes (KiB)",
+        AxisKind::ReadBandwidth => "read bandwidth (MB/s)",
+        AxisKind::ComputeNsPerNeuron => "compute per neuron (ns)",
+        AxisKind::LayerPosition => "layer position (0..1)",
+    }
+}
+
+/// SVG heatmaps of the table's chosen action, one panel per action
+/// component, over missing bytes (x) and read bandwidth (y), with each other
+/// axis held at its middle bin (named in the title). Each cell shows the
+/// component's value; each panel has its colour scale.
+pub fn heatmap_svg(t: &ControlTable) -> crate::Result<String> {
     let find = |k: AxisKind| t.axes.iter().position(|a| a.kind == k);
     let (Some(xi), Some(yi)) = (find(AxisKind::MissingBytes), find(AxisKind::ReadBandwidth)) else {
-        return "<svg xmlns=\"http://www.w3.org/2000/svg\"/>".into();
+        return Err(crate::SynthError::Settings(
+            "the table has no missing-bytes or read-bandwidth axis to plot".into(),
+        ));
     };
-    let nx = t.axes[xi].bins();
-    let ny = t.axes[yi].bins();
-    let cell = 40.0;
-    let pw = nx as f64 * cell + 120.0;
-    let ph = ny as f64 * cell + 80.0;
-    type Component = (&'static str, fn(&Action) -> f64);
-    let comps: [Component; 4] = [
-        ("stages K", |a| a.stages as f64),
-        ("queue depth", |a| a.queue_depth as f64),
-        ("prefetch breadth", |a| a.prefetch_breadth as f64),
-        ("deadline factor", |a| a.deadline_factor as f64),
+    let (x_axis, y_axis) = (&t.axes[xi], &t.axes[yi]);
+    let held: Vec<String> = t
+        .axes
+        .iter()
+        .enumerate()
+        .filter(|&(i, _)| i != xi && i != yi)
+        .map(|(_, a)| format!("{} {}", axis_title(a.kind), axis_value(a.kind, a.centers[a.bins() / 2])))
+        .collect();
+    type Component = (&'static str, &'static str, fn(&Action) -> f64);
+    let components: [Component; 4] = [
+        ("stages K", "stages", |a| a.stages as f64),
+        ("queue depth q", "reads in flight", |a| a.queue_depth as f64),
+        ("prefetch breadth b", "x predicted need", |a| a.prefetch_breadth as f64),
+        ("deadline factor d", "x expected compute", |a| a.deadline_factor as f64),
     ];
-    let mut s = String::new();
-    let _ = write!(
-        s,
-        "<svg xmlns=\"http://www.w3.org/2000/svg\" width=\"{}\" height=\"{}\" font-family=\"sans-serif\" font-size=\"11\">",
-        pw * 4.0,
-        ph
-    );
-    for (pi, (name, f)) in comps.iter().enumerate() {
-        let vals: Vec<f64> = t.codebook.iter().map(f).collect();
-        let lo = vals.iter().copied().fold(f64::INFINITY, f64::min);
-        let hi = vals.iter().copied().fold(f64::NEG_INFINITY, f64::max);
-        let ox = pi as f64 * pw + 80.0;
-        let _ = write!(s, "<text x=\"{ox}\" y=\"15\">{name} (others at middle bins)</text>");
-        for y in 0..ny {
-            for x in 0..nx {
-                let mut idx = 0;
-                for (ai, a) in t.axes.iter().enumerate() {
-                    let b = if ai == xi {
-                        x
-                    } else if ai == yi {
-                        y
-                    } else {
-                        a.bins() / 2
-                    };
-                    idx = idx * a.bins() + b;
-                }
-                let v = f(&t.codebook[t.codes[idx] as usize]);
-                let u = if hi > lo { (v - lo) / (hi - lo) } else { 0.5 };
-                let (r, g, b) = (
-                    (40.0 + 215.0 * u) as u8,
-                    (80.0 + 100.0 * (1.0 - u)) as u8,
-                    (200.0 * (1.0 - u)) as u8,
-                );
-                let px = ox + x as f64 * cell;
-                let py = 25.0 + (ny - 1 - y) as f64 * cell;
-                let _ = write!(
-                    s,
-                    "<rect x=\"{px}\" y=\"{py}\" width=\"{cell}\" height=\"{cell}\" fill=\"rgb({r},{g},{b})\"/>\
-                     <text x=\"{}\" y=\"{}\" fill=\"white\">{v}</text>",
-                    px + 8.0,
-                    py + 24.0
-                );
+    let panels: Vec<leanstream_plot::Heatmap> = components
+        .iter()
+        .map(|&(name, unit, component)| {
+            let values = (0..y_axis.bins())
+                .map(|y| {
+                    (0..x_axis.bins())
+                        .map(|x| {
+                            let idx = t.axes.iter().enumerate().fold(0, |idx, (ai, a)| {
+                                let bin = if ai == xi {
+                                    x
+                                } else if ai == yi {
+                                    y
+                                } else {
+                                    a.bins() / 2
+                                };
+                                idx * a.bins() + bin
+                            });
+                            component(&t.codebook[t.codes[idx] as usize])
+                        })
+                        .collect()
+                })
+                .collect();
+            leanstream_plot::Heatmap {
+                title: name.to_string(),
+                x_label: axis_title(x_axis.kind).to_string(),
+                y_label: axis_title(y_axis.kind).to_string(),
+                x_ticks: x_axis.centers.iter().map(|&c| axis_value(x_axis.kind, c)).collect(),
+                y_ticks: y_axis.centers.iter().map(|&c| axis_value(y_axis.kind, c)).collect(),
+                values,
+                value_label: format!("{name} ({unit})"),
             }
-        }
-        let _ = write!(
-            s,
-            "<text x=\"{ox}\" y=\"{}\">missing bytes → ({:?})</text><text x=\"{}\" y=\"{}\" transform=\"rotate(-90 {} {})\">read bw →</text>",
-            ph - 30.0,
-            t.axes[xi].centers.iter().map(|c| format!("{:.0}K", c / 1024.0)).collect::<Vec<_>>(),
-            ox - 10.0,
-            25.0 + ny as f64 * cell,
-            ox - 10.0,
-            25.0 + ny as f64 * cell
-        );
-    }
-    s.push_str("</svg>\n");
-    s
+        })
+        .collect();
+    let title = if held.is_empty() {
+        "controller table: chosen action by state".to_string()
+    } else {
+        format!("controller table: chosen action by state ({})", held.join(", "))
+    };
+    Ok(leanstream_plot::heatmaps_svg(&title, &panels, 2)?)
 }

@@ -453,7 +453,7 @@ fn main() -> Result<()> {
             let (t, n) = load(&file)?;
             out(&describe(&t, n))?;
             let svg = svg.unwrap_or_else(|| file.with_extension("svg"));
-            std::fs::write(&svg, heatmap_svg(&t)).with_context(|| format!("writing {}", svg.display()))?;
+            std::fs::write(&svg, heatmap_svg(&t)?).with_context(|| format!("writing {}", svg.display()))?;
             out(&format!("heatmaps: {}\n", svg.display()))?;
         }
         Cmd::Simulate {
