@@ -54,6 +54,9 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         values: vec![vec![1.0, 2.0, 4.0], vec![1.0, 1.0, 2.0]],
         value_label: "stages K (stages)".into(),
     };
-    std::fs::write(out.join("heatmap.svg"), heatmaps_svg("chosen action by state", &[panel], 1)?)?;
+    std::fs::write(
+        out.join("heatmap.svg"),
+        heatmaps_svg("chosen action by state", &[panel], 1)?,
+    )?;
     Ok(())
 }

@@ -10,6 +10,7 @@
 use leanstream_kernels::dequant::dequantize_row;
 use leanstream_kernels::ops::{self, RopeTable};
 use leanstream_kernels::{matmul, ActBuffer};
+use rayon::prelude::*;
 
 use super::attention::{Attention, FlashAttn};
 use super::config::{Config, FfnActivation};
@@ -36,7 +37,8 @@ pub struct RunState {
     up: Vec<f32>,
     attn: Attention,
     acts: ActBuffer,
-    rope: RopeTable,
+    /// One RoPE table per thread of the pool the state was made in.
+    ropes: Vec<RopeTable>,
     pub kv: KvCache,
     /// `[max_logit_rows][n_vocab]`.
     pub logits: Vec<f32>,
@@ -72,7 +74,9 @@ impl RunState {
             up: vec![0.0; b * ff],
             attn: Attention::new(c, ctx, b, attn.enabled()),
             acts: ActBuffer::with_capacity(widest, b),
-            rope: RopeTable::new(c.n_rot),
+            ropes: (0..rayon::current_num_threads().max(1))
+                .map(|_| RopeTable::new(c.n_rot))
+                .collect(),
             kv: KvCache::new(c, ctx, b, attn.enabled()),
             logits: vec![0.0; max_logit_rows.max(1) * c.n_vocab],
             n_rows: 0,
@@ -100,6 +104,9 @@ impl RunState {
         self.attn.is_flash()
     }
 }
+
+/// Fewest tokens a thread takes when a batch's per-token work is split.
+const PARALLEL_TOKENS: usize = 8;
 
 /// Quantizes `x` for `w` unless the buffer already holds it in the right type.
 fn prepare(acts: &mut ActBuffer, w: &MatRef, x: &[f32], n: usize, fresh: &mut bool) -> Result<()> {
@@ -213,25 +220,40 @@ impl Model {
             add_bias(&mut st.k[..n * c.kv_dim()], &l.bk);
             add_bias(&mut st.v[..n * c.kv_dim()], &l.bv);
 
-            // Per token: q/k norms, rotary position, q scaling, cache the keys and values.
-            for t in 0..n {
-                let pos = pos0 + t;
-                let q = &mut st.q[t * c.q_dim()..(t + 1) * c.q_dim()];
-                let k = &mut st.k[t * c.kv_dim()..(t + 1) * c.kv_dim()];
+            // Per token: q/k norms, rotary position and q scaling. Tokens are
+            // independent here, so a batch splits across threads (a RoPE
+            // table each); then the keys and values go into the cache in order.
+            let (qd, kd) = (c.q_dim(), c.kv_dim());
+            let rope_base = c.rope_base_of(il);
+            let place = |q: &mut [f32], k: &mut [f32], pos: usize, rope: &mut RopeTable| {
                 if let Some(w) = &l.q_norm {
                     ops::rms_norm_heads(q, w, c.rms_eps);
                 }
                 if let Some(w) = &l.k_norm {
                     ops::rms_norm_heads(k, w, c.rms_eps);
                 }
-                st.rope.fill(pos, c.rope_base_of(il), c.rope_freq_scale);
-                st.rope.apply(q, c.head_dim, c.rope_style);
-                st.rope.apply(k, c.head_dim, c.rope_style);
+                rope.fill(pos, rope_base, c.rope_freq_scale);
+                rope.apply(q, c.head_dim, c.rope_style);
+                rope.apply(k, c.head_dim, c.rope_style);
                 if let Some(s) = c.q_scale {
                     ops::scale(q, s);
                 }
-                let cell = st.kv.cell(il, pos);
-                st.kv.store(il, cell, k, &st.v[t * c.kv_dim()..(t + 1) * c.kv_dim()]);
+            };
+            let per = n.div_ceil(st.ropes.len()).max(PARALLEL_TOKENS);
+            st.q[..n * qd]
+                .par_chunks_mut(per * qd)
+                .zip(st.k[..n * kd].par_chunks_mut(per * kd))
+                .zip(st.ropes.par_iter_mut())
+                .enumerate()
+                .for_each(|(chunk, ((qs, ks), rope))| {
+                    for (j, (q, k)) in qs.chunks_exact_mut(qd).zip(ks.chunks_exact_mut(kd)).enumerate() {
+                        place(q, k, pos0 + chunk * per + j, rope);
+                    }
+                });
+            for t in 0..n {
+                let cell = st.kv.cell(il, pos0 + t);
+                st.kv
+                    .store(il, cell, &st.k[t * kd..(t + 1) * kd], &st.v[t * kd..(t + 1) * kd]);
             }
             st.attn.run(
                 c,
