@@ -101,7 +101,7 @@ pub fn rms_norm_rows(x: &[f32], weight: &[f32], eps: f32, out: &mut [f32]) {
 }
 
 /// In-place RMS norm of each `head_dim` chunk of `x` (per-head q/k norms),
-/// up to [`NORM_ROWS`] heads at a time.
+/// up to four heads at a time (their f64 sums side by side).
 pub fn rms_norm_heads(x: &mut [f32], weight: &[f32], eps: f32) {
     let d = weight.len();
     if d == 0 {

@@ -50,8 +50,8 @@ pub(crate) fn available() -> bool {
 
 /// Tokens per panel, and the most one call computes at once.
 pub(crate) const PANEL_TOKENS: usize = 8;
-/// Weight rows computed together: 2 x 8 outputs, sixteen accumulators.
-const ROWS: usize = 2;
+/// Q5_0 weight rows computed together: 2 x 8 outputs, sixteen accumulators.
+const Q5_0_ROWS: usize = 2;
 
 /// One block of [`PANEL_TOKENS`] tokens: their 32 bytes each, their scales
 /// as f32, and each token's eight lane offsets `-16 * (sum of four bytes)`.
@@ -175,8 +175,8 @@ pub(crate) unsafe fn q5_0_q8_0(
     if ws.iter().any(|w| w.len() != nb) || out.len() < ws.len() * tokens {
         return;
     }
-    for r0 in (0..ws.len()).step_by(ROWS) {
-        let rows = ROWS.min(ws.len() - r0);
+    for r0 in (0..ws.len()).step_by(Q5_0_ROWS) {
+        let rows = Q5_0_ROWS.min(ws.len() - r0);
         macro_rules! run {
             ($R:literal, $T:literal) => {{
                 let w: [*const BlockQ5_0; $R] = std::array::from_fn(|i| ws[r0 + i].as_ptr());
@@ -364,15 +364,15 @@ impl<'a> Q8KPanels<'a> {
     }
 }
 
-/// Weight rows computed together by [`q4_k_gemm`]: four rows' low and high
-/// sums are eight independent `vpdpbusd` chains.
-const Q4K_ROWS: usize = 4;
+/// K-quant weight rows computed together ([`q4_k_gemm`], [`q6_k_tiled`]):
+/// four rows' sums are four to eight independent `vpdpbusd` chains.
+const K_ROWS: usize = 4;
 
 /// Defines `$name(ws, panels, first_token, tokens, out)`: weight rows of
 /// `$W` · the tokens `first_token..first_token + tokens` of Q8_K `panels`
 /// (`first_token` a multiple of [`PANEL_TOKENS`], `tokens` at most that),
 /// into `out[r * tokens + t]`, by `$tile::<R>` over groups of up to
-/// [`Q4K_ROWS`] rows. Shapes that do not fit leave `out` alone.
+/// [`K_ROWS`] rows. Shapes that do not fit leave `out` alone.
 macro_rules! q8k_panel_kernel {
     ($(#[$doc:meta])* $name:ident($W:ty) => $tile:ident) => {
         $(#[$doc])*
@@ -386,8 +386,8 @@ macro_rules! q8k_panel_kernel {
             if ws.iter().any(|w| w.len() != nb) || out.len() < ws.len() * tokens {
                 return;
             }
-            for r0 in (0..ws.len()).step_by(Q4K_ROWS) {
-                let rows = Q4K_ROWS.min(ws.len() - r0);
+            for r0 in (0..ws.len()).step_by(K_ROWS) {
+                let rows = K_ROWS.min(ws.len() - r0);
                 macro_rules! run {
                     ($R:literal) => {{
                         let w: [*const $W; $R] = std::array::from_fn(|i| ws[r0 + i].as_ptr());
@@ -402,7 +402,7 @@ macro_rules! q8k_panel_kernel {
                     2 => run!(2),
                     3 => run!(3),
                     4 => run!(4),
-                    // Q4K_ROWS is 4.
+                    // K_ROWS is 4.
                     _ => {}
                 }
             }
