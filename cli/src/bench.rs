@@ -78,6 +78,23 @@ fn mean_std(xs: &[f64]) -> (f64, f64) {
     (mean, var.sqrt())
 }
 
+/// The median of `ours[i] / theirs[i]` over repetitions measured side by
+/// side: each pair saw the same machine load, so the median resists drift
+/// and outliers that a ratio of means does not. None without full pairs.
+fn paired_median_ratio(ours: &[f64], theirs: &[f64]) -> Option<f64> {
+    if ours.is_empty() || ours.len() != theirs.len() || theirs.iter().any(|&t| t <= 0.0) {
+        return None;
+    }
+    let mut ratios: Vec<f64> = ours.iter().zip(theirs).map(|(o, t)| o / t).collect();
+    ratios.sort_by(f64::total_cmp);
+    let mid = ratios.len() / 2;
+    Some(if ratios.len() % 2 == 1 {
+        ratios[mid]
+    } else {
+        (ratios[mid - 1] + ratios[mid]) / 2.0
+    })
+}
+
 fn random_tokens(rng: &mut Rng, n: usize, n_vocab: usize) -> Vec<u32> {
     (0..n).map(|_| (rng.next_u64() % n_vocab as u64) as u32).collect()
 }
@@ -278,6 +295,8 @@ pub fn run(a: BenchArgs) -> Result<()> {
         });
         report["ratio_prompt"] = json!(ratio(pp_mean, tpp));
         report["ratio_decode"] = json!(ratio(tg_mean, ttg));
+        report["ratio_prompt_paired_median"] = json!(paired_median_ratio(&pp, &theirs_pp));
+        report["ratio_decode_paired_median"] = json!(paired_median_ratio(&tg, &theirs_tg));
     }
     println!("{}", serde_json::to_string_pretty(&report)?);
     Ok(())
@@ -521,4 +540,18 @@ pub fn decisions_json(d: &Decisions, late_skipped: u64) -> Value {
         "refine_cancelled_reads": d.refine_cancelled,
         "late_skipped_bundles": late_skipped,
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::paired_median_ratio;
+
+    #[test]
+    fn paired_median_ratio_takes_the_middle_pair_and_needs_full_pairs() {
+        // Ratios 2, 0.5 (a slow outlier repetition) and 1.5: the median is 1.5.
+        assert_eq!(paired_median_ratio(&[4.0, 1.0, 3.0], &[2.0, 2.0, 2.0]), Some(1.5));
+        assert_eq!(paired_median_ratio(&[1.0, 3.0], &[1.0, 1.0]), Some(2.0));
+        assert_eq!(paired_median_ratio(&[1.0], &[]), None);
+        assert_eq!(paired_median_ratio(&[1.0], &[0.0]), None);
+    }
 }
