@@ -145,8 +145,8 @@ impl ActBuffer {
         if avx512::available() {
             let blocks = cols / dot_ty.block_size();
             let panels = match dot_ty {
-                GgmlType::Q8_0 if n > 1 => avx512::panel_bytes(n, blocks),
-                GgmlType::Q8K if repack::gemm_rows(n) > 0 => avx512::q8k_panel_bytes(n, blocks),
+                GgmlType::Q8_0 if n > 1 => Q8_0Panels::bytes_for(n, blocks),
+                GgmlType::Q8K if repack::gemm_rows(n) > 0 => Q8KPanels::bytes_for(n, blocks),
                 _ => return None,
             };
             let start = dot_ty

@@ -31,6 +31,10 @@
 //! scale products costing one multiply per pair.
 
 use std::arch::x86_64::*;
+use std::marker::PhantomData;
+use std::mem::{align_of, size_of};
+
+use bytemuck::{Pod, Zeroable};
 
 use super::avx2::{fp16, hsum_each};
 use crate::blocks::{unpack_scales_mins_k4, BlockQ4K, BlockQ5_0, BlockQ6K, BlockQ8K, BlockQ8_0, QK, QK_K};
@@ -53,103 +57,130 @@ pub(crate) const PANEL_TOKENS: usize = 8;
 /// Q5_0 weight rows computed together: 2 x 8 outputs, sixteen accumulators.
 const Q5_0_ROWS: usize = 2;
 
-/// One block of [`PANEL_TOKENS`] tokens: their 32 bytes each, their scales
-/// as f32, and each token's eight lane offsets `-16 * (sum of four bytes)`.
-/// Slots past the last token are zero.
+/// How one kind of activation row is laid out in panels: one panel block
+/// holds block `ib` of [`PANEL_TOKENS`] consecutive tokens.
+pub(crate) trait PanelLayout: Pod + Send {
+    /// The activation blocks the panels are made from.
+    type Row: Pod + Sync;
+    /// Block `ib` of the tokens `first..first + PANEL_TOKENS` of `rows` (`n`
+    /// rows of `blocks` blocks, back to back); slots past token `n` zero.
+    fn gather(rows: &[Self::Row], n: usize, blocks: usize, first: usize, ib: usize) -> Self;
+}
+
+/// Activation rows laid out for the kernels here: panel `p` holds tokens
+/// `8p..8p + 8`, block by block ([`Q8_0Panels`], [`Q8KPanels`]).
+pub(crate) struct Panels<'a, B> {
+    bytes: &'a [u8],
+    blocks: usize,
+    layout: PhantomData<B>,
+}
+
+impl<B> Clone for Panels<'_, B> {
+    fn clone(&self) -> Self {
+        *self
+    }
+}
+
+impl<B> Copy for Panels<'_, B> {}
+
+pub(crate) type Q8_0Panels<'a> = Panels<'a, Q8_0PanelBlock>;
+pub(crate) type Q8KPanels<'a> = Panels<'a, Q8KPanelBlock>;
+
+impl<'a, B: PanelLayout> Panels<'a, B> {
+    /// Bytes of the panels of `n` tokens of `blocks` blocks each.
+    pub(crate) fn bytes_for(n: usize, blocks: usize) -> usize {
+        n.div_ceil(PANEL_TOKENS)
+            .saturating_mul(blocks)
+            .saturating_mul(size_of::<B>())
+    }
+
+    /// Lays out `rows` (`n` rows of `blocks` blocks, back to back) in `out`,
+    /// which must hold [`Self::bytes_for`]`(n, blocks)` bytes at `B`'s
+    /// alignment (the kernels read blocks in place); across rayon's threads
+    /// when there are many blocks (a prompt's: thousands).
+    pub(crate) fn build(rows: &[B::Row], n: usize, blocks: usize, out: &'a mut [u8]) -> Option<Self> {
+        use rayon::prelude::*;
+        const PARALLEL_BLOCKS: usize = 256;
+        let bytes = Self::bytes_for(n, blocks);
+        if rows.len() != n * blocks || out.len() < bytes || !Self::aligned(out) {
+            return None;
+        }
+        let out = &mut out[..bytes];
+        let fill = |(index, chunk): (usize, &mut [u8])| {
+            let (panel, ib) = (index / blocks, index % blocks);
+            chunk.copy_from_slice(bytemuck::bytes_of(&B::gather(
+                rows,
+                n,
+                blocks,
+                panel * PANEL_TOKENS,
+                ib,
+            )));
+        };
+        if out.len() / size_of::<B>() >= PARALLEL_BLOCKS {
+            out.par_chunks_exact_mut(size_of::<B>()).enumerate().for_each(fill);
+        } else {
+            out.chunks_exact_mut(size_of::<B>()).enumerate().for_each(fill);
+        }
+        Some(Self {
+            bytes: out,
+            blocks,
+            layout: PhantomData,
+        })
+    }
+
+    fn aligned(bytes: &[u8]) -> bool {
+        (bytes.as_ptr() as usize).is_multiple_of(align_of::<B>())
+    }
+
+    /// The panels already in `bytes` (as [`Self::build`] left them).
+    pub(crate) fn from_bytes(bytes: &'a [u8], n: usize, blocks: usize) -> Option<Self> {
+        let len = Self::bytes_for(n, blocks);
+        bytes.get(..len).filter(|bytes| Self::aligned(bytes)).map(|bytes| Self {
+            bytes,
+            blocks,
+            layout: PhantomData,
+        })
+    }
+
+    /// The panel holding tokens `first_token..first_token + tokens`, if that
+    /// is one panel's start and at most its width.
+    fn tile(&self, first_token: usize, tokens: usize) -> Option<*const B> {
+        let panel_bytes = self.blocks * size_of::<B>();
+        let start = (first_token / PANEL_TOKENS) * panel_bytes;
+        let fits = first_token.is_multiple_of(PANEL_TOKENS) && (1..=PANEL_TOKENS).contains(&tokens);
+        fits.then(|| self.bytes.get(start..start + panel_bytes))
+            .flatten()
+            .map(|panel| panel.as_ptr() as *const B)
+    }
+}
+
+/// One block of [`PANEL_TOKENS`] Q8_0 tokens: their 32 bytes each, their
+/// scales as f32, and each token's eight lane offsets `-16 * (sum of four
+/// bytes)`.
 #[repr(C)]
-#[derive(Clone, Copy)]
-struct PanelBlock {
+#[derive(Clone, Copy, Pod, Zeroable)]
+pub(crate) struct Q8_0PanelBlock {
     qs: [[i8; QK]; PANEL_TOKENS],
     d: [f32; PANEL_TOKENS],
     offset16: [[i32; 8]; PANEL_TOKENS],
 }
 
-const PANEL_BLOCK_BYTES: usize = std::mem::size_of::<PanelBlock>();
-const _: () = assert!(PANEL_BLOCK_BYTES == 544);
+const _: () = assert!(size_of::<Q8_0PanelBlock>() == 544);
 
-/// Bytes of the panels of `n` tokens of `blocks` Q8_0 blocks each.
-pub(crate) fn panel_bytes(n: usize, blocks: usize) -> usize {
-    n.div_ceil(PANEL_TOKENS)
-        .saturating_mul(blocks)
-        .saturating_mul(PANEL_BLOCK_BYTES)
-}
+impl PanelLayout for Q8_0PanelBlock {
+    type Row = BlockQ8_0;
 
-/// The start of the panel (`panel_bytes` long) holding tokens
-/// `first_token..first_token + tokens`, if they are one panel's start and at
-/// most its width and `bytes` holds it.
-fn panel_start(bytes: &[u8], first_token: usize, tokens: usize, panel_bytes: usize) -> Option<*const u8> {
-    let start = (first_token / PANEL_TOKENS) * panel_bytes;
-    let fits = first_token.is_multiple_of(PANEL_TOKENS) && (1..=PANEL_TOKENS).contains(&tokens);
-    fits.then(|| bytes.get(start..start + panel_bytes))
-        .flatten()
-        .map(|panel| panel.as_ptr())
-}
-
-/// `fill(index, block)` for each `size`-byte block of `out`, across rayon's
-/// threads when there are many (a prompt's panels: thousands).
-fn for_each_block(out: &mut [u8], size: usize, fill: impl Fn(usize, &mut [u8]) + Sync + Send) {
-    use rayon::prelude::*;
-    const PARALLEL_BLOCKS: usize = 256;
-    if out.len() / size >= PARALLEL_BLOCKS {
-        out.par_chunks_exact_mut(size)
-            .enumerate()
-            .for_each(|(index, block)| fill(index, block));
-    } else {
-        out.chunks_exact_mut(size)
-            .enumerate()
-            .for_each(|(index, block)| fill(index, block));
-    }
-}
-
-/// Q8_0 activation rows laid out for [`q5_0_q8_0`]: panel `p` holds tokens
-/// `8p..8p + 8`, block by block.
-#[derive(Clone, Copy)]
-pub(crate) struct Q8_0Panels<'a> {
-    bytes: &'a [u8],
-    blocks: usize,
-}
-
-impl<'a> Q8_0Panels<'a> {
-    /// Lays out `rows` (`n` rows of `blocks` blocks, back to back) in `out`,
-    /// which must hold [`panel_bytes`]`(n, blocks)` bytes.
-    pub(crate) fn build(rows: &[BlockQ8_0], n: usize, blocks: usize, out: &'a mut [u8]) -> Option<Self> {
-        let bytes = panel_bytes(n, blocks);
-        if rows.len() != n * blocks || out.len() < bytes {
-            return None;
-        }
-        let out = &mut out[..bytes];
-        for_each_block(out, PANEL_BLOCK_BYTES, |index, chunk| {
-            let (panel, ib) = (index / blocks, index % blocks);
-            let mut block = PanelBlock {
-                qs: [[0; QK]; PANEL_TOKENS],
-                d: [0.0; PANEL_TOKENS],
-                offset16: [[0; 8]; PANEL_TOKENS],
-            };
-            for t in 0..PANEL_TOKENS {
-                let token = panel * PANEL_TOKENS + t;
-                if token >= n {
-                    break;
-                }
-                let y = &rows[token * blocks + ib];
-                block.qs[t] = y.qs;
-                block.d[t] = fp16(y.d);
-                for (lane, offset) in block.offset16[t].iter_mut().enumerate() {
-                    *offset = -16 * y.qs[4 * lane..4 * lane + 4].iter().map(|&q| q as i32).sum::<i32>();
-                }
+    fn gather(rows: &[BlockQ8_0], n: usize, blocks: usize, first: usize, ib: usize) -> Self {
+        let mut block = Self::zeroed();
+        for t in 0..PANEL_TOKENS.min(n.saturating_sub(first)) {
+            let y = &rows[(first + t) * blocks + ib];
+            block.qs[t] = y.qs;
+            block.d[t] = fp16(y.d);
+            for (lane, offset) in block.offset16[t].iter_mut().enumerate() {
+                *offset = -16 * y.qs[4 * lane..4 * lane + 4].iter().map(|&q| q as i32).sum::<i32>();
             }
-            // SAFETY: `PanelBlock` is plain `repr(C)` data without padding
-            // (the size assert), copied byte for byte.
-            let raw =
-                unsafe { std::slice::from_raw_parts(&block as *const PanelBlock as *const u8, PANEL_BLOCK_BYTES) };
-            chunk.copy_from_slice(raw);
-        });
-        Some(Self { bytes: out, blocks })
-    }
-
-    /// The panels already in `bytes` (as [`Self::build`] left them).
-    pub(crate) fn from_bytes(bytes: &'a [u8], n: usize, blocks: usize) -> Option<Self> {
-        let len = panel_bytes(n, blocks);
-        bytes.get(..len).map(|bytes| Self { bytes, blocks })
+        }
+        block
     }
 }
 
@@ -169,7 +200,7 @@ pub(crate) unsafe fn q5_0_q8_0(
     out: &mut [f32],
 ) {
     let nb = panels.blocks;
-    let Some(panel) = panel_start(panels.bytes, first_token, tokens, nb * PANEL_BLOCK_BYTES) else {
+    let Some(panel) = panels.tile(first_token, tokens) else {
         return;
     };
     if ws.iter().any(|w| w.len() != nb) || out.len() < ws.len() * tokens {
@@ -218,7 +249,7 @@ pub(crate) unsafe fn q5_0_q8_0(
 #[allow(clippy::needless_range_loop)]
 unsafe fn q5_0_tile<const R: usize, const T: usize>(
     ws: [*const BlockQ5_0; R],
-    panel: *const u8,
+    panel: *const Q8_0PanelBlock,
     nb: usize,
 ) -> [[f32; T]; R] {
     let mut acc = [[_mm256_setzero_ps(); T]; R];
@@ -229,8 +260,7 @@ unsafe fn q5_0_tile<const R: usize, const T: usize>(
     let mut products = [[[0.0f32; PANEL_TOKENS]; R]; 2];
     let products: *mut [[f32; PANEL_TOKENS]; R] = std::hint::black_box(products.as_mut_ptr());
     let scale_products = |ib: usize, slot: *mut [[f32; PANEL_TOKENS]; R]| {
-        let block = panel.add(ib * PANEL_BLOCK_BYTES) as *const PanelBlock;
-        let dy = _mm256_loadu_ps((*block).d.as_ptr());
+        let dy = _mm256_loadu_ps((*panel.add(ib)).d.as_ptr());
         for r in 0..R {
             let dx = _mm256_set1_ps(fp16((*ws[r].add(ib)).d));
             _mm256_storeu_ps((*slot)[r].as_mut_ptr(), _mm256_mul_ps(dx, dy));
@@ -240,7 +270,7 @@ unsafe fn q5_0_tile<const R: usize, const T: usize>(
         scale_products(0, products);
     }
     for ib in 0..nb {
-        let block = panel.add(ib * PANEL_BLOCK_BYTES) as *const PanelBlock;
+        let block = panel.add(ib);
         let current = products.add(ib % 2);
         if ib + 1 < nb {
             scale_products(ib + 1, products.add((ib + 1) % 2));
@@ -281,86 +311,36 @@ unsafe fn raw_q5_0(b: &BlockQ5_0) -> __m256i {
 /// `bsums16[k][t]` its sums of 16-value groups `2k` and `2k + 1` (Q6_K's
 /// offset), `d` its scale. Slots past the last token are zero.
 #[repr(C)]
-#[derive(Clone, Copy)]
-struct Q8KPanelBlock {
+#[derive(Clone, Copy, Pod, Zeroable)]
+pub(crate) struct Q8KPanelBlock {
     qs: [[[i8; 4]; PANEL_TOKENS]; QK_K / 4],
     d: [f32; PANEL_TOKENS],
     pair_bsums: [[[i16; 2]; PANEL_TOKENS]; QK_K / 64],
     bsums16: [[[i16; 2]; PANEL_TOKENS]; QK_K / 32],
 }
 
-const Q8K_PANEL_BLOCK_BYTES: usize = std::mem::size_of::<Q8KPanelBlock>();
-const _: () = assert!(Q8K_PANEL_BLOCK_BYTES == 2048 + 32 + 128 + 256);
+const _: () = assert!(size_of::<Q8KPanelBlock>() == 2048 + 32 + 128 + 256);
 
-/// Bytes of the Q8_K panels of `n` tokens of `blocks` super-blocks each.
-pub(crate) fn q8k_panel_bytes(n: usize, blocks: usize) -> usize {
-    n.div_ceil(PANEL_TOKENS)
-        .saturating_mul(blocks)
-        .saturating_mul(Q8K_PANEL_BLOCK_BYTES)
-}
+impl PanelLayout for Q8KPanelBlock {
+    type Row = BlockQ8K;
 
-/// Q8_K activation rows laid out for [`q4_k_gemm`]: panel `p` holds tokens
-/// `8p..8p + 8`, super-block by super-block.
-#[derive(Clone, Copy)]
-pub(crate) struct Q8KPanels<'a> {
-    bytes: &'a [u8],
-    blocks: usize,
-}
-
-impl<'a> Q8KPanels<'a> {
-    /// Lays out `rows` (`n` rows of `blocks` super-blocks, back to back) in
-    /// `out`, which must hold [`q8k_panel_bytes`]`(n, blocks)` bytes.
-    pub(crate) fn build(rows: &[BlockQ8K], n: usize, blocks: usize, out: &'a mut [u8]) -> Option<Self> {
-        let bytes = q8k_panel_bytes(n, blocks);
-        if rows.len() != n * blocks || out.len() < bytes {
-            return None;
-        }
-        let out = &mut out[..bytes];
-        for_each_block(out, Q8K_PANEL_BLOCK_BYTES, |index, chunk| {
-            let (panel, ib) = (index / blocks, index % blocks);
-            let mut block = Q8KPanelBlock {
-                qs: [[[0; 4]; PANEL_TOKENS]; QK_K / 4],
-                d: [0.0; PANEL_TOKENS],
-                pair_bsums: [[[0; 2]; PANEL_TOKENS]; QK_K / 64],
-                bsums16: [[[0; 2]; PANEL_TOKENS]; QK_K / 32],
-            };
-            for t in 0..PANEL_TOKENS {
-                let token = panel * PANEL_TOKENS + t;
-                if token >= n {
-                    break;
-                }
-                let y = &rows[token * blocks + ib];
-                for (g, group) in block.qs.iter_mut().enumerate() {
-                    group[t].copy_from_slice(&y.qs[4 * g..4 * g + 4]);
-                }
-                block.d[t] = y.d;
-                let sub_block_sum = |s: usize| y.bsums[2 * s].wrapping_add(y.bsums[2 * s + 1]);
-                for (p, pair) in block.pair_bsums.iter_mut().enumerate() {
-                    pair[t] = [sub_block_sum(2 * p), sub_block_sum(2 * p + 1)];
-                }
-                for (k, pair) in block.bsums16.iter_mut().enumerate() {
-                    pair[t] = [y.bsums[2 * k], y.bsums[2 * k + 1]];
-                }
+    fn gather(rows: &[BlockQ8K], n: usize, blocks: usize, first: usize, ib: usize) -> Self {
+        let mut block = Self::zeroed();
+        for t in 0..PANEL_TOKENS.min(n.saturating_sub(first)) {
+            let y = &rows[(first + t) * blocks + ib];
+            for (g, group) in block.qs.iter_mut().enumerate() {
+                group[t].copy_from_slice(&y.qs[4 * g..4 * g + 4]);
             }
-            // SAFETY: plain `repr(C)` data without padding (the size assert).
-            let raw = unsafe {
-                std::slice::from_raw_parts(&block as *const Q8KPanelBlock as *const u8, Q8K_PANEL_BLOCK_BYTES)
-            };
-            chunk.copy_from_slice(raw);
-        });
-        Some(Self { bytes: out, blocks })
-    }
-
-    /// The panels already in `bytes` (as [`Self::build`] left them).
-    pub(crate) fn from_bytes(bytes: &'a [u8], n: usize, blocks: usize) -> Option<Self> {
-        let len = q8k_panel_bytes(n, blocks);
-        bytes.get(..len).map(|bytes| Self { bytes, blocks })
-    }
-
-    /// The panel holding tokens `first_token..first_token + tokens`, if that
-    /// is one panel's start and at most its width.
-    fn tile(&self, first_token: usize, tokens: usize) -> Option<*const u8> {
-        panel_start(self.bytes, first_token, tokens, self.blocks * Q8K_PANEL_BLOCK_BYTES)
+            block.d[t] = y.d;
+            let sub_block_sum = |s: usize| y.bsums[2 * s].wrapping_add(y.bsums[2 * s + 1]);
+            for (p, pair) in block.pair_bsums.iter_mut().enumerate() {
+                pair[t] = [sub_block_sum(2 * p), sub_block_sum(2 * p + 1)];
+            }
+            for (k, pair) in block.bsums16.iter_mut().enumerate() {
+                pair[t] = [y.bsums[2 * k], y.bsums[2 * k + 1]];
+            }
+        }
+        block
     }
 }
 
@@ -428,7 +408,11 @@ q8k_panel_kernel!(
 /// empty slots are dropped by the caller).
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
-unsafe fn q4_k_tile<const R: usize>(ws: [*const BlockQ4K; R], panel: *const u8, nb: usize) -> [[f32; PANEL_TOKENS]; R] {
+unsafe fn q4_k_tile<const R: usize>(
+    ws: [*const BlockQ4K; R],
+    panel: *const Q8KPanelBlock,
+    nb: usize,
+) -> [[f32; PANEL_TOKENS]; R] {
     let m4 = _mm256_set1_epi8(0x0F);
     let mut acc = [_mm256_setzero_ps(); R];
     let mut acc_min = [_mm256_setzero_ps(); R];
@@ -438,7 +422,7 @@ unsafe fn q4_k_tile<const R: usize>(ws: [*const BlockQ4K; R], panel: *const u8, 
     let mut nibbles = [[0u8; 64]; R];
     let nibbles: *mut [u8; 64] = std::hint::black_box(nibbles.as_mut_ptr());
     for ib in 0..nb {
-        let block = &*(panel.add(ib * Q8K_PANEL_BLOCK_BYTES) as *const Q8KPanelBlock);
+        let block = &*panel.add(ib);
         let d8 = _mm256_loadu_ps(block.d.as_ptr());
         let mut d = [_mm256_setzero_ps(); R];
         let mut dmin = [_mm256_setzero_ps(); R];
@@ -499,7 +483,11 @@ unsafe fn q4_k_tile<const R: usize>(ws: [*const BlockQ4K; R], panel: *const u8, 
 /// `R` Q6_K weight rows against all eight token slots of one panel.
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
-unsafe fn q6_k_tile<const R: usize>(ws: [*const BlockQ6K; R], panel: *const u8, nb: usize) -> [[f32; PANEL_TOKENS]; R] {
+unsafe fn q6_k_tile<const R: usize>(
+    ws: [*const BlockQ6K; R],
+    panel: *const Q8KPanelBlock,
+    nb: usize,
+) -> [[f32; PANEL_TOKENS]; R] {
     let m15 = _mm256_set1_epi8(15);
     let m3 = _mm256_set1_epi8(3);
     let mut acc = [_mm256_setzero_ps(); R];
@@ -507,7 +495,7 @@ unsafe fn q6_k_tile<const R: usize>(ws: [*const BlockQ6K; R], panel: *const u8, 
     let mut values = [[0u8; QK_K]; R];
     let values: *mut [u8; QK_K] = std::hint::black_box(values.as_mut_ptr());
     for ib in 0..nb {
-        let block = &*(panel.add(ib * Q8K_PANEL_BLOCK_BYTES) as *const Q8KPanelBlock);
+        let block = &*panel.add(ib);
         let yd = _mm256_loadu_ps(block.d.as_ptr());
         let mut sums = [_mm256_setzero_si256(); R];
         for (r, w) in ws.iter().enumerate() {
@@ -675,8 +663,8 @@ mod tests {
                     let mut expected = vec![0.0f32; rows * n];
                     // SAFETY: `available()` covers the AVX2 kernel's features.
                     unsafe { super::super::avx2::q5_0_q8_0(&ws, &y_rows, &mut expected) };
-                    let mut storage = vec![0u8; panel_bytes(n, blocks)];
-                    let panels = Q8_0Panels::build(&ys, n, blocks, &mut storage).unwrap();
+                    let mut storage = vec![0u32; Q8_0Panels::bytes_for(n, blocks) / 4];
+                    let panels = Q8_0Panels::build(&ys, n, blocks, bytemuck::cast_slice_mut(&mut storage)).unwrap();
                     check_panels(
                         "q5_0",
                         rows,
@@ -716,8 +704,8 @@ mod tests {
                     .collect();
                 let ys = q8k_rows(n, blocks, &mut state);
                 let w_rows: Vec<&[BlockQ4K]> = ws.iter().map(|w| &w[..]).collect();
-                let mut storage = vec![0u8; q8k_panel_bytes(n, blocks)];
-                let panels = Q8KPanels::build(&ys, n, blocks, &mut storage).unwrap();
+                let mut storage = vec![0u32; Q8KPanels::bytes_for(n, blocks) / 4];
+                let panels = Q8KPanels::build(&ys, n, blocks, bytemuck::cast_slice_mut(&mut storage)).unwrap();
                 let y = |t: usize| &ys[t * blocks..(t + 1) * blocks];
                 check_panels(
                     "q4_k",
@@ -756,8 +744,8 @@ mod tests {
                     .collect();
                 let ys = q8k_rows(n, blocks, &mut state);
                 let w_rows: Vec<&[BlockQ6K]> = ws.iter().map(|w| &w[..]).collect();
-                let mut storage = vec![0u8; q8k_panel_bytes(n, blocks)];
-                let panels = Q8KPanels::build(&ys, n, blocks, &mut storage).unwrap();
+                let mut storage = vec![0u32; Q8KPanels::bytes_for(n, blocks) / 4];
+                let panels = Q8KPanels::build(&ys, n, blocks, bytemuck::cast_slice_mut(&mut storage)).unwrap();
                 let y = |t: usize| &ys[t * blocks..(t + 1) * blocks];
                 let expected = |r: usize, t: usize| super::super::scalar::q6_k_q8_k_tiled(&ws[r], y(t));
                 check_panels("q6_k", rows, n, expected, |first, tokens, out| {
