@@ -420,8 +420,8 @@ impl<'a> Q4kRepacked<'a> {
     }
 }
 
-// The panels hold tiles of TOKEN_TILE tokens from 0, as `prompt_rows` cuts
-// the gemm rows.
+// The panels hold tiles of TOKEN_TILE tokens from 0, as `prompt_rows` (and
+// the sparse FFN's strided products) cut the gemm rows and every prompt.
 #[cfg(target_arch = "x86_64")]
 const _: () = assert!(TOKEN_TILE == avx512::PANEL_TOKENS);
 
@@ -487,9 +487,6 @@ impl<P: Copy, W> Clone for PanelKernel<P, W> {
 
 #[cfg(target_arch = "x86_64")]
 impl<P: Copy, W> Copy for PanelKernel<P, W> {}
-
-#[cfg(target_arch = "x86_64")]
-const _: () = assert!(TOKEN_TILE == avx512::PANEL_TOKENS);
 
 #[cfg(target_arch = "x86_64")]
 impl<'a> PanelKernel<Q8_0Panels<'a>, BlockQ5_0> {
