@@ -55,7 +55,8 @@ pub fn dot_f16_gemm_x4(x: &[f16], ys: [&[f16]; 4]) -> [f32; 4] {
     #[cfg(target_arch = "x86_64")]
     if crate::dot::has_avx512f() {
         // SAFETY: avx512f was detected at run time.
-        return unsafe { avx512::dot_f16_gemm_x4(x, ys) };
+        let [dots] = unsafe { avx512::dot_f16_gemm_tile::<1>([x], ys) };
+        return dots;
     }
     #[cfg(target_arch = "x86_64")]
     if has_f16c() {
@@ -245,7 +246,8 @@ mod avx512 {
     use half::f16;
     use std::arch::x86_64::*;
 
-    /// `M` rows against four keys, one 16-lane register per pair.
+    /// `M` rows against four keys, one 16-lane register per pair (tinyBLAS's
+    /// lanes, one instruction each).
     #[target_feature(enable = "avx512f")]
     pub unsafe fn dot_f16_gemm_tile<const M: usize>(xs: [&[f16]; M], ys: [&[f16]; 4]) -> [[f32; 4]; M] {
         let n = ys.iter().chain(&xs).fold(usize::MAX, |n, v| n.min(v.len()));
@@ -273,33 +275,6 @@ mod avx512 {
                 }
                 out[m][k] = super::reduce16(&lanes);
             }
-        }
-        out
-    }
-
-    /// One 16-lane register per key: tinyBLAS's lanes, in one instruction each.
-    #[target_feature(enable = "avx512f")]
-    pub unsafe fn dot_f16_gemm_x4(x: &[f16], ys: [&[f16]; 4]) -> [f32; 4] {
-        let n = ys.iter().fold(x.len(), |n, y| n.min(y.len()));
-        let full = n / 16 * 16;
-        let mut acc = [_mm512_setzero_ps(); 4];
-        let xp = x.as_ptr() as *const __m256i;
-        let yp = ys.map(|y| y.as_ptr() as *const __m256i);
-        for i in (0..full).step_by(16) {
-            // SAFETY: i + 16 <= n for x and every y.
-            let xv = _mm512_cvtph_ps(_mm256_loadu_si256(xp.add(i / 16)));
-            for (a, y) in acc.iter_mut().zip(&yp) {
-                *a = _mm512_fmadd_ps(xv, _mm512_cvtph_ps(_mm256_loadu_si256(y.add(i / 16))), *a);
-            }
-        }
-        let mut out = [0.0f32; 4];
-        for (k, a) in acc.iter().enumerate() {
-            let mut lanes = [0.0f32; 16];
-            _mm512_storeu_ps(lanes.as_mut_ptr(), *a);
-            for j in full..n {
-                lanes[j % 16] = x[j].to_f32().mul_add(ys[k][j].to_f32(), lanes[j % 16]);
-            }
-            out[k] = super::reduce16(&lanes);
         }
         out
     }
