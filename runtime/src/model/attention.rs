@@ -260,6 +260,26 @@ fn cache_view(c: &Config, layer: usize, kv: &KvCache, ctx: usize, used: usize) -
     size.min(pad(used).max(256))
 }
 
+/// `each(h, dots)` for every head `h < heads`, where `dots[k]` is
+/// `dot_f16_gemm(row(h), ys[k])`: the heads go through the GEMM tile up to
+/// [`GEMM_TILE_ROWS`] at a time.
+fn gemm_heads<'a>(
+    heads: usize,
+    row: impl Fn(usize) -> &'a [f16],
+    ys: [&[f16]; 4],
+    mut each: impl FnMut(usize, &[f32; 4]),
+) {
+    let mut dots = [[0.0f32; 4]; GEMM_TILE_ROWS];
+    for h0 in (0..heads).step_by(GEMM_TILE_ROWS) {
+        let rows = GEMM_TILE_ROWS.min(heads - h0);
+        let xs: [&[f16]; GEMM_TILE_ROWS] = std::array::from_fn(|m| row(h0 + m.min(rows - 1)));
+        dot_f16_gemm_rows(&xs[..rows], ys, &mut dots);
+        for (m, d) in dots[..rows].iter().enumerate() {
+            each(h0 + m, d);
+        }
+    }
+}
+
 /// Which cells a query sees on one layer: those from its window's start to
 /// itself while cells hold their own positions, else (a sliding-window ring
 /// that wrapped) every cell in use whose position is in the window.
@@ -375,21 +395,14 @@ fn standard(
                 }
                 let mut at = range.start;
                 if gemm && !vis.wrapped {
-                    // Four keys per call against up to four heads; each sum keeps its order.
-                    let mut d = [[0.0f32; 4]; GEMM_TILE_ROWS];
+                    // Four keys per call against the heads; each sum keeps its order.
                     while at + 4 <= range.end {
                         let keys = [key(at), key(at + 1), key(at + 2), key(at + 3)];
-                        for h0 in (0..heads).step_by(GEMM_TILE_ROWS) {
-                            let rows = GEMM_TILE_ROWS.min(heads - h0);
-                            let qs: [&[f16]; GEMM_TILE_ROWS] = std::array::from_fn(|m| q(h0 + m.min(rows - 1)));
-                            dot_f16_gemm_rows(&qs[..rows], keys, &mut d);
-                            for (m, dm) in d[..rows].iter().enumerate() {
-                                let row = &mut s[(h0 + m) * ctx..];
-                                for (k, dk) in dm.iter().enumerate() {
-                                    row[at + k - lo_a] = dk * c.kq_scale;
-                                }
+                        gemm_heads(heads, q, keys, |h, dots| {
+                            for (k, dk) in dots.iter().enumerate() {
+                                s[h * ctx + at + k - lo_a] = dk * c.kq_scale;
                             }
-                        }
+                        });
                         at += 4;
                     }
                 }
@@ -407,17 +420,11 @@ fn standard(
                 let prob = |h: usize| &p[h * ctx..h * ctx + width];
                 let mut dim = 0;
                 if gemm {
-                    let mut d = [[0.0f32; 4]; GEMM_TILE_ROWS];
                     while dim + 4 <= hd {
                         let values = [value(dim), value(dim + 1), value(dim + 2), value(dim + 3)];
-                        for h0 in (0..heads).step_by(GEMM_TILE_ROWS) {
-                            let rows = GEMM_TILE_ROWS.min(heads - h0);
-                            let ps: [&[f16]; GEMM_TILE_ROWS] = std::array::from_fn(|m| prob(h0 + m.min(rows - 1)));
-                            dot_f16_gemm_rows(&ps[..rows], values, &mut d);
-                            for (m, dm) in d[..rows].iter().enumerate() {
-                                o[(h0 + m) * hd + dim..][..4].copy_from_slice(dm);
-                            }
-                        }
+                        gemm_heads(heads, prob, values, |h, dots| {
+                            o[h * hd + dim..][..4].copy_from_slice(dots)
+                        });
                         dim += 4;
                     }
                 }
