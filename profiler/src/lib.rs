@@ -6,6 +6,7 @@
 //! - [`shard`]: append-only Parquet shards committed through a checksummed manifest;
 //! - [`device`]: what the run measured on (CPU, memory, storage queue, fs, kernel, temperatures);
 //! - [`io_sweep`] / [`compute_sweep`]: the executors of the two sweeps;
+//! - [`sweeps`]: the grids of the two sweeps, and starting or resuming a run of one;
 //! - [`summary`] / [`plot`]: per-condition quantiles (polars lazy) and SVG plots.
 
 pub mod activations;
@@ -19,6 +20,7 @@ pub mod plot;
 pub mod runner;
 pub mod shard;
 pub mod summary;
+pub mod sweeps;
 pub mod units;
 
 pub use error::{ProfileError, Result};

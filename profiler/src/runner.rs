@@ -158,6 +158,16 @@ pub fn install_signal_handlers() {
     }
 }
 
+/// Gives SIGINT and SIGTERM back their default action (after a sweep run
+/// inside a longer job, whose other steps should stop on Ctrl-C at once).
+pub fn reset_signal_handlers() {
+    // SAFETY: plain sigaction calls restoring the default disposition.
+    unsafe {
+        libc::signal(libc::SIGINT, libc::SIG_DFL);
+        libc::signal(libc::SIGTERM, libc::SIG_DFL);
+    }
+}
+
 /// How a session ended.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Outcome {

@@ -25,11 +25,16 @@ pub enum SynthError {
     #[error(transparent)]
     Predict(#[from] leanstream_runtime::predict::PredictError),
     #[error(transparent)]
+    Retention(#[from] leanstream_runtime::cache::retention::RetentionError),
+    #[error(transparent)]
     Plot(#[from] leanstream_plot::PlotError),
     #[error("polars: {0}")]
     Polars(#[from] polars::error::PolarsError),
     #[error("solver failed: {0}")]
     Solver(String),
+    /// Ctrl-C or SIGTERM stopped a step; what it committed is kept.
+    #[error("{0}")]
+    Interrupted(String),
     #[error("invalid setting: {0}")]
     Settings(String),
 }

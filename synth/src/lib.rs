@@ -74,5 +74,6 @@ pub mod predictor;
 pub mod sim;
 pub mod solve;
 pub mod synth;
+pub mod tune;
 
 pub use error::{Result, SynthError};

@@ -26,6 +26,33 @@ pub struct SynthConfig {
 
 pub use leanstream_runtime::control::state_at;
 
+impl SynthConfig {
+    /// The default settings for the packed model at `path`: its layers,
+    /// neurons and bundle bytes, and the SHA-256 of its source GGUF, so the
+    /// runtime refuses the table for other models.
+    pub fn for_flash(path: &std::path::Path) -> Result<Self> {
+        let f = leanstream_runtime::flash::LsFlash::open(path)?;
+        let bundle = f.layout(0).bundle_bytes();
+        if let Some(l) = (1..f.n_layer()).find(|&l| f.layout(l).bundle_bytes() != bundle) {
+            return Err(SynthError::Settings(format!(
+                "{}: layer {l}'s bundles are {} bytes, layer 0's {bundle}; the control model assumes one size",
+                path.display(),
+                f.layout(l).bundle_bytes()
+            )));
+        }
+        Ok(Self {
+            params: ModelParams {
+                n_layers: f.n_layer(),
+                n_ff: f.n_ff(),
+                bundle_bytes: bundle as f64,
+                ..ModelParams::default()
+            },
+            model_sha256: Some(leanstream_runtime::fetch::hex(&f.header().source_sha256)),
+            ..Self::default()
+        })
+    }
+}
+
 /// A state drawn uniformly from grid cell `idx` (edge cells extend as far
 /// past their center as toward their inner neighbour; layer position stays
 /// at the center, since the horizon depends on it).

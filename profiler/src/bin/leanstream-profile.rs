@@ -7,13 +7,10 @@ use std::process::ExitCode;
 use anyhow::{bail, Context, Result};
 use clap::{Args, Parser, Subcommand};
 use leanstream_profiler::activations::record::{record, RecordOptions};
-use leanstream_profiler::compute_sweep::{ComputeExecutor, ComputeSetup};
-use leanstream_profiler::io_sweep::{prepare_file, replay_block_size, IoExecutor, IoSetup};
-use leanstream_profiler::plan::{
-    ComputeCondition, Condition, ConditionKind, Engine, IoCondition, Kernel, Pattern, Plan, Repetition,
-};
-use leanstream_profiler::runner::{self, Executor, Outcome};
+use leanstream_profiler::plan::{Engine, Pattern, Plan, Repetition};
+use leanstream_profiler::runner::{self, Outcome};
 use leanstream_profiler::shard::ShardStore;
+use leanstream_profiler::sweeps::{self, ComputeGrid, IoGrid, RunSettings};
 use leanstream_profiler::units::{parse_duration, parse_list, parse_size};
 use leanstream_profiler::{plot, summary};
 
@@ -198,61 +195,30 @@ fn u32_list(s: &str) -> Result<Vec<u32>> {
     })?)
 }
 
-/// Plans store absolute paths so that `--resume` works from any directory.
-fn absolute(p: &Path) -> Result<PathBuf> {
-    std::fs::canonicalize(p).with_context(|| format!("{}", p.display()))
-}
-
-fn base_plan(c: &Common, sweep: &str, conditions: Vec<Condition>, setup: serde_json::Value) -> Result<Plan> {
-    let repetition = match c.reps {
-        Some(reps) => Repetition::Fixed { reps },
-        None => {
-            if !(c.precision > 0.0 && c.precision < 1.0) {
-                bail!("--precision must be in (0, 1)");
-            }
-            Repetition::Adaptive {
-                precision: c.precision,
-                min_samples: c.min_samples,
-                max_samples: c.max_samples.max(c.min_samples),
-            }
-        }
-    };
-    if conditions.is_empty() {
-        bail!("the grid is empty");
+impl Common {
+    fn settings(&self) -> Result<RunSettings> {
+        let repetition = match self.reps {
+            Some(reps) => Repetition::Fixed { reps },
+            None => Repetition::Adaptive {
+                precision: self.precision,
+                min_samples: self.min_samples,
+                max_samples: self.max_samples,
+            },
+        };
+        Ok(RunSettings {
+            budget_s: parse_duration(&self.budget)?.as_secs_f64(),
+            repetition,
+            seed: self.seed,
+            flush_every_s: parse_duration(&self.flush_every)?.as_secs_f64(),
+            visit_s: parse_duration(&self.visit)?.as_secs_f64(),
+            min_batch: self.min_batch,
+            max_batch: self.max_batch,
+        })
     }
-    Ok(Plan {
-        sweep: sweep.into(),
-        seed: c.seed,
-        budget_s: parse_duration(&c.budget)?.as_secs_f64(),
-        repetition,
-        max_batch: c.max_batch.max(1),
-        min_batch: c.min_batch.clamp(1, c.max_batch.max(1)),
-        visit_target_s: parse_duration(&c.visit)?.as_secs_f64(),
-        flush_interval_s: parse_duration(&c.flush_every)?.as_secs_f64(),
-        conditions,
-        setup,
-    })
 }
 
-fn number(conds: Vec<ConditionKind>) -> Vec<Condition> {
-    conds
-        .into_iter()
-        .enumerate()
-        .map(|(i, kind)| Condition { id: i as u32, kind })
-        .collect()
-}
-
-fn io_plan(a: &IoArgs) -> Result<(Plan, IoSetup)> {
-    let file_size = parse_size(&a.file_size)?;
-    let sizes = parse_list(&a.block_sizes, parse_size)?;
-    for &bs in &sizes {
-        if bs == 0 || !bs.is_multiple_of(4096) || bs > file_size {
-            bail!("block size {bs}: must be a multiple of 4096 and at most the file size");
-        }
-    }
-    let qds = u32_list(&a.queue_depths)?;
-    let workers = u32_list(&a.workers)?;
-    let mut patterns = parse_list(&a.patterns, |p| match p {
+fn io_plan(a: &IoArgs) -> Result<Plan> {
+    let patterns = parse_list(&a.patterns, |p| match p {
         "sequential" | "seq" => Ok(Pattern::Sequential),
         "random" | "rand" => Ok(Pattern::Random),
         "strided" => Ok(Pattern::Strided),
@@ -261,9 +227,6 @@ fn io_plan(a: &IoArgs) -> Result<(Plan, IoSetup)> {
             "unknown pattern {p:?}"
         ))),
     })?;
-    if a.lsflash.is_some() && !patterns.contains(&Pattern::Replay) {
-        patterns.push(Pattern::Replay);
-    }
     let engines = parse_list(&a.engines, |p| match p {
         "io_uring" | "uring" => Ok(Engine::IoUring),
         "pread" => Ok(Engine::Pread),
@@ -271,135 +234,49 @@ fn io_plan(a: &IoArgs) -> Result<(Plan, IoSetup)> {
             "unknown engine {p:?}"
         ))),
     })?;
-    let replay_bs = match &a.lsflash {
-        Some(p) => Some(replay_block_size(&leanstream_runtime::flash::format::LsFlash::open(p)?)),
-        None if patterns.contains(&Pattern::Replay) => bail!("the replay pattern needs --lsflash FILE"),
-        None => None,
-    };
-    let mut conds = Vec::new();
-    for &engine in &engines {
-        for &pattern in &patterns {
-            let bss = match (pattern, replay_bs) {
-                (Pattern::Replay, Some(bs)) => vec![bs],
-                _ => sizes.clone(),
-            };
-            for &block_size in &bss {
-                for &queue_depth in &qds {
-                    for &w in &workers {
-                        if queue_depth == 0 || w == 0 {
-                            bail!("queue depths and worker counts start at 1");
-                        }
-                        conds.push(ConditionKind::Io(IoCondition {
-                            engine,
-                            pattern,
-                            block_size,
-                            queue_depth,
-                            workers: w,
-                        }));
-                    }
-                }
-            }
-        }
-    }
-    eprintln!("preparing {} of data in {} ...", a.file_size, a.dir.display());
-    let file = absolute(&prepare_file(&a.dir, file_size)?)?;
-    let setup = IoSetup {
-        file_size: std::fs::metadata(&file)?.len(),
-        file,
-        lsflash: a.lsflash.as_deref().map(absolute).transpose()?,
+    let grid = IoGrid {
+        dir: a.dir.clone(),
+        file_size: parse_size(&a.file_size)?,
+        block_sizes: parse_list(&a.block_sizes, parse_size)?,
+        queue_depths: u32_list(&a.queue_depths)?,
+        workers: u32_list(&a.workers)?,
+        patterns,
+        engines,
+        lsflash: a.lsflash.clone(),
         replay_fraction: a.replay_fraction,
     };
-    let plan = base_plan(&a.common, "io", number(conds), serde_json::to_value(&setup)?)?;
-    Ok((plan, setup))
+    eprintln!("preparing {} of data in {} ...", a.file_size, a.dir.display());
+    Ok(sweeps::io_plan(&grid, &a.common.settings()?)?)
 }
 
-fn compute_plan(a: &ComputeArgs) -> Result<(Plan, ComputeSetup)> {
+fn compute_plan(a: &ComputeArgs) -> Result<Plan> {
     match leanstream_kernels::Device::parse(&a.device)? {
         leanstream_kernels::Device::Cpu => {}
         d => bail!("{d:?}: the compute sweep runs the CPU kernels only"),
     }
-    let flash = leanstream_runtime::flash::format::LsFlash::open(&a.model)
+    leanstream_runtime::flash::format::LsFlash::open(&a.model)
         .with_context(|| format!("{}: compute needs a packed .lsflash model", a.model.display()))?;
-    let n_ff = flash.n_ff() as u32;
-    let mut neurons = match &a.neurons {
-        Some(s) => u32_list(s)?,
-        None => vec![32, 64, 128, 256, 512, 1024, 2048, 4096, n_ff],
-    };
-    neurons.retain(|&n| n > 0 && n <= n_ff);
-    neurons.sort_unstable();
-    neurons.dedup();
-    let stages = u32_list(&a.stages)?;
-    let split_n = a.split_neurons.unwrap_or(n_ff / 2).clamp(1, n_ff);
-    let ctxs = u32_list(&a.ctx)?;
-    let cores = std::thread::available_parallelism()
-        .map(|n| n.get() as u32)
-        .unwrap_or(1);
-    let mut threads = match &a.threads {
-        Some(s) => u32_list(s)?,
-        None => vec![1, cores],
-    };
-    threads.dedup();
-    let bgs: Vec<bool> = match a.background_io.as_str() {
+    let background_io = match a.background_io.as_str() {
         "off" => vec![false],
         "on" => vec![true],
         "both" => vec![false, true],
         o => bail!("--background-io {o:?}: expected off, on or both"),
     };
-    let mut conds = Vec::new();
-    for &t in &threads {
-        for &bg in &bgs {
-            let c = |kernel, neurons, stages, ctx_len| {
-                ConditionKind::Compute(ComputeCondition {
-                    kernel,
-                    neurons,
-                    stages,
-                    ctx_len,
-                    threads: t,
-                    background_io: bg,
-                })
-            };
-            conds.extend(neurons.iter().map(|&n| c(Kernel::FfnStage, n, 1, 0)));
-            conds.extend(stages.iter().map(|&k| c(Kernel::FfnSplit, split_n, k.max(1), 0)));
-            conds.extend(ctxs.iter().map(|&l| c(Kernel::Decode, 0, 0, l)));
-        }
-    }
-    let setup = ComputeSetup {
-        model: absolute(&a.model)?,
+    let grid = ComputeGrid {
+        model: a.model.clone(),
+        neurons: a.neurons.as_deref().map(u32_list).transpose()?,
+        stages: u32_list(&a.stages)?,
+        split_neurons: a.split_neurons,
+        ctx: u32_list(&a.ctx)?,
+        threads: a.threads.as_deref().map(u32_list).transpose()?,
+        background_io,
+        io_file: a.io_file.clone(),
         layer: a.layer,
-        io_file: absolute(a.io_file.as_ref().unwrap_or(&a.model))?,
     };
-    let plan = base_plan(&a.common, "compute", number(conds), serde_json::to_value(&setup)?)?;
-    Ok((plan, setup))
-}
-
-fn executor(plan: &Plan) -> Result<(Box<dyn Executor>, PathBuf)> {
-    match plan.sweep.as_str() {
-        "io" => {
-            let setup: IoSetup = serde_json::from_value(plan.setup.clone())?;
-            let target = setup.file.clone();
-            Ok((Box::new(IoExecutor::new(setup, plan.seed)?), target))
-        }
-        "compute" => {
-            let setup: ComputeSetup = serde_json::from_value(plan.setup.clone())?;
-            let target = setup.io_file.clone();
-            Ok((Box::new(ComputeExecutor::new(&setup, plan.seed)?), target))
-        }
-        s => bail!("unknown sweep {s:?} in plan.json"),
-    }
-}
-
-fn run_id() -> String {
-    let t = std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map(|d| d.as_secs())
-        .unwrap_or(0);
-    format!("{t}-{}", std::process::id())
+    Ok(sweeps::compute_plan(&grid, &a.common.settings()?)?)
 }
 
 fn start(plan: Plan, out: &Path, quiet: bool) -> Result<ExitCode> {
-    let mut store = ShardStore::create(out, &run_id())?;
-    let (mut exec, target) = executor(&plan)?;
-    runner::write_run_files(out, &plan, &target, 1)?;
     eprintln!(
         "{} conditions, budget {:.0}s, {:?}; run directory {}",
         plan.conditions.len(),
@@ -407,28 +284,25 @@ fn start(plan: Plan, out: &Path, quiet: bool) -> Result<ExitCode> {
         plan.repetition,
         out.display()
     );
-    finish(runner::run(&plan, &mut store, exec.as_mut(), !quiet)?, out)
+    finish(sweeps::start(&plan, out, !quiet)?, out)
 }
 
 fn resume(dir: &Path, quiet: bool) -> Result<ExitCode> {
-    let plan = runner::read_plan(dir)?;
-    let mut store = ShardStore::open(dir)?;
-    let (committed, problems) = store.recover()?;
-    for p in &problems {
-        eprintln!("warning: {p} (moved to quarantine/)");
-    }
-    eprintln!(
-        "resuming {} (session {}): {} committed samples in {} shards, {:.0}s of {:.0}s budget spent",
-        dir.display(),
-        store.manifest.sessions,
-        committed.height(),
-        store.manifest.shards.len(),
-        store.manifest.spent_s,
-        plan.budget_s
-    );
-    let (mut exec, target) = executor(&plan)?;
-    runner::write_run_files(dir, &plan, &target, store.manifest.sessions)?;
-    finish(runner::run(&plan, &mut store, exec.as_mut(), !quiet)?, dir)
+    let outcome = sweeps::resume(dir, !quiet, |r| {
+        for p in &r.quarantined {
+            eprintln!("warning: {p} (moved to quarantine/)");
+        }
+        eprintln!(
+            "resuming {} (session {}): {} committed samples in {} shards, {:.0}s of {:.0}s budget spent",
+            dir.display(),
+            r.session,
+            r.committed_samples,
+            r.shards,
+            r.spent_s,
+            r.budget_s
+        );
+    })?;
+    finish(outcome, dir)
 }
 
 fn finish(outcome: Outcome, dir: &Path) -> Result<ExitCode> {
@@ -488,11 +362,11 @@ fn main() -> Result<ExitCode> {
     }
     match &cli.cmd {
         Some(Cmd::Io(a)) => {
-            let (plan, _) = io_plan(a)?;
+            let plan = io_plan(a)?;
             start(plan, &a.common.out, cli.quiet)
         }
         Some(Cmd::Compute(a)) => {
-            let (plan, _) = compute_plan(a)?;
+            let plan = compute_plan(a)?;
             start(plan, &a.common.out, cli.quiet)
         }
         Some(Cmd::Summary(a)) => summarize(a),

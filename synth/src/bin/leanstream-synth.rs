@@ -7,7 +7,6 @@ use anyhow::{Context, Result};
 use clap::{Parser, Subcommand};
 use leanstream_profiler::activations::read::Trace;
 use leanstream_runtime::control::{AxisKind, ControlState, ControlTable};
-use leanstream_runtime::flash::LsFlash;
 use leanstream_runtime::predict::Predictor;
 use leanstream_synth::eval::{evaluate, EvalOptions};
 use leanstream_synth::fit::fit_traces;
@@ -83,21 +82,19 @@ struct ModelArgs {
 
 impl ModelArgs {
     fn config(&self) -> Result<SynthConfig> {
-        let (mut n_layers, mut n_ff, mut bundle_bytes, mut model_sha256) =
-            (self.layers, self.n_ff, self.bundle_bytes, None);
-        if let Some(path) = &self.flash {
-            let f = LsFlash::open(path)?;
-            let bundle = f.layout(0).bundle_bytes();
-            if let Some(l) = (1..f.n_layer()).find(|&l| f.layout(l).bundle_bytes() != bundle) {
-                anyhow::bail!(
-                    "{}: layer {l}'s bundles are {} bytes, layer 0's {bundle}; the control model assumes one size",
-                    path.display(),
-                    f.layout(l).bundle_bytes()
-                );
-            }
-            (n_layers, n_ff, bundle_bytes) = (f.n_layer(), f.n_ff(), bundle as f64);
-            model_sha256 = Some(leanstream_runtime::fetch::hex(&f.header().source_sha256));
-        }
+        let shape = match &self.flash {
+            Some(path) => Some(SynthConfig::for_flash(path)?),
+            None => None,
+        };
+        let (n_layers, n_ff, bundle_bytes, model_sha256) = match &shape {
+            Some(c) => (
+                c.params.n_layers,
+                c.params.n_ff,
+                c.params.bundle_bytes,
+                c.model_sha256.clone(),
+            ),
+            None => (self.layers, self.n_ff, self.bundle_bytes, None),
+        };
         Ok(SynthConfig {
             model_sha256,
             params: ModelParams {
@@ -130,6 +127,46 @@ impl ModelArgs {
 
 #[derive(Subcommand)]
 enum Cmd {
+    /// The whole toolchain for one model on this device, resumable: traces,
+    /// placement, pack, I/O and compute profiles, controller table,
+    /// predictor, eviction, a verification benchmark and report.md, all in
+    /// --out. Killed or interrupted, the same command continues.
+    Tune {
+        /// GGUF model (or a known name: smollm2, gemma3).
+        #[arg(long)]
+        model: String,
+        /// Real prose to trace, train and calibrate on.
+        #[arg(long, num_args = 1.., required = true)]
+        text: Vec<PathBuf>,
+        /// Held-out prose (default: the last fifth of --text's paragraphs).
+        #[arg(long, num_args = 1..)]
+        heldout: Vec<PathBuf>,
+        #[arg(short, long)]
+        out: PathBuf,
+        /// Time for the whole run (90s, 30m, 8h), split across the steps.
+        #[arg(long, default_value = "30m")]
+        budget: String,
+        #[arg(long, default_value_t = 0.5)]
+        sparsity: f32,
+        /// FFN cache budget of the verification runs.
+        #[arg(long, default_value = "25%")]
+        ffn_budget: String,
+        /// Cap on each split's traced tokens (a trace takes ~200 KB a token).
+        #[arg(long, default_value_t = 16384)]
+        max_trace_tokens: usize,
+        /// The controller's cost of skipping a layer's whole active mass,
+        /// µs. High by default: at 100 ms, skipping 1% of a layer's mass
+        /// costs about a layer's compute time, which keeps deadline skips
+        /// rare and perplexity near dense.
+        #[arg(long, default_value_t = 100_000.0)]
+        w_skip_us: f64,
+        /// The leanstream binary for the verification (default: beside this one).
+        #[arg(long)]
+        leanstream_bin: Option<PathBuf>,
+        /// No progress bar (one line per step instead).
+        #[arg(long)]
+        quiet: bool,
+    },
     /// Fit the traces, solve the stochastic MPC for every grid state, write the table.
     Controller {
         #[arg(long)]
@@ -310,6 +347,50 @@ fn load(path: &Path) -> Result<(ControlTable, usize)> {
 
 fn main() -> Result<()> {
     match Cli::parse().cmd {
+        Cmd::Tune {
+            model,
+            text,
+            heldout,
+            out: dir,
+            budget,
+            sparsity,
+            ffn_budget,
+            max_trace_tokens,
+            w_skip_us,
+            leanstream_bin,
+            quiet,
+        } => {
+            use std::io::IsTerminal;
+            let opts = leanstream_synth::tune::TuneOptions {
+                model: leanstream_runtime::fetch::resolve_model(&model)?,
+                text,
+                heldout,
+                out: dir,
+                budget_s: leanstream_profiler::units::parse_duration(&budget)?.as_secs_f64(),
+                sparsity,
+                ffn_budget,
+                max_trace_tokens,
+                w_skip_us,
+                leanstream_bin,
+                progress: !quiet && std::io::stderr().is_terminal(),
+            };
+            match leanstream_synth::tune::tune(&opts) {
+                Ok(o) => {
+                    let ran = o.steps.iter().filter(|s| s.1).count();
+                    eprintln!(
+                        "{} steps ran, {} were already done; report: {}",
+                        ran,
+                        o.steps.len() - ran,
+                        o.report.display()
+                    );
+                }
+                Err(e @ leanstream_synth::SynthError::Interrupted(_)) => {
+                    eprintln!("{e}");
+                    std::process::exit(130);
+                }
+                Err(e) => return Err(e.into()),
+            }
+        }
         Cmd::Eval {
             acts,
             predictor,

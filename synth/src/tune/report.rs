@@ -1,0 +1,259 @@
+//! `report.md`: what was made, how long each step took, and what the tuned
+//! model does against the untuned default, with SVG plots under `plots/`.
+
+use std::fmt::Write as _;
+use std::path::Path;
+
+use leanstream_plot::{LineChart, Series};
+use serde_json::Value;
+
+use super::steps::{Step, COMPUTE_TRACES, CONTROLLER, IO_TRACES, PLOTS, REPORT, VERIFY};
+use super::Ctx;
+use crate::error::{Result, SynthError};
+
+fn f(v: &Value) -> f64 {
+    v.as_f64().unwrap_or(f64::NAN)
+}
+
+fn save(ctx: &Ctx, name: &str, svg: &str, files: &mut Vec<String>) -> Result<String> {
+    let rel = format!("{PLOTS}/{name}");
+    let path = ctx.out.join(&rel);
+    std::fs::write(&path, svg).map_err(|e| SynthError::io(&path, e))?;
+    files.push(rel.clone());
+    Ok(rel)
+}
+
+/// The profiler's own latency plots (CDFs, throughput) of one run, copied under plots/.
+fn profile_plots(ctx: &Ctx, run: &str, sub: &str, files: &mut Vec<String>) -> Result<Vec<String>> {
+    let loaded = leanstream_profiler::summary::load(&ctx.out.join(run))?;
+    let rows = leanstream_profiler::summary::summarize(&loaded.frame, &loaded.plan.conditions)?;
+    let dir = ctx.out.join(PLOTS).join(sub);
+    let written = leanstream_profiler::plot::write_plots(&loaded.frame, &rows, &dir)?;
+    let mut rels = Vec::new();
+    for p in written {
+        if let Some(name) = p.file_name() {
+            let rel = format!("{PLOTS}/{sub}/{}", name.to_string_lossy());
+            files.push(rel.clone());
+            rels.push(rel);
+        }
+    }
+    Ok(rels)
+}
+
+pub(super) fn write(ctx: &Ctx) -> Result<(Vec<String>, Value)> {
+    let plots = ctx.out.join(PLOTS);
+    std::fs::create_dir_all(&plots).map_err(|e| SynthError::io(&plots, e))?;
+    let mut files = vec![REPORT.to_string()];
+    let m = &ctx.manifest;
+    let mut r = String::new();
+    let _ = writeln!(r, "# LeanStream tune report\n");
+    let _ = writeln!(r, "- model: `{}` (SHA-256 `{}`)", m.model, m.model_sha256);
+    let _ = writeln!(r, "- device: `{}`, {} threads", m.device, ctx.cores);
+    let _ = writeln!(r, "- budget: {:.0} s; sessions of this run: {}", m.budget_s, m.sessions);
+    let _ = writeln!(
+        r,
+        "- use: `leanstream run --model {}/model.lsflash --policy speculate --sparsity {} --mem-budget ...` \
+         finds the controller, predictor and retention table beside the model\n",
+        ctx.out.display(),
+        ctx.opts.sparsity
+    );
+
+    let _ = writeln!(
+        r,
+        "## Steps\n\n| step | share of budget (s) | wall (s) | sessions |\n|---|---|---|---|"
+    );
+    let mut total = 0.0;
+    for s in Step::ALL {
+        if let Some(rec) = m.steps.get(s.name()) {
+            total += rec.seconds;
+            let _ = writeln!(
+                r,
+                "| {} | {:.0} | {:.1} | {} |",
+                s.name(),
+                rec.budget_s,
+                rec.seconds,
+                rec.sessions
+            );
+        } else if s == Step::Report {
+            let _ = writeln!(r, "| report | {:.0} | (this file) | |", ctx.budget_of(s));
+        }
+    }
+    let _ = writeln!(r, "\nSteps before the report: {total:.1} s.\n");
+
+    let _ = writeln!(r, "## Artifacts\n\n| file | bytes | SHA-256 |\n|---|---|---|");
+    for s in Step::ALL {
+        if let Some(rec) = m.steps.get(s.name()) {
+            for o in rec.outputs.iter().filter(|o| !o.path.starts_with("work/")) {
+                let _ = writeln!(r, "| `{}` | {} | `{}` |", o.path, o.bytes, &o.sha256[..16]);
+            }
+        }
+    }
+
+    // Tuned against default.
+    let verify: Value = {
+        let p = ctx.out.join(VERIFY);
+        let bytes = std::fs::read(&p).map_err(|e| SynthError::io(&p, e))?;
+        serde_json::from_slice(&bytes).map_err(|e| SynthError::Settings(format!("{}: {e}", p.display())))?
+    };
+    let runs = verify["runs"].as_array().cloned().unwrap_or_default();
+    let _ = writeln!(
+        r,
+        "\n## Tuned against default, in the real engine\n\n`tuned` is `speculate` with this run's table and \
+         predictor; `default` is `dense-stream`, what the same file does without them. Sparsity {}, decode of \
+         {} tokens after one warm-up, each run its own process.\n",
+        ctx.opts.sparsity, verify["plan"]["gen_tokens"]
+    );
+    let _ = writeln!(
+        r,
+        "| run | FFN budget | memory (MiB) | decode tok/s | MiB read/token | skipped | ppl ratio | top-1 |\n|---|---|---|---|---|---|---|---|"
+    );
+    let mib = |v: &Value| f(v) / (1u64 << 20) as f64;
+    for v in &runs {
+        let _ = writeln!(
+            r,
+            "| {} | {} | {:.1} | {:.1} | {:.2} | {:.3} | {:.3} | {:.3} |",
+            v["label"].as_str().unwrap_or("?"),
+            v["budget"].as_str().unwrap_or("?"),
+            mib(&v["memory"]["total"]),
+            f(&v["decode_tok_s"]),
+            mib(&v["bytes_read_per_token"]),
+            f(&v["skipped_fraction"]),
+            f(&v["quality"]["ppl_ratio"]),
+            f(&v["quality"]["top1_agreement"]),
+        );
+    }
+    let series = |config: &str, x: &dyn Fn(&Value) -> f64, y: &dyn Fn(&Value) -> f64| {
+        let mut pts: Vec<(f64, f64)> = runs
+            .iter()
+            .filter(|v| v["config"] == config)
+            .map(|v| (x(v), y(v)))
+            .filter(|p| p.0.is_finite() && p.1.is_finite())
+            .collect();
+        pts.sort_by(|a, b| a.0.total_cmp(&b.0));
+        Series {
+            name: config.to_string(),
+            points: pts,
+        }
+    };
+    let mem = [
+        series("tuned", &|v| mib(&v["memory"]["total"]), &|v| f(&v["decode_tok_s"])),
+        series("default", &|v| mib(&v["memory"]["total"]), &|v| f(&v["decode_tok_s"])),
+    ];
+    if mem.iter().all(|s| s.points.len() > 1) {
+        let svg = LineChart {
+            title: "Decode speed against memory: tuned vs default",
+            x_label: "memory accounted (MiB)",
+            y_label: "decode tokens/s",
+            x_log: false,
+            y_min: Some(0.0),
+            y_max: None,
+            series: &mem,
+        }
+        .to_svg()?;
+        let rel = save(ctx, "memory.svg", &svg, &mut files)?;
+        let _ = writeln!(r, "\n![tokens/s against memory]({rel})");
+    }
+    let deadline = series("deadline", &|v| f(&v["decode_tok_s"]), &|v| {
+        f(&v["quality"]["ppl_ratio"])
+    });
+    if deadline.points.len() > 1 {
+        let _ = writeln!(
+            r,
+            "\n### Speed against quality\n\n`speculate` at K=2, b=1.5, q=16 with deadline factors {} (the \
+             table's deadline is one of its knobs; here it is pinned to show the curve).\n",
+            verify["plan"]["deadlines"]
+        );
+        let svg = LineChart {
+            title: "Speed against quality (deadline factor varied)",
+            x_label: "decode tokens/s",
+            y_label: "perplexity / dense perplexity",
+            x_log: false,
+            y_min: None,
+            y_max: None,
+            series: &[deadline],
+        }
+        .to_svg()?;
+        let rel = save(ctx, "speed_quality.svg", &svg, &mut files)?;
+        let _ = writeln!(r, "![speed against quality]({rel})");
+    }
+
+    // The controller.
+    let table = leanstream_runtime::control::ControlTable::load(&ctx.out.join(CONTROLLER))?;
+    let rel = save(ctx, "controller.svg", &crate::inspect::heatmap_svg(&table)?, &mut files)?;
+    let _ = writeln!(r, "\n## Controller\n");
+    if let Some(s) = ctx.summary_of(Step::Controller) {
+        let _ = writeln!(
+            r,
+            "{} grid states, {} actions. Simulated on the held-out half of the profile (40 tokens):\n\n\
+             | policy | mean cost | layer µs | skipped mass |\n|---|---|---|---|",
+            s["states"], s["actions"]
+        );
+        for row in s["simulated"].as_array().into_iter().flatten() {
+            let _ = writeln!(
+                r,
+                "| {} | {:.1} | {:.1} | {:.4} |",
+                row["policy"].as_str().unwrap_or("?"),
+                f(&row["mean_cost"]),
+                f(&row["mean_layer_us"]),
+                f(&row["skipped_mass"])
+            );
+        }
+    }
+    let _ = writeln!(r, "\n![controller actions]({rel})");
+
+    let _ = writeln!(r, "\n## Device profile\n");
+    for (run, sub, step) in [
+        (IO_TRACES, "io", Step::ProfileIo),
+        (COMPUTE_TRACES, "compute", Step::ProfileCompute),
+    ] {
+        if let Some(s) = ctx.summary_of(step) {
+            let _ = writeln!(
+                r,
+                "- {}: {} samples in {:.0} s ({}, {})",
+                step.name(),
+                s["samples"],
+                f(&s["spent_s"]),
+                s["repetition"].as_str().unwrap_or("?"),
+                s["finish"].as_str().unwrap_or("?")
+            );
+        }
+        for rel in profile_plots(ctx, run, sub, &mut files)? {
+            let _ = writeln!(r, "\n  ![{sub}]({rel})");
+        }
+    }
+
+    if let Some(s) = ctx.summary_of(Step::Eviction) {
+        let _ = writeln!(
+            r,
+            "\n## Cache eviction (held-out miss ratio, cache {:.0}% of neurons)\n\n| policy | miss ratio |\n|---|---|",
+            f(&s["budget_share"]) * 100.0
+        );
+        for row in s["table4"].as_array().into_iter().flatten() {
+            let _ = writeln!(
+                r,
+                "| {} | {:.4} |",
+                row["policy"].as_str().unwrap_or("?"),
+                f(&row["miss_ratio"])
+            );
+        }
+    }
+    if let Some(s) = ctx.summary_of(Step::Predictor) {
+        let _ = writeln!(
+            r,
+            "\n## Predictor\n\nTrained on {} tokens; mean hashing loss {:.4} → {:.4}; {} bytes of weights.",
+            s["tokens"],
+            f(&s["hashing_loss_before"]),
+            f(&s["hashing_loss_after"]),
+            s["weight_bytes"]
+        );
+    }
+    let path = ctx.out.join(REPORT);
+    write_text(&path, &r)?;
+    let plots = files.len() - 1;
+    Ok((files, serde_json::json!({ "plots": plots })))
+}
+
+fn write_text(path: &Path, text: &str) -> Result<()> {
+    leanstream_profiler::shard::write_atomic(path, text.as_bytes())?;
+    Ok(())
+}

@@ -1,0 +1,637 @@
+//! The steps of a tune run: what each reads (its inputs, hashed into the
+//! manifest), what it writes, and how it sizes its work from its share of
+//! the budget.
+
+use std::path::{Path, PathBuf};
+
+use leanstream_profiler::activations::read::Trace;
+use leanstream_profiler::activations::record::{record, RecordOptions};
+use leanstream_profiler::plan::{Engine, Pattern, Repetition};
+use leanstream_profiler::runner::{self, Outcome};
+use leanstream_profiler::sweeps::{self, ComputeGrid, IoGrid, RunSettings};
+use leanstream_runtime::flash::{self, LsFlash};
+use serde_json::{json, Value};
+
+use super::{remove, Ctx};
+use crate::error::{Result, SynthError};
+
+/// The pipeline, in order.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Step {
+    /// Training and held-out prose, split when no held-out text is named.
+    Text,
+    /// Activation traces of the model on both splits.
+    Activations,
+    /// Flash order of each layer's neurons from co-activation.
+    Placement,
+    /// Calibrated sparsity thresholds, then the `.lsflash` file in that order.
+    Pack,
+    /// Read latency at the request sizes the packed layout implies.
+    ProfileIo,
+    /// The packed model's own FFN kernels.
+    ProfileCompute,
+    /// The stochastic-MPC lookup table for this model on this device.
+    Controller,
+    /// The hashing predictor and the low-rank baseline.
+    Predictor,
+    /// The learned cache's retention table.
+    Eviction,
+    /// The tuned model against the untuned default in the real engine.
+    Verify,
+    /// `report.md` with its plots.
+    Report,
+}
+
+/// Paths relative to the output directory.
+pub const TRAIN_TEXT: &str = "work/text/train.txt";
+pub const HELDOUT_TEXT: &str = "work/text/heldout.txt";
+pub const ACTS: &str = "work/acts";
+pub const PLACEMENT: &str = "work/placement.json";
+pub const MODEL: &str = "model.lsflash";
+pub const TRACES: &str = "work/traces";
+pub const IO_TRACES: &str = "work/traces/io";
+pub const COMPUTE_TRACES: &str = "work/traces/compute";
+pub const IO_SCRATCH: &str = "work/io-scratch";
+pub const CONTROLLER: &str = "controller.lstab";
+pub const PREDICTOR: &str = "predictor.lspred";
+pub const LOW_RANK: &str = "predictor.lowrank.lspred";
+pub const EVICTION: &str = "eviction.lsevict";
+pub const VERIFY: &str = "work/verify.json";
+pub const REPORT: &str = "report.md";
+pub const PLOTS: &str = "plots";
+
+/// Sparsities stored in the packed file (the operating one among them).
+const SPARSITIES: [f32; 3] = [0.5, 0.7, 0.8];
+/// Trace windows (tokens), as the predictors were designed with.
+const TRACE_CTX: usize = 256;
+/// The predictor's training epochs.
+const EPOCHS: usize = 4;
+/// Measured on SmolLM2 (98 MB GGUF) with 2 threads of this project's
+/// machines: tokens/s of tracing (forward pass plus writing ~200 KB a
+/// token) and of a calibration prefill; seconds of predictor training per
+/// token, epoch, layer and neuron. Work scales with them, so a budget buys
+/// about the same share of time on other models and core counts.
+const TRACE_TOK_S: f64 = 180.0;
+const CALIB_TOK_S: f64 = 400.0;
+/// Held-out tokens/s of the eviction step's replay (every policy, Belady's bound among them).
+const REPLAY_TOK_S: f64 = 50.0;
+/// Tokens the recorder calibrates its thresholds on before tracing.
+const TRACE_CALIB_TOKENS: f64 = 4096.0;
+const TRAIN_S_PER_UNIT: f64 = 80e-9;
+const REFERENCE_GGUF_BYTES: f64 = 98_362_432.0;
+
+fn round_to(x: f64, step: usize, lo: usize, hi: usize) -> usize {
+    let v = ((x / step as f64).floor() as usize) * step;
+    v.clamp(lo, hi.max(lo))
+}
+
+fn text_sha(paths: &[PathBuf]) -> Result<Vec<String>> {
+    paths
+        .iter()
+        .map(|p| Ok(leanstream_runtime::fetch::sha256_file(p)?))
+        .collect()
+}
+
+/// What the verification runs: sweep budgets, tokens, quality settings.
+#[derive(Debug, Clone, serde::Serialize)]
+pub struct VerifyPlan {
+    pub budgets: Vec<String>,
+    pub gen_tokens: usize,
+    pub reps: usize,
+    pub quality_ctx: usize,
+    pub quality_chunks: usize,
+    /// Deadline factors of the speed-quality curve (empty: none).
+    pub deadlines: Vec<String>,
+}
+
+impl Step {
+    pub const ALL: [Step; 11] = [
+        Step::Text,
+        Step::Activations,
+        Step::Placement,
+        Step::Pack,
+        Step::ProfileIo,
+        Step::ProfileCompute,
+        Step::Controller,
+        Step::Predictor,
+        Step::Eviction,
+        Step::Verify,
+        Step::Report,
+    ];
+
+    pub fn name(self) -> &'static str {
+        match self {
+            Step::Text => "text",
+            Step::Activations => "activations",
+            Step::Placement => "placement",
+            Step::Pack => "pack",
+            Step::ProfileIo => "profile-io",
+            Step::ProfileCompute => "profile-compute",
+            Step::Controller => "controller",
+            Step::Predictor => "predictor",
+            Step::Eviction => "eviction",
+            Step::Verify => "verify",
+            Step::Report => "report",
+        }
+    }
+
+    /// The step's share of the budget (they sum to 1).
+    pub fn share(self) -> f64 {
+        match self {
+            Step::Text => 0.0,
+            Step::Activations => 0.12,
+            Step::Placement => 0.04,
+            Step::Pack => 0.04,
+            Step::ProfileIo => 0.17,
+            Step::ProfileCompute => 0.13,
+            Step::Controller => 0.05,
+            Step::Predictor => 0.22,
+            Step::Eviction => 0.05,
+            Step::Verify => 0.15,
+            Step::Report => 0.03,
+        }
+    }
+
+    /// What the step leaves in the output directory (removed before it
+    /// starts afresh).
+    fn products(self) -> &'static [&'static str] {
+        match self {
+            Step::Text => &["work/text"],
+            Step::Activations => &[ACTS],
+            Step::Placement => &[PLACEMENT],
+            Step::Pack => &[MODEL],
+            Step::ProfileIo => &[IO_TRACES],
+            Step::ProfileCompute => &[COMPUTE_TRACES],
+            Step::Controller => &[CONTROLLER],
+            Step::Predictor => &[PREDICTOR, LOW_RANK],
+            Step::Eviction => &[EVICTION],
+            Step::Verify => &[VERIFY],
+            Step::Report => &[REPORT, PLOTS],
+        }
+    }
+
+    pub(super) fn clear(self, ctx: &Ctx) -> Result<()> {
+        for p in self.products() {
+            remove(&ctx.out.join(p))?;
+        }
+        Ok(())
+    }
+
+    /// Tokens/s of model-sized work relative to the reference measurement.
+    fn speed(ctx: &Ctx) -> f64 {
+        REFERENCE_GGUF_BYTES / ctx.shape.gguf_bytes.max(1) as f64 * ctx.cores as f64 / 2.0
+    }
+
+    /// Tokens traced in each split.
+    pub fn trace_tokens(ctx: &Ctx) -> usize {
+        // The recorder first calibrates (a prefill), then traces both splits.
+        let speed = Self::speed(ctx);
+        let left = ctx.budget_of(Step::Activations) - TRACE_CALIB_TOKENS / (CALIB_TOK_S * speed);
+        round_to(left * TRACE_TOK_S * speed / 2.0, 256, 512, ctx.opts.max_trace_tokens)
+    }
+
+    /// Held-out tokens the eviction step replays for its Table 4.
+    pub fn replay_tokens(ctx: &Ctx) -> usize {
+        let t = ctx.budget_of(Step::Eviction) * 0.8 * REPLAY_TOK_S * Self::speed(ctx);
+        round_to(t, 256, 256, Self::trace_tokens(ctx))
+    }
+
+    pub fn calib_tokens(ctx: &Ctx) -> usize {
+        // Calibration is about half of the pack step.
+        round_to(
+            ctx.budget_of(Step::Pack) * 0.5 * CALIB_TOK_S * Self::speed(ctx),
+            256,
+            256,
+            4096,
+        )
+    }
+
+    pub fn train_tokens(ctx: &Ctx) -> usize {
+        let unit =
+            EPOCHS as f64 * (ctx.shape.n_layer * ctx.shape.n_ff) as f64 * TRAIN_S_PER_UNIT * 2.0 / ctx.cores as f64;
+        round_to(ctx.budget_of(Step::Predictor) / unit, 256, 256, Self::trace_tokens(ctx))
+    }
+
+    pub fn verify_plan(ctx: &Ctx) -> VerifyPlan {
+        if ctx.budget_of(Step::Verify) >= 120.0 {
+            VerifyPlan {
+                budgets: ["10%", "25%", "50%", "100%"].map(String::from).to_vec(),
+                gen_tokens: 32,
+                reps: 1,
+                quality_ctx: 256,
+                quality_chunks: 1,
+                deadlines: ["2", "8", "inf"].map(String::from).to_vec(),
+            }
+        } else {
+            VerifyPlan {
+                budgets: vec![ctx.opts.ffn_budget.clone()],
+                gen_tokens: 8,
+                reps: 1,
+                quality_ctx: 64,
+                quality_chunks: 1,
+                deadlines: Vec::new(),
+            }
+        }
+    }
+
+    /// The packed file's request sizes: one bundle (in 4 KiB pages), the
+    /// engine's merged runs at its default merge gap, and four times that.
+    fn block_sizes(ctx: &Ctx) -> Result<Vec<u64>> {
+        let f = LsFlash::open(ctx.out.join(MODEL))?;
+        let bundle = (0..f.n_layer())
+            .map(|l| f.layout(l).bundle_bytes())
+            .max()
+            .unwrap_or(4096) as u64;
+        let merged = leanstream_runtime::engine::DEFAULT_MERGE_GAP as u64;
+        let mut v = vec![bundle.div_ceil(4096) * 4096, merged, 4 * merged];
+        v.sort_unstable();
+        v.dedup();
+        Ok(v)
+    }
+
+    fn io_grid(ctx: &Ctx) -> Result<IoGrid> {
+        let small = ctx.budget_of(Step::ProfileIo) < 120.0;
+        Ok(IoGrid {
+            dir: ctx.out.join(IO_SCRATCH),
+            file_size: if small { 256 << 20 } else { 1 << 30 },
+            block_sizes: Self::block_sizes(ctx)?,
+            // The controller's codebook of queue depths.
+            queue_depths: vec![1, 4, 16],
+            workers: vec![1],
+            patterns: vec![Pattern::Random],
+            engines: vec![Engine::IoUring],
+            lsflash: None,
+            replay_fraction: 0.1,
+        })
+    }
+
+    fn compute_grid(ctx: &Ctx) -> ComputeGrid {
+        ComputeGrid {
+            model: ctx.out.join(MODEL),
+            neurons: None,
+            stages: vec![1, 2, 4, 8],
+            split_neurons: None,
+            ctx: vec![256],
+            threads: Some(vec![ctx.cores as u32]),
+            background_io: vec![false],
+            io_file: None,
+            layer: 0,
+        }
+    }
+
+    fn run_settings(ctx: &Ctx, step: Step) -> RunSettings {
+        let budget_s = ctx.budget_of(step);
+        RunSettings {
+            budget_s,
+            // Short budgets commit often, so a kill loses little.
+            flush_every_s: (budget_s / 8.0).clamp(2.0, 30.0),
+            ..RunSettings::default()
+        }
+    }
+
+    fn scenarios(ctx: &Ctx) -> usize {
+        if ctx.budget_of(Step::Controller) < 60.0 {
+            8
+        } else {
+            24
+        }
+    }
+
+    /// Settings and the hashes of what the step reads.
+    pub(super) fn inputs(self, ctx: &Ctx) -> Result<Value> {
+        let o = ctx.opts;
+        Ok(match self {
+            Step::Text => json!({
+                "text": text_sha(&o.text)?,
+                "heldout": text_sha(&o.heldout)?,
+                "heldout_share": if o.heldout.is_empty() { 0.2 } else { 0.0 },
+            }),
+            Step::Activations => json!({
+                "model": ctx.shape.sha256,
+                "train": ctx.hash_of(TRAIN_TEXT)?,
+                "heldout": ctx.hash_of(HELDOUT_TEXT)?,
+                "max_tokens": Self::trace_tokens(ctx),
+                "ctx": TRACE_CTX,
+                "hot_fraction": 0.25,
+            }),
+            Step::Placement => json!({
+                "acts": ctx.hash_of(&format!("{ACTS}/manifest.json"))?,
+                "sparsity": o.sparsity,
+            }),
+            Step::Pack => json!({
+                "model": ctx.shape.sha256,
+                "placement": ctx.hash_of(PLACEMENT)?,
+                "calibration_text": ctx.hash_of(TRAIN_TEXT)?,
+                "calibration_tokens": Self::calib_tokens(ctx),
+                "sparsities": SPARSITIES,
+            }),
+            Step::ProfileIo => {
+                let g = Self::io_grid(ctx)?;
+                json!({
+                    "device": ctx.manifest.device,
+                    "block_sizes": g.block_sizes,
+                    "queue_depths": g.queue_depths,
+                    "file_size": g.file_size,
+                    "budget_s": ctx.budget_of(self),
+                })
+            }
+            Step::ProfileCompute => json!({
+                "device": ctx.manifest.device,
+                "flash": ctx.hash_of(MODEL)?,
+                "stages": Self::compute_grid(ctx).stages,
+                "threads": ctx.cores,
+                "budget_s": ctx.budget_of(self),
+            }),
+            Step::Controller => json!({
+                "io": ctx.hash_of(&format!("{IO_TRACES}/manifest.json"))?,
+                "compute": ctx.hash_of(&format!("{COMPUTE_TRACES}/manifest.json"))?,
+                "flash": ctx.hash_of(MODEL)?,
+                "scenarios": Self::scenarios(ctx),
+                "w_skip_us": o.w_skip_us,
+            }),
+            Step::Predictor => json!({
+                "acts": ctx.hash_of(&format!("{ACTS}/manifest.json"))?,
+                "sparsity": o.sparsity,
+                "tokens": Self::train_tokens(ctx),
+                "epochs": EPOCHS,
+            }),
+            Step::Eviction => json!({
+                "acts": ctx.hash_of(&format!("{ACTS}/manifest.json"))?,
+                "sparsity": o.sparsity,
+                "replay_tokens": Self::replay_tokens(ctx),
+            }),
+            Step::Verify => json!({
+                "flash": ctx.hash_of(MODEL)?,
+                "controller": ctx.hash_of(CONTROLLER)?,
+                "predictor": ctx.hash_of(PREDICTOR)?,
+                "eviction": ctx.hash_of(EVICTION)?,
+                "heldout": ctx.hash_of(HELDOUT_TEXT)?,
+                "sparsity": o.sparsity,
+                "plan": Self::verify_plan(ctx),
+            }),
+            Step::Report => {
+                let keys: serde_json::Map<String, Value> = ctx
+                    .manifest
+                    .steps
+                    .iter()
+                    .filter(|(n, _)| n.as_str() != self.name())
+                    .map(|(n, r)| (n.clone(), json!(r.inputs_key)))
+                    .collect();
+                json!({ "steps": keys, "verify": ctx.hash_of(VERIFY)? })
+            }
+        })
+    }
+
+    /// Runs the step; returns the files to record (relative to the output
+    /// directory) and what it measured.
+    pub(super) fn run(self, ctx: &Ctx) -> Result<(Vec<String>, Value)> {
+        match self {
+            Step::Text => split_text(ctx),
+            Step::Activations => activations(ctx),
+            Step::Placement => placement(ctx),
+            Step::Pack => pack(ctx),
+            Step::ProfileIo | Step::ProfileCompute => profile(ctx, self),
+            Step::Controller => controller(ctx),
+            Step::Predictor => predictor(ctx),
+            Step::Eviction => eviction(ctx),
+            Step::Verify => super::verify::verify(ctx),
+            Step::Report => super::report::write(ctx),
+        }
+    }
+}
+
+fn read_text(p: &Path) -> Result<String> {
+    std::fs::read_to_string(p).map_err(|e| SynthError::io(p, e))
+}
+
+fn write_file(path: &Path, bytes: &[u8]) -> Result<()> {
+    if let Some(d) = path.parent() {
+        std::fs::create_dir_all(d).map_err(|e| SynthError::io(d, e))?;
+    }
+    leanstream_profiler::shard::write_atomic(path, bytes)?;
+    Ok(())
+}
+
+/// The training text, and the held-out text: the named files, else the
+/// last fifth of the paragraphs (a contiguous tail, so no paragraph's
+/// neighbours leak into training).
+fn split_text(ctx: &Ctx) -> Result<(Vec<String>, Value)> {
+    let o = ctx.opts;
+    let join = |ps: &[PathBuf]| -> Result<String> {
+        let mut s = String::new();
+        for p in ps {
+            s += &read_text(p)?;
+            s.push('\n');
+        }
+        Ok(s)
+    };
+    let all = join(&o.text)?;
+    let (train, heldout) = if o.heldout.is_empty() {
+        let paras: Vec<&str> = all.split("\n\n").filter(|p| !p.trim().is_empty()).collect();
+        if paras.len() < 5 {
+            return Err(SynthError::Settings(format!(
+                "the text has {} paragraphs; to hold out a fifth it needs at least 5 (or name --heldout files)",
+                paras.len()
+            )));
+        }
+        let cut = paras.len() - paras.len() / 5;
+        (paras[..cut].join("\n\n"), paras[cut..].join("\n\n"))
+    } else {
+        (all, join(&o.heldout)?)
+    };
+    write_file(&ctx.out.join(TRAIN_TEXT), train.as_bytes())?;
+    write_file(&ctx.out.join(HELDOUT_TEXT), heldout.as_bytes())?;
+    Ok((
+        vec![TRAIN_TEXT.into(), HELDOUT_TEXT.into()],
+        json!({"train_bytes": train.len(), "heldout_bytes": heldout.len()}),
+    ))
+}
+
+fn activations(ctx: &Ctx) -> Result<(Vec<String>, Value)> {
+    // The recorder continues a trace it finds with the same settings.
+    let m = record(&RecordOptions {
+        model: ctx.opts.model.clone(),
+        train: vec![ctx.out.join(TRAIN_TEXT)],
+        heldout: vec![ctx.out.join(HELDOUT_TEXT)],
+        out: ctx.out.join(ACTS),
+        ctx: TRACE_CTX,
+        shard_tokens: 1024,
+        max_tokens: Some(Step::trace_tokens(ctx)),
+        hot_fraction: 0.25,
+        progress: false,
+    })?;
+    let tokens: Vec<Value> = m
+        .splits
+        .iter()
+        .map(|s| json!({"split": s.name, "tokens": s.recorded_tokens()}))
+        .collect();
+    Ok((vec![format!("{ACTS}/manifest.json")], json!({ "splits": tokens })))
+}
+
+fn placement(ctx: &Ctx) -> Result<(Vec<String>, Value)> {
+    use crate::placement::{compare, learn, PlacementOptions};
+    let trace = Trace::open(&ctx.out.join(ACTS))?;
+    let p = learn(
+        &trace,
+        &PlacementOptions {
+            sparsity: ctx.opts.sparsity,
+            ..PlacementOptions::default()
+        },
+    )?;
+    p.save(&ctx.out.join(PLACEMENT))?;
+    let reads = compare(&trace, &p.layers, ctx.opts.sparsity, false)?;
+    Ok((vec![PLACEMENT.into()], json!({ "heldout_reads": reads })))
+}
+
+fn pack(ctx: &Ctx) -> Result<(Vec<String>, Value)> {
+    use leanstream_runtime::sparsity::{calibrate_run, CalibrationRun};
+    let model = leanstream_runtime::model::Model::load(&ctx.opts.model)?;
+    let text = read_text(&ctx.out.join(TRAIN_TEXT))?;
+    let t = std::time::Instant::now();
+    let c = calibrate_run(
+        &model,
+        &text,
+        CalibrationRun {
+            ctx: 512,
+            max_tokens: Some(Step::calib_tokens(ctx)),
+            progress: false,
+        },
+        &SPARSITIES,
+    )?;
+    let calib_s = t.elapsed().as_secs_f64();
+    let n_layer = model.config.n_layer;
+    drop(model);
+    let sparsity = c
+        .levels
+        .iter()
+        .map(|t| flash::SparsityLevel::from_thresholds(t, n_layer))
+        .collect::<std::result::Result<Vec<_>, _>>()?;
+    let opts = flash::PackOptions {
+        down: flash::DownType::Q8_0,
+        placement: Some(flash::pack::load_placement(&ctx.out.join(PLACEMENT))?),
+        sparsity,
+        neuron_scores: c.neuron_scores,
+        progress: false,
+    };
+    let r = flash::pack(&ctx.opts.model, ctx.out.join(MODEL), &opts)?;
+    Ok((
+        vec![MODEL.into()],
+        json!({
+            "calibration_tokens": c.tokens,
+            "calibration_s": calib_s,
+            "file_bytes": r.file_len,
+            "resident_bytes": r.resident_len,
+            "bundle_bytes": r.bundle_len,
+            "pack_s": r.seconds,
+        }),
+    ))
+}
+
+/// A profile sweep, continued from its committed shards when it was killed.
+fn profile(ctx: &Ctx, step: Step) -> Result<(Vec<String>, Value)> {
+    let (dir, rel) = match step {
+        Step::ProfileIo => (ctx.out.join(IO_TRACES), IO_TRACES),
+        _ => (ctx.out.join(COMPUTE_TRACES), COMPUTE_TRACES),
+    };
+    runner::install_signal_handlers();
+    let outcome = if sweeps::is_run(&dir) {
+        sweeps::resume(&dir, false, |_| {})
+    } else {
+        remove(&dir)?;
+        let settings = Step::run_settings(ctx, step);
+        let plan = match step {
+            Step::ProfileIo => sweeps::io_plan(&Step::io_grid(ctx)?, &settings)?,
+            _ => sweeps::compute_plan(&Step::compute_grid(ctx), &settings)?,
+        };
+        sweeps::start(&plan, &dir, false)
+    };
+    runner::reset_signal_handlers();
+    match outcome? {
+        Outcome::Interrupted => Err(SynthError::Interrupted(format!(
+            "{}: interrupted; the samples committed so far are kept, and the same command continues",
+            dir.display()
+        ))),
+        Outcome::Finished(f) => {
+            if step == Step::ProfileIo {
+                remove(&ctx.out.join(IO_SCRATCH))?;
+            }
+            let store = leanstream_profiler::shard::ShardStore::open(&dir)?;
+            let rows: u64 = store.manifest.shards.iter().map(|s| s.rows).sum();
+            let repetition = match runner::read_plan(&dir)?.repetition {
+                Repetition::Fixed { reps } => format!("fixed {reps}"),
+                Repetition::Adaptive { precision, .. } => format!("adaptive ±{precision}"),
+            };
+            Ok((
+                vec![format!("{rel}/manifest.json")],
+                json!({"samples": rows, "finish": format!("{f:?}"), "spent_s": store.manifest.spent_s, "repetition": repetition}),
+            ))
+        }
+    }
+}
+
+fn controller(ctx: &Ctx) -> Result<(Vec<String>, Value)> {
+    use crate::sim::{compare, SimConfig};
+    let mut cfg = crate::synth::SynthConfig::for_flash(&ctx.out.join(MODEL))?;
+    cfg.solver.scenarios = Step::scenarios(ctx);
+    cfg.params.w_skip_us = ctx.opts.w_skip_us;
+    let fitted = crate::fit::fit_traces(&ctx.out.join(TRACES))?;
+    let table = crate::synth::synthesize(&cfg, &fitted, false)?;
+    table.save(&ctx.out.join(CONTROLLER))?;
+    let rows = compare(
+        &table,
+        &cfg,
+        &fitted,
+        &SimConfig {
+            tokens: 40,
+            seed: cfg.seed,
+        },
+        false,
+    )?;
+    Ok((
+        vec![CONTROLLER.into()],
+        json!({"states": table.n_states(), "actions": table.codebook.len(), "simulated": rows}),
+    ))
+}
+
+fn predictor(ctx: &Ctx) -> Result<(Vec<String>, Value)> {
+    use crate::predictor::{train, TrainOptions};
+    let trace = Trace::open(&ctx.out.join(ACTS))?;
+    let trained = train(
+        &trace,
+        &TrainOptions {
+            sparsity: ctx.opts.sparsity,
+            epochs: EPOCHS,
+            max_tokens: Some(Step::train_tokens(ctx)),
+            ..TrainOptions::default()
+        },
+    )?;
+    trained.hashing.save(&ctx.out.join(PREDICTOR))?;
+    trained.low_rank.save(&ctx.out.join(LOW_RANK))?;
+    let n = trained.losses.len().max(1) as f32;
+    let before = trained.losses.iter().map(|l| l.hashing_before).sum::<f32>() / n;
+    let after = trained.losses.iter().map(|l| l.hashing_after).sum::<f32>() / n;
+    Ok((
+        vec![PREDICTOR.into(), LOW_RANK.into()],
+        json!({"tokens": Step::train_tokens(ctx), "hashing_loss_before": before, "hashing_loss_after": after,
+               "weight_bytes": trained.hashing.weight_bytes()}),
+    ))
+}
+
+fn eviction(ctx: &Ctx) -> Result<(Vec<String>, Value)> {
+    use crate::eviction::{learn, table4, EvictionOptions};
+    let trace = Trace::open(&ctx.out.join(ACTS))?;
+    let trained = learn(
+        &trace,
+        &EvictionOptions {
+            sparsity: ctx.opts.sparsity,
+            ..EvictionOptions::default()
+        },
+    )?;
+    trained.table.save(&ctx.out.join(EVICTION))?;
+    let replay = Step::replay_tokens(ctx);
+    let rows = table4(&trace, &trained, "heldout", ctx.opts.sparsity, 0.25, 4, Some(replay))?;
+    Ok((
+        vec![EVICTION.into()],
+        json!({"table4": rows, "budget_share": 0.25, "replay_tokens": replay}),
+    ))
+}
