@@ -63,6 +63,7 @@
 //! scenarios from an RNG seeded by (seed, state index), so the table is
 //! deterministic for a seed.
 
+pub mod adaptive;
 pub mod error;
 pub mod eval;
 pub mod eviction;

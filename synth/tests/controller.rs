@@ -1,77 +1,16 @@
 //! Solver against enumeration, determinism, condition checks, table round trip.
 
-use std::collections::BTreeMap;
+mod common;
+
 use std::path::PathBuf;
 
+use common::{fitted, small_cfg};
 use leanstream_runtime::control::ControlTable;
 use leanstream_runtime::generate::sampler::Rng;
-use leanstream_synth::fit::{Dists, Empirical, Fitted};
-use leanstream_synth::model::{ActionSpace, GridSpec, ModelParams};
 use leanstream_synth::sim::{compare, SimConfig};
-use leanstream_synth::solve::{solve_enumerate, solve_milp, Instance, SolverSettings};
-use leanstream_synth::synth::{env_for, state_at, synthesize, SynthConfig};
+use leanstream_synth::solve::{solve_enumerate, solve_milp, Instance};
+use leanstream_synth::synth::{env_for, state_at, synthesize};
 use leanstream_synth::SynthError;
-
-fn spread(rng: &mut Rng, center: f64, rel: f64, n: usize) -> Empirical {
-    Empirical::new((0..n).map(|_| center * (1.0 + rel * (rng.uniform() - 0.3))).collect())
-}
-
-fn dists(seed: u64) -> Dists {
-    let mut r = Rng::with_stream(seed, 0);
-    let mut d = Dists::default();
-    for q in [1u32, 4, 16] {
-        let lat = 150.0 + 40.0 * q as f64;
-        d.read_lat_us.insert((65536, q), spread(&mut r, lat, 0.8, 400));
-        let bw = 65536.0 * q as f64 / (lat * 1e-6);
-        d.read_bw.insert((65536, q), spread(&mut r, bw, 0.3, 30));
-    }
-    d.ns_per_neuron = spread(&mut r, 120.0, 0.5, 400);
-    let mut split = BTreeMap::new();
-    for k in [1u32, 2, 4] {
-        split.insert(k, spread(&mut r, 1.0 + 0.08 * (k - 1) as f64, 0.2, 400));
-    }
-    d.split_ratio = split;
-    d
-}
-
-fn fitted() -> Fitted {
-    Fitted {
-        fit: dists(1),
-        held_out: dists(2),
-        traces: vec![],
-        device_fingerprint: "x86_64/synthetic/2cpu/24GiB".into(),
-        dir: PathBuf::from("/synthetic"),
-    }
-}
-
-fn small_cfg() -> SynthConfig {
-    SynthConfig {
-        params: ModelParams {
-            n_layers: 6,
-            ..ModelParams::default()
-        },
-        space: ActionSpace {
-            stages: vec![1, 4],
-            queue_depths: vec![1, 16],
-            prefetch_breadths: vec![1.0, 2.5],
-            deadline_factors: vec![2.0, 16.0],
-        },
-        grid: GridSpec {
-            queued: 3,
-            missing: 3,
-            bandwidth: 2,
-            compute: 2,
-            position: 3,
-        },
-        solver: SolverSettings {
-            horizon: 3,
-            scenarios: 4,
-            ..SolverSettings::default()
-        },
-        seed: 3,
-        model_sha256: None,
-    }
-}
 
 fn random_instance(r: &mut Rng, na: usize, nb: usize, ns: usize, nt: usize) -> Instance {
     let c = |r: &mut Rng| 100.0 * r.uniform();

@@ -167,6 +167,39 @@ enum Cmd {
         #[arg(long)]
         quiet: bool,
     },
+    /// Profile this device for the controller adaptively: a pilot of the
+    /// conditions the table reads, then rounds that sample the ones whose
+    /// uncertainty changes the table's decisions (bootstrap sensitivity at
+    /// probe states). Writes profiler runs into --out (`controller --traces`
+    /// reads them) and prints the rounds as JSON.
+    AdaptiveProfile {
+        /// Output directory (new).
+        #[arg(short, long)]
+        out: PathBuf,
+        /// Directory on the device under test for the I/O data file.
+        #[arg(long)]
+        io_dir: PathBuf,
+        #[arg(long, default_value = "256m")]
+        file_size: String,
+        /// Time for the whole profile, analysis included.
+        #[arg(long, default_value = "60s")]
+        budget: String,
+        #[arg(long, default_value_t = 3)]
+        rounds: usize,
+        #[arg(long, default_value_t = 0.3)]
+        pilot_share: f64,
+        /// Grid states at which decisions are compared.
+        #[arg(long, default_value_t = 192)]
+        probe_states: usize,
+        /// Bootstrap replicates per condition and round.
+        #[arg(long, default_value_t = 2)]
+        replicates: usize,
+        /// Threads of the compute runs (default: all cores).
+        #[arg(long)]
+        threads: Option<u32>,
+        #[command(flatten)]
+        model: ModelArgs,
+    },
     /// Fit the traces, solve the stochastic MPC for every grid state, write the table.
     Controller {
         #[arg(long)]
@@ -347,6 +380,43 @@ fn load(path: &Path) -> Result<(ControlTable, usize)> {
 
 fn main() -> Result<()> {
     match Cli::parse().cmd {
+        Cmd::AdaptiveProfile {
+            out: dir,
+            io_dir,
+            file_size,
+            budget,
+            rounds,
+            pilot_share,
+            probe_states,
+            replicates,
+            threads,
+            model,
+        } => {
+            use leanstream_synth::adaptive::{profile, AdaptiveOptions};
+            let Some(flash) = model.flash.clone() else {
+                anyhow::bail!("--flash M.lsflash: the adaptive profile measures that model's kernels");
+            };
+            let cores = std::thread::available_parallelism()
+                .map(|n| n.get() as u32)
+                .unwrap_or(1);
+            let o = AdaptiveOptions {
+                budget_s: leanstream_profiler::units::parse_duration(&budget)?.as_secs_f64(),
+                io_dir,
+                io_file_size: leanstream_profiler::units::parse_size(&file_size)?,
+                model: flash,
+                threads: threads.unwrap_or(cores),
+                cfg: model.config()?,
+                pilot_share,
+                rounds,
+                probe_states,
+                replicates,
+                seed: model.seed,
+            };
+            let t0 = Instant::now();
+            let log = profile(&dir, &o)?;
+            eprintln!("profiled {} in {:.1}s", dir.display(), t0.elapsed().as_secs_f64());
+            out(&format!("{}\n", serde_json::to_string_pretty(&log)?))?;
+        }
         Cmd::Tune {
             model,
             text,

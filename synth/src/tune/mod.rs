@@ -196,13 +196,7 @@ pub fn tune(opts: &TuneOptions) -> Result<TuneOutcome> {
             sessions,
         });
         ctx.manifest.save(&ctx.out)?;
-        display.start_step(
-            i,
-            Step::ALL.len(),
-            step,
-            ctx.budget_of(step),
-            t_run.elapsed().as_secs_f64(),
-        );
+        display.start_step(i, Step::ALL.len(), step, ctx.budget_of(step));
         let t = Instant::now();
         let (outputs, summary) = step.run(&ctx)?;
         let seconds = t.elapsed().as_secs_f64();

@@ -87,7 +87,7 @@ impl Display {
         d
     }
 
-    pub fn start_step(&self, index: usize, steps: usize, step: Step, budget_s: f64, _elapsed: f64) {
+    pub fn start_step(&self, index: usize, steps: usize, step: Step, budget_s: f64) {
         if let Ok(mut s) = self.state.lock() {
             *s = State {
                 step: step.name().into(),

@@ -15,6 +15,11 @@ fn f(v: &Value) -> f64 {
     v.as_f64().unwrap_or(f64::NAN)
 }
 
+/// A number to `digits` places, or a dash where the run did not measure it.
+fn cell(v: &Value, digits: usize) -> String {
+    v.as_f64().map_or("–".into(), |x| format!("{x:.digits$}"))
+}
+
 fn save(ctx: &Ctx, name: &str, svg: &str, files: &mut Vec<String>) -> Result<String> {
     let rel = format!("{PLOTS}/{name}");
     let path = ctx.out.join(&rel);
@@ -111,15 +116,15 @@ pub(super) fn write(ctx: &Ctx) -> Result<(Vec<String>, Value)> {
     for v in &runs {
         let _ = writeln!(
             r,
-            "| {} | {} | {:.1} | {:.1} | {:.2} | {:.3} | {:.3} | {:.3} |",
+            "| {} | {} | {:.1} | {:.1} | {:.2} | {:.3} | {} | {} |",
             v["label"].as_str().unwrap_or("?"),
             v["budget"].as_str().unwrap_or("?"),
             mib(&v["memory"]["total"]),
             f(&v["decode_tok_s"]),
             mib(&v["bytes_read_per_token"]),
             f(&v["skipped_fraction"]),
-            f(&v["quality"]["ppl_ratio"]),
-            f(&v["quality"]["top1_agreement"]),
+            cell(&v["quality"]["ppl_ratio"], 3),
+            cell(&v["quality"]["top1_agreement"], 3),
         );
     }
     let series = |config: &str, x: &dyn Fn(&Value) -> f64, y: &dyn Fn(&Value) -> f64| {

@@ -71,12 +71,10 @@ const EPOCHS: usize = 4;
 /// token) and of a calibration prefill; seconds of predictor training per
 /// token, epoch, layer and neuron. Work scales with them, so a budget buys
 /// about the same share of time on other models and core counts.
-const TRACE_TOK_S: f64 = 180.0;
+const TRACE_TOK_S: f64 = 240.0;
 const CALIB_TOK_S: f64 = 400.0;
 /// Held-out tokens/s of the eviction step's replay (every policy, Belady's bound among them).
 const REPLAY_TOK_S: f64 = 50.0;
-/// Tokens the recorder calibrates its thresholds on before tracing.
-const TRACE_CALIB_TOKENS: f64 = 4096.0;
 const TRAIN_S_PER_UNIT: f64 = 80e-9;
 const REFERENCE_GGUF_BYTES: f64 = 98_362_432.0;
 
@@ -184,10 +182,15 @@ impl Step {
 
     /// Tokens traced in each split.
     pub fn trace_tokens(ctx: &Ctx) -> usize {
-        // The recorder first calibrates (a prefill), then traces both splits.
-        let speed = Self::speed(ctx);
-        let left = ctx.budget_of(Step::Activations) - TRACE_CALIB_TOKENS / (CALIB_TOK_S * speed);
-        round_to(left * TRACE_TOK_S * speed / 2.0, 256, 512, ctx.opts.max_trace_tokens)
+        // The recorder first calibrates on the training tokens (a prefill),
+        // then traces both splits.
+        let per_token = (1.0 / CALIB_TOK_S + 2.0 / TRACE_TOK_S) / Self::speed(ctx);
+        round_to(
+            ctx.budget_of(Step::Activations) / per_token,
+            256,
+            512,
+            ctx.opts.max_trace_tokens,
+        )
     }
 
     /// Held-out tokens the eviction step replays for its Table 4.

@@ -3,7 +3,14 @@
 
 #![allow(dead_code)]
 
+use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
+
+use leanstream_runtime::generate::sampler::Rng;
+use leanstream_synth::fit::{Dists, Empirical, Fitted};
+use leanstream_synth::model::{ActionSpace, GridSpec, ModelParams};
+use leanstream_synth::solve::SolverSettings;
+use leanstream_synth::synth::SynthConfig;
 
 use leanstream_profiler::activations::read::Trace;
 use leanstream_profiler::activations::record::{record, RecordOptions};
@@ -40,4 +47,67 @@ pub fn record_trace(model: &Path, dir: &Path) -> Trace {
     })
     .unwrap();
     Trace::open(&out).unwrap()
+}
+
+/// Synthetic profiled distributions (a 65 KiB request at queue depths 1,
+/// 4, 16; FFN stage and split ratios for K = 1, 2, 4).
+pub fn spread(rng: &mut Rng, center: f64, rel: f64, n: usize) -> Empirical {
+    Empirical::new((0..n).map(|_| center * (1.0 + rel * (rng.uniform() - 0.3))).collect())
+}
+
+pub fn dists(seed: u64) -> Dists {
+    let mut r = Rng::with_stream(seed, 0);
+    let mut d = Dists::default();
+    for q in [1u32, 4, 16] {
+        let lat = 150.0 + 40.0 * q as f64;
+        d.read_lat_us.insert((65536, q), spread(&mut r, lat, 0.8, 400));
+        let bw = 65536.0 * q as f64 / (lat * 1e-6);
+        d.read_bw.insert((65536, q), spread(&mut r, bw, 0.3, 30));
+    }
+    d.ns_per_neuron = spread(&mut r, 120.0, 0.5, 400);
+    let mut split = BTreeMap::new();
+    for k in [1u32, 2, 4] {
+        split.insert(k, spread(&mut r, 1.0 + 0.08 * (k - 1) as f64, 0.2, 400));
+    }
+    d.split_ratio = split;
+    d
+}
+
+pub fn fitted() -> Fitted {
+    Fitted {
+        fit: dists(1),
+        held_out: dists(2),
+        traces: vec![],
+        device_fingerprint: "x86_64/synthetic/2cpu/24GiB".into(),
+        dir: PathBuf::from("/synthetic"),
+    }
+}
+
+pub fn small_cfg() -> SynthConfig {
+    SynthConfig {
+        params: ModelParams {
+            n_layers: 6,
+            ..ModelParams::default()
+        },
+        space: ActionSpace {
+            stages: vec![1, 4],
+            queue_depths: vec![1, 16],
+            prefetch_breadths: vec![1.0, 2.5],
+            deadline_factors: vec![2.0, 16.0],
+        },
+        grid: GridSpec {
+            queued: 3,
+            missing: 3,
+            bandwidth: 2,
+            compute: 2,
+            position: 3,
+        },
+        solver: SolverSettings {
+            horizon: 3,
+            scenarios: 4,
+            ..SolverSettings::default()
+        },
+        seed: 3,
+        model_sha256: None,
+    }
 }
