@@ -111,6 +111,7 @@ fn a_tune_killed_twice_resumes_to_the_same_artifacts() {
             "{f} differs from the uninterrupted run's"
         );
     }
+    let _ = std::fs::remove_dir_all(&dir);
 }
 
 fn manifest_shards(p: &Path) -> usize {

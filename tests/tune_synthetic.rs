@@ -43,4 +43,5 @@ fn tune_makes_artifacts_the_engine_uses_and_a_rerun_skips_every_step() {
     assert!(!o.status.success());
     let err = String::from_utf8_lossy(&o.stderr);
     assert!(err.contains("tune.json") && err.contains("another model"), "{err}");
+    let _ = std::fs::remove_dir_all(&dir);
 }

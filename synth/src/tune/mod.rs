@@ -82,7 +82,7 @@ pub struct Ctx<'a> {
 pub struct ModelShape {
     pub n_layer: usize,
     pub n_ff: usize,
-    pub gguf_bytes: u64,
+    pub n_embd: usize,
     pub sha256: String,
 }
 
@@ -134,9 +134,7 @@ pub fn tune(opts: &TuneOptions) -> Result<TuneOutcome> {
     let shape = ModelShape {
         n_layer: c.n_layer,
         n_ff: c.n_ff,
-        gguf_bytes: std::fs::metadata(&opts.model)
-            .map_err(|e| SynthError::io(&opts.model, e))?
-            .len(),
+        n_embd: c.n_embd,
         sha256: leanstream_runtime::fetch::sha256_file(&opts.model)?,
     };
     let device = leanstream_runtime::control::device_fingerprint();

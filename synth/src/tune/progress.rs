@@ -70,13 +70,19 @@ impl Display {
                         let elapsed = t0.elapsed().as_secs_f64();
                         let in_step = s.step_start.elapsed().as_secs_f64();
                         bar.set_position((elapsed.min(budget_s)) as u64);
+                        // The steps after this one, at their shares.
+                        let later: f64 = Step::ALL[(s.index + 1).min(Step::ALL.len())..]
+                            .iter()
+                            .map(|st| st.share() * budget_s)
+                            .sum();
                         bar.set_message(format!(
-                            "step {}/{} {} {} of ~{} · budget left {}",
+                            "step {}/{} {} {} of ~{} · ETA {} · budget left {}",
                             s.index + 1,
                             s.steps,
                             s.step,
                             fmt_s(in_step),
                             fmt_s(s.step_budget_s),
+                            fmt_s((s.step_budget_s - in_step).max(0.0) + later),
                             fmt_s(budget_s - elapsed),
                         ));
                     }

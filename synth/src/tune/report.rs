@@ -127,22 +127,23 @@ pub(super) fn write(ctx: &Ctx) -> Result<(Vec<String>, Value)> {
             cell(&v["quality"]["top1_agreement"], 3),
         );
     }
-    let series = |config: &str, x: &dyn Fn(&Value) -> f64, y: &dyn Fn(&Value) -> f64| {
-        let mut pts: Vec<(f64, f64)> = runs
+    // Points in run order: by budget for the memory sweep, by deadline factor for the curve.
+    let series = |config: &str, name: &str, x: &dyn Fn(&Value) -> f64, y: &dyn Fn(&Value) -> f64| Series {
+        name: name.to_string(),
+        points: runs
             .iter()
             .filter(|v| v["config"] == config)
             .map(|v| (x(v), y(v)))
             .filter(|p| p.0.is_finite() && p.1.is_finite())
-            .collect();
-        pts.sort_by(|a, b| a.0.total_cmp(&b.0));
-        Series {
-            name: config.to_string(),
-            points: pts,
-        }
+            .collect(),
     };
     let mem = [
-        series("tuned", &|v| mib(&v["memory"]["total"]), &|v| f(&v["decode_tok_s"])),
-        series("default", &|v| mib(&v["memory"]["total"]), &|v| f(&v["decode_tok_s"])),
+        series("tuned", "tuned", &|v| mib(&v["memory"]["total"]), &|v| {
+            f(&v["decode_tok_s"])
+        }),
+        series("default", "default", &|v| mib(&v["memory"]["total"]), &|v| {
+            f(&v["decode_tok_s"])
+        }),
     ];
     if mem.iter().all(|s| s.points.len() > 1) {
         let svg = LineChart {
@@ -158,7 +159,14 @@ pub(super) fn write(ctx: &Ctx) -> Result<(Vec<String>, Value)> {
         let rel = save(ctx, "memory.svg", &svg, &mut files)?;
         let _ = writeln!(r, "\n![tokens/s against memory]({rel})");
     }
-    let deadline = series("deadline", &|v| f(&v["decode_tok_s"]), &|v| {
+    let name = format!(
+        "deadline factor {}",
+        verify["plan"]["deadlines"]
+            .as_array()
+            .map(|a| a.iter().filter_map(|d| d.as_str()).collect::<Vec<_>>().join(" → "))
+            .unwrap_or_default()
+    );
+    let deadline = series("deadline", &name, &|v| f(&v["decode_tok_s"]), &|v| {
         f(&v["quality"]["ppl_ratio"])
     });
     if deadline.points.len() > 1 {

@@ -66,7 +66,7 @@ const SPARSITIES: [f32; 3] = [0.5, 0.7, 0.8];
 const TRACE_CTX: usize = 256;
 /// The predictor's training epochs.
 const EPOCHS: usize = 4;
-/// Measured on SmolLM2 (98 MB GGUF) with 2 threads of this project's
+/// Measured on SmolLM2 with 2 threads of this project's
 /// machines: tokens/s of tracing (forward pass plus writing ~200 KB a
 /// token) and of a calibration prefill; seconds of predictor training per
 /// token, epoch, layer and neuron. Work scales with them, so a budget buys
@@ -76,7 +76,8 @@ const CALIB_TOK_S: f64 = 400.0;
 /// Held-out tokens/s of the eviction step's replay (every policy, Belady's bound among them).
 const REPLAY_TOK_S: f64 = 50.0;
 const TRAIN_S_PER_UNIT: f64 = 80e-9;
-const REFERENCE_GGUF_BYTES: f64 = 98_362_432.0;
+/// SmolLM2's layers × n_ff × n_embd.
+const REFERENCE_FFN_PARAMS: f64 = (30 * 1536 * 576) as f64;
 
 fn round_to(x: f64, step: usize, lo: usize, hi: usize) -> usize {
     let v = ((x / step as f64).floor() as usize) * step;
@@ -175,9 +176,12 @@ impl Step {
         Ok(())
     }
 
-    /// Tokens/s of model-sized work relative to the reference measurement.
+    /// Tokens/s of model-sized work relative to the reference measurement,
+    /// by the FFN's size (not the file's: Gemma 3's 262k-token embedding is
+    /// most of its file and little of its work).
     fn speed(ctx: &Ctx) -> f64 {
-        REFERENCE_GGUF_BYTES / ctx.shape.gguf_bytes.max(1) as f64 * ctx.cores as f64 / 2.0
+        let s = &ctx.shape;
+        REFERENCE_FFN_PARAMS / (s.n_layer * s.n_ff * s.n_embd).max(1) as f64 * ctx.cores as f64 / 2.0
     }
 
     /// Tokens traced in each split.
