@@ -233,6 +233,11 @@ pub fn profile(dir: &Path, o: &AdaptiveOptions) -> Result<Vec<RoundLog>> {
     let t0 = Instant::now();
     std::fs::create_dir_all(dir).map_err(|e| SynthError::io(dir, e))?;
     let keys = keys(&o.cfg);
+    // The analysis solves each probe state 1 + 2·keys·replicates times per
+    // round; fewer scenarios keep it a small part of a short budget, and
+    // common random numbers keep its comparisons fair.
+    let mut analysis = o.cfg.clone();
+    analysis.solver.scenarios = analysis.solver.scenarios.min(8);
     let mut log = Vec::new();
     let pilot_s = o.budget_s * o.pilot_share;
     let t = Instant::now();
@@ -251,7 +256,7 @@ pub fn profile(dir: &Path, o: &AdaptiveOptions) -> Result<Vec<RoundLog>> {
         }
         let t = Instant::now();
         let fitted = fit_traces(dir)?;
-        let s = sensitivity(&o.cfg, &fitted, &keys, o.probe_states, o.replicates)?;
+        let s = sensitivity(&analysis, &fitted, &keys, o.probe_states, o.replicates)?;
         let analysis_s = t.elapsed().as_secs_f64();
         let round_s = (o.budget_s - t0.elapsed().as_secs_f64()) / rounds_left;
         // The round samples the conditions within a quarter of the most

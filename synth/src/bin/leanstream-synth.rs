@@ -189,7 +189,7 @@ enum Cmd {
         #[arg(long, default_value_t = 0.3)]
         pilot_share: f64,
         /// Grid states at which decisions are compared.
-        #[arg(long, default_value_t = 192)]
+        #[arg(long, default_value_t = 96)]
         probe_states: usize,
         /// Bootstrap replicates per condition and round.
         #[arg(long, default_value_t = 2)]

@@ -71,7 +71,6 @@ pub struct TuneOutcome {
 pub struct Ctx<'a> {
     pub opts: &'a TuneOptions,
     pub out: PathBuf,
-    pub work: PathBuf,
     pub shape: ModelShape,
     pub manifest: Manifest,
     pub cores: usize,
@@ -158,7 +157,6 @@ pub fn tune(opts: &TuneOptions) -> Result<TuneOutcome> {
     let mut ctx = Ctx {
         opts,
         out: out.clone(),
-        work,
         shape,
         manifest,
         cores,
