@@ -15,6 +15,13 @@ for m in smollm2 gemma3; do
     echo "warning: could not fetch $m; its tests will be skipped" >&2
   fi
 done
+# The GPU backend's tests compile every CUDA kernel with NVRTC, which runs on
+# the CPU; NVIDIA's wheel provides the library without a driver or toolkit.
+home=${LEANSTREAM_HOME:-$HOME/.cache/leanstream}
+if [ ! -f "$home/nvrtc/nvidia/cuda_nvrtc/lib/libnvrtc.so.12" ] &&
+  ! python3 -m pip install --quiet --no-deps --target "$home/nvrtc" nvidia-cuda-nvrtc-cu12==12.9.86; then
+  [ "${LEANSTREAM_ALLOW_MISSING_MODELS:-}" = 1 ] || { echo "error: could not install NVRTC (set LEANSTREAM_ALLOW_MISSING_MODELS=1 to skip the tests that need it)" >&2; exit 1; }
+fi
 # The server's tests drive it with the official `openai` Python client.
 if ! python3 -c "import openai" 2>/dev/null && ! python3 -m pip install --quiet openai; then
   [ "${LEANSTREAM_ALLOW_MISSING_MODELS:-}" = 1 ] || { echo "error: could not install the openai Python package (set LEANSTREAM_ALLOW_MISSING_MODELS=1 to skip the test that needs it)" >&2; exit 1; }

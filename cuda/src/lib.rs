@@ -1,0 +1,23 @@
+//! The GPU backend's device-independent half.
+//!
+//! - [`sources`]: the CUDA kernels (`kernels/cuda/*.cu`, headers `*.cuh`),
+//!   embedded in the binary and compiled at run time by NVRTC ([`nvrtc`]) for
+//!   the device's architecture, so no CUDA toolkit is needed to build.
+//! - [`flags`]: the host side of the streaming FFN's hand-off: storage
+//!   workers publish per-slot flags that the device's warps poll, instead of
+//!   the host synchronizing the device between stages.
+//! - [`emulate`]: the device kernels of that hand-off run on CPU threads
+//!   against the same flags, which is how the protocol is tested without a GPU.
+//!
+//! CUDA's libraries are loaded at run time (cudarc's dynamic loading) and
+//! looked for first ([`library`]): cudarc panics where one is missing, and a
+//! machine without CUDA must get an ordinary error.
+
+pub mod emulate;
+mod error;
+pub mod flags;
+pub mod library;
+pub mod nvrtc;
+pub mod sources;
+
+pub use error::{CudaError, Result};

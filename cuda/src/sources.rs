@@ -1,0 +1,133 @@
+//! The CUDA kernel sources, embedded at build time from `kernels/cuda/`.
+//!
+//! NVRTC takes one translation unit; [`expand`] splices the `#include "…"`
+//! headers in (each once: they are `#pragma once`), so what is compiled is
+//! exactly these files, whatever the machine's include paths.
+
+use crate::{CudaError, Result};
+
+/// A source file by name.
+#[derive(Debug, Clone, Copy)]
+pub struct Source {
+    pub name: &'static str,
+    pub text: &'static str,
+}
+
+macro_rules! source {
+    ($name:literal) => {
+        Source {
+            name: $name,
+            text: include_str!(concat!("../../kernels/cuda/", $name)),
+        }
+    };
+}
+
+/// Headers the kernels include.
+pub const HEADERS: &[Source] = &[source!("common.cuh"), source!("dot.cuh")];
+
+/// One translation unit each.
+pub const KERNELS: &[Source] = &[
+    source!("quantize.cu"),
+    source!("matvec.cu"),
+    source!("ops.cu"),
+    source!("attention.cu"),
+    source!("ffn_stream.cu"),
+];
+
+fn find(name: &str) -> Option<&'static Source> {
+    KERNELS.iter().chain(HEADERS).find(|s| s.name == name)
+}
+
+/// The text of kernel source `name` with its headers spliced in.
+pub fn expand(name: &str) -> Result<String> {
+    let source = find(name).ok_or_else(|| CudaError::UnknownSource(name.into()))?;
+    expand_text(source.name, source.text)
+}
+
+/// [`expand`] for text that is not one of the embedded files (it may still
+/// include the embedded headers).
+pub fn expand_text(name: &str, text: &str) -> Result<String> {
+    let mut out = String::with_capacity(text.len() * 2);
+    let mut included = Vec::new();
+    splice(name, text, &mut included, &mut out)?;
+    Ok(out)
+}
+
+fn splice(name: &str, text: &str, included: &mut Vec<&'static str>, out: &mut String) -> Result<()> {
+    for line in text.lines() {
+        let trimmed = line.trim();
+        if trimmed == "#pragma once" {
+            continue;
+        }
+        if let Some(rest) = trimmed.strip_prefix("#include") {
+            let header = rest.trim().trim_matches('"');
+            let h = HEADERS
+                .iter()
+                .find(|h| h.name == header)
+                .ok_or_else(|| CudaError::UnknownSource(format!("{header} (included by {name})")))?;
+            if !included.contains(&h.name) {
+                included.push(h.name);
+                splice(h.name, h.text, included, out)?;
+            }
+            continue;
+        }
+        out.push_str(line);
+        out.push('\n');
+    }
+    Ok(())
+}
+
+/// Names of the `extern "C" __global__` kernels a source defines directly
+/// (what a module loaded from its PTX must export). Kernels stamped out by
+/// a macro (`matvec.cu`) are named at the macro's uses, so they are not
+/// listed here.
+pub fn kernel_names(text: &str) -> Vec<String> {
+    text.lines()
+        .filter(|line| !line.trim_end().ends_with('\\'))
+        .filter_map(|line| {
+            let after = &line[line.find("__global__ void ")? + "__global__ void ".len()..];
+            let name = after[..after.find('(')?].trim();
+            Some(name.to_string())
+        })
+        .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn every_file_in_kernels_cuda_is_embedded() {
+        let dir = concat!(env!("CARGO_MANIFEST_DIR"), "/../kernels/cuda");
+        let mut on_disk: Vec<String> = std::fs::read_dir(dir)
+            .unwrap()
+            .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+            .filter(|n| n.ends_with(".cu") || n.ends_with(".cuh"))
+            .collect();
+        on_disk.sort();
+        let mut embedded: Vec<String> = KERNELS.iter().chain(HEADERS).map(|s| s.name.to_string()).collect();
+        embedded.sort();
+        assert_eq!(on_disk, embedded);
+    }
+
+    #[test]
+    fn headers_are_spliced_once_and_unknown_ones_are_errors() {
+        let text = expand("matvec.cu").unwrap();
+        // dot.cuh includes common.cuh too; it must appear once.
+        assert_eq!(text.matches("struct BlockQ4_0 {").count(), 1);
+        assert!(!text.contains("#include"));
+        assert!(!text.contains("#pragma once"));
+        let err = expand_text("bad.cu", "#include \"missing.cuh\"\n").unwrap_err();
+        assert!(err.to_string().contains("missing.cuh (included by bad.cu)"), "{err}");
+        assert!(matches!(expand("nope.cu"), Err(CudaError::UnknownSource(_))));
+    }
+
+    #[test]
+    fn kernel_names_are_found() {
+        let names = kernel_names(expand("quantize.cu").unwrap().as_str());
+        assert_eq!(
+            names,
+            ["quantize_q8_0", "quantize_q8_1", "quantize_q8_k", "convert_f16"]
+        );
+    }
+}

@@ -1,0 +1,128 @@
+// The streaming FFN of one token and layer over neuron bundles as they
+// land (`kernels/src/sparse_ffn`: gate row, up row, down column, back to
+// back), without the host synchronizing the device between stages.
+//
+// The host's storage workers read bundles into pinned, device-mapped host
+// memory (or copy them into the device's neuron cache) and then publish a
+// per-slot *flag*: a u32 that reaches the layer's `epoch` once the slot's
+// bytes are visible. Stage 1's warps poll their slot's flag and compute as
+// soon as it turns, so compute follows arrival order; a slot still missing
+// at the deadline is skipped (its activation is 0 and `skipped` says so).
+// Cached bundles point at a flag that always reads 0xFFFFFFFF.
+//
+// Determinism: stage 1 writes slot-local values only; stage 2 sums in the
+// host's `order` (ascending neuron id), one fused multiply-add per neuron
+// and output as the CPU's `axpy_down`, so `y` for a given set of neurons is
+// the same whatever the arrival order.
+#include "dot.cuh"
+
+// Acquire load of a flag the host (or a copy engine) writes: the slot's
+// bytes are read only after the flag, never a stale line from before it.
+__device__ __forceinline__ u32 load_acquire(const u32* p) {
+    u32 v;
+    asm volatile("ld.acquire.sys.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+    return v;
+}
+
+struct Slot {
+    // Device address of the bundle (mapped host memory or the device cache).
+    u64 bundle;
+    // Device address of its flag.
+    u64 flag;
+    u32 neuron;
+    u32 pad;
+};
+static_assert(sizeof(Slot) == 24, "Slot layout is shared with the host");
+
+// Stage 1: one warp per slot. `x_gate` / `x_up`: the FFN input in the gate
+// and up rows' vec-dot types. `start_ns` is zeroed by the host before the
+// launch; the first warp to run stamps it, and `deadline_ns` counts from
+// there (0: wait for every slot). `act[s]` gets `act(gate·x) * (up·x)`.
+extern "C" __global__ void ffn_stream_activations(const Slot* __restrict__ slots, int n_slots, u32 epoch,
+                                                  const u8* __restrict__ x_gate, const u8* __restrict__ x_up,
+                                                  int gate_ty, int up_ty, int gate_units, int up_units,
+                                                  u64 gate_bytes, int act_kind,
+                                                  const float* __restrict__ gelu_table, u64* start_ns,
+                                                  u64 deadline_ns, float* __restrict__ act, u8* __restrict__ skipped) {
+    int s = (blockIdx.x * blockDim.x + threadIdx.x) / WARP;
+    int lane = threadIdx.x % WARP;
+    if (s >= n_slots) return;
+    Slot slot = slots[s];
+    const u32* flag = (const u32*)slot.flag;
+    bool ready = true;
+    if (lane == 0) {
+        u64 now = global_ns();
+        u64 start = atomicCAS((unsigned long long*)start_ns, 0ull, (unsigned long long)now);
+        if (start == 0) start = now;
+        while (load_acquire(flag) < epoch) {
+            if (deadline_ns != 0 && global_ns() - start > deadline_ns) {
+                ready = false;
+                break;
+            }
+            __nanosleep(200);
+        }
+    }
+    ready = __shfl_sync(0xffffffffu, ready, 0);
+    if (!ready) {
+        if (lane == 0) {
+            act[s] = 0.0f;
+            skipped[s] = 1;
+        }
+        return;
+    }
+    const u8* bundle = (const u8*)slot.bundle;
+    float g = warp_sum(row_dot_lane(gate_ty, bundle, x_gate, gate_units, lane));
+    float u = warp_sum(row_dot_lane(up_ty, bundle + gate_bytes, x_up, up_units, lane));
+    if (lane == 0) {
+        act[s] = gated(act_kind, gelu_table, g, u);
+        skipped[s] = 0;
+    }
+}
+
+// Stage 2: `y[j] += Σ act[s] * down_s[j]` over slots in `order`, skipping
+// zero activations; one thread per output. Down columns are Q8_0 (blocks of
+// 32) or F16, at `down_offset` in each bundle.
+extern "C" __global__ void ffn_stream_down(const Slot* __restrict__ slots, const u32* __restrict__ order,
+                                           int n_slots, const float* __restrict__ act, u64 down_offset, int down_ty,
+                                           float* __restrict__ y, int n_embd) {
+    int j = blockIdx.x * blockDim.x + threadIdx.x;
+    if (j >= n_embd) return;
+    float acc = y[j];
+    for (int i = 0; i < n_slots; ++i) {
+        u32 s = order[i];
+        float a = act[s];
+        if (a == 0.0f) continue;
+        const u8* col = (const u8*)slots[s].bundle + down_offset;
+        float w;
+        if (down_ty == GGML_Q8_0) {
+            const BlockQ8_0* b = (const BlockQ8_0*)col + j / QK;
+            w = __fmul_rn((float)b->qs[j % QK], h2f(b->d));
+        } else {
+            w = h2f(((const u16*)col)[j]);
+        }
+        acc = fmaf(a, w, acc);
+    }
+    y[j] = acc;
+}
+
+// Table 3's hand-off: stage `k` of `n_stages` waits for `flags[k]` to reach
+// `epoch` and then does `work` rounds of the FFN-like arithmetic over its
+// share of `data`; the host either publishes flags while one launch runs
+// (`flags` in mapped memory) or launches stage by stage and synchronizes.
+extern "C" __global__ void staged_handoff(const u32* flags, u32 epoch, int stage, int n_stages,
+                                          const float* __restrict__ data, u64 n, float* __restrict__ out) {
+    int k = stage >= 0 ? stage : (int)(blockIdx.x % n_stages);
+    if (threadIdx.x == 0) {
+        while (load_acquire(flags + k) < epoch) __nanosleep(100);
+    }
+    __syncthreads();
+    int blocks_per_stage = stage >= 0 ? gridDim.x : gridDim.x / n_stages;
+    int b = stage >= 0 ? blockIdx.x : blockIdx.x / n_stages;
+    u64 per = n / n_stages;
+    const float* d = data + (u64)k * per;
+    float acc = 0.0f;
+    for (u64 i = (u64)b * blockDim.x + threadIdx.x; i < per; i += (u64)blocks_per_stage * blockDim.x)
+        acc = fmaf(d[i], d[i], acc);
+    acc = warp_sum(acc);
+    if (threadIdx.x % WARP == 0) atomicAdd(out + k, acc);
+}
