@@ -12,6 +12,8 @@ pub enum CudaError {
         arch: String,
         log: String,
     },
+    #[error("CUDA driver: {0}")]
+    Driver(String),
     #[error("kernel source {0} is not one of kernels/cuda/")]
     UnknownSource(String),
     #[error("{0}")]

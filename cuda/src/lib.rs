@@ -8,11 +8,15 @@
 //!   the host synchronizing the device between stages.
 //! - [`emulate`]: the device kernels of that hand-off run on CPU threads
 //!   against the same flags, which is how the protocol is tested without a GPU.
+//! - [`device`]: a CUDA device with every kernel compiled and loaded, and
+//!   typed launches of them (what `tests/device.rs` checks against the CPU
+//!   kernels where a GPU is present).
 //!
 //! CUDA's libraries are loaded at run time (cudarc's dynamic loading) and
 //! looked for first ([`library`]): cudarc panics where one is missing, and a
 //! machine without CUDA must get an ordinary error.
 
+pub mod device;
 pub mod emulate;
 mod error;
 pub mod flags;

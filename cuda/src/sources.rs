@@ -77,19 +77,48 @@ fn splice(name: &str, text: &str, included: &mut Vec<&'static str>, out: &mut St
     Ok(())
 }
 
-/// Names of the `extern "C" __global__` kernels a source defines directly
-/// (what a module loaded from its PTX must export). Kernels stamped out by
-/// a macro (`matvec.cu`) are named at the macro's uses, so they are not
-/// listed here.
+/// Names of the `extern "C" __global__` kernels a source defines: those
+/// written out, and those a macro stamps out (a `#define M(name, ...)` whose
+/// body defines `__global__ void name(`), named at each `M(...)` use.
 pub fn kernel_names(text: &str) -> Vec<String> {
-    text.lines()
-        .filter(|line| !line.trim_end().ends_with('\\'))
-        .filter_map(|line| {
-            let after = &line[line.find("__global__ void ")? + "__global__ void ".len()..];
-            let name = after[..after.find('(')?].trim();
-            Some(name.to_string())
-        })
-        .collect()
+    const GLOBAL: &str = "__global__ void ";
+    let lines: Vec<&str> = text.lines().collect();
+    let mut names = Vec::new();
+    let mut macros = Vec::new();
+    let mut i = 0;
+    while i < lines.len() {
+        let line = lines[i];
+        if let Some(def) = line.trim_start().strip_prefix("#define ") {
+            // The macro and its continuation lines.
+            let mut body = String::from(line);
+            while lines[i].trim_end().ends_with('\\') && i + 1 < lines.len() {
+                i += 1;
+                body.push_str(lines[i]);
+            }
+            if let Some((name, params)) = def.split_once('(') {
+                let first = params.split([',', ')']).next().unwrap_or("").trim();
+                if !first.is_empty() && body.contains(&format!("{GLOBAL}{first}(")) {
+                    macros.push(name.trim().to_string());
+                }
+            }
+        } else if let Some(at) = line.find(GLOBAL) {
+            let after = &line[at + GLOBAL.len()..];
+            if let Some(end) = after.find('(') {
+                names.push(after[..end].trim().to_string());
+            }
+        }
+        i += 1;
+    }
+    for line in &lines {
+        for m in &macros {
+            if let Some(args) = line.trim_start().strip_prefix(&format!("{m}(")) {
+                if let Some(name) = args.split([',', ')']).next() {
+                    names.push(name.trim().to_string());
+                }
+            }
+        }
+    }
+    names
 }
 
 #[cfg(test)]
@@ -123,11 +152,15 @@ mod tests {
     }
 
     #[test]
-    fn kernel_names_are_found() {
-        let names = kernel_names(expand("quantize.cu").unwrap().as_str());
+    fn kernel_names_are_found_written_out_and_stamped_by_macros() {
+        let names = kernel_names(&expand("quantize.cu").unwrap());
         assert_eq!(
             names,
             ["quantize_q8_0", "quantize_q8_1", "quantize_q8_k", "convert_f16"]
         );
+        let names = kernel_names(&expand("matvec.cu").unwrap());
+        assert_eq!(names.len(), 10, "{names:?}");
+        assert!(names.iter().all(|n| n.starts_with("matvec_")), "{names:?}");
+        assert!(names.contains(&"matvec_q6_k".to_string()));
     }
 }

@@ -1,0 +1,535 @@
+//! The CUDA kernels against the CPU kernels, on a GPU where one is present
+//! (`cargo test -p leanstream-cuda --test device`). Without a device every
+//! test but the first prints SKIPPED: opening the device is then an
+//! ordinary error, which the first test checks on every machine.
+//!
+//! Exact where the arithmetic is the same operations (activation
+//! quantization, RoPE, the gated activations, dequantization); within a
+//! bound from the sum of |terms| where only the order of float adds
+//! differs (matrix products, norms, attention, the streaming FFN).
+
+use cudarc::driver::{DevicePtr, LaunchConfig, PushKernelArg};
+use half::f16;
+use leanstream_cuda::device::{blocks_of, grid_1d, Gpu};
+use leanstream_cuda::flags::Slot;
+use leanstream_cuda::CudaError;
+use leanstream_kernels::dequant::dequantize_row;
+use leanstream_kernels::ops;
+use leanstream_kernels::quantize::{quantize_row, quantize_row_q4_0, quantize_row_q8_0};
+use leanstream_kernels::sparse_ffn::{axpy_down, neuron_activation, BundleFormat, DownLayout, FfnActivation, FfnInput};
+use leanstream_kernels::{matmul, ActBuffer, GgmlType, QMatrix};
+
+struct Rng(u64);
+
+impl Rng {
+    fn next(&mut self) -> u64 {
+        self.0 ^= self.0 >> 12;
+        self.0 ^= self.0 << 25;
+        self.0 ^= self.0 >> 27;
+        self.0.wrapping_mul(0x2545_f491_4f6c_dd1d)
+    }
+    fn float(&mut self) -> f32 {
+        (self.next() >> 40) as f32 / (1u64 << 24) as f32 * 2.0 - 1.0
+    }
+    fn floats(&mut self, n: usize) -> Vec<f32> {
+        (0..n).map(|_| self.float()).collect()
+    }
+}
+
+fn gpu() -> Option<Gpu> {
+    match Gpu::open(0) {
+        Ok(g) => {
+            eprintln!("{} (compute {:?}, {})", g.name, g.compute_capability, g.arch);
+            Some(g)
+        }
+        Err(CudaError::NoDevice(why)) => {
+            eprintln!("SKIPPED: no CUDA device ({why})");
+            None
+        }
+        // A device is there but the kernels do not build or load: a failure.
+        Err(e) => panic!("{e}"),
+    }
+}
+
+/// `|a - b| <= rel * scale + 1e-6` for each pair, `scale` per element.
+fn close(what: &str, got: &[f32], want: &[f32], scale: &[f32], rel: f32) {
+    assert_eq!(got.len(), want.len(), "{what}: lengths");
+    for (i, ((&g, &w), &s)) in got.iter().zip(want).zip(scale).enumerate() {
+        assert!(
+            (g - w).abs() <= rel * s + 1e-6,
+            "{what}[{i}]: GPU {g}, CPU {w} (scale {s})"
+        );
+    }
+}
+
+fn bits(v: &[f32]) -> Vec<u32> {
+    v.iter().map(|x| x.to_bits()).collect()
+}
+
+#[test]
+fn opening_a_missing_device_is_an_error_not_a_panic() {
+    match Gpu::open(1 << 20) {
+        Err(CudaError::NoDevice(why)) => eprintln!("as expected: {why}"),
+        Ok(g) => panic!("device 2^20 opened: {}", g.name),
+        Err(e) => panic!("expected NoDevice, got {e}"),
+    }
+}
+
+#[test]
+fn activation_quantization_is_the_cpus_bit_for_bit() {
+    let Some(g) = gpu() else { return };
+    let mut rng = Rng(1);
+    let n = 4096;
+    let mut x = rng.floats(n);
+    x[256..512].iter_mut().for_each(|v| *v = 0.0); // an all-zero super-block
+    x[600] = -x[601].abs() - 0.5; // a negative extreme
+    let dx = g.upload(&x).unwrap();
+    for ty in [GgmlType::Q8_0, GgmlType::Q8_1, GgmlType::Q8K, GgmlType::F16] {
+        let bytes = ty.row_bytes(n).unwrap();
+        let mut want = vec![0u8; bytes];
+        quantize_row(ty, &x, &mut want).unwrap();
+        let mut out = g.zeros::<u8>(bytes).unwrap();
+        g.quantize(ty, &dx, n, &mut out).unwrap();
+        assert_eq!(g.download(&out).unwrap(), want, "{ty}");
+    }
+}
+
+/// A random `rows × cols` matrix of `ty` with sane block scales.
+fn weights(ty: GgmlType, rows: usize, cols: usize, rng: &mut Rng) -> Vec<u8> {
+    match ty {
+        GgmlType::F32 => return bytemuck::cast_slice(&rng.floats(rows * cols)).to_vec(),
+        GgmlType::F16 => {
+            let h: Vec<u16> = rng
+                .floats(rows * cols)
+                .iter()
+                .map(|&v| f16::from_f32(v).to_bits())
+                .collect();
+            return bytemuck::cast_slice(&h).to_vec();
+        }
+        _ => {}
+    }
+    let mut w: Vec<u8> = (0..ty.row_bytes(cols).unwrap() * rows)
+        .map(|_| rng.next() as u8)
+        .collect();
+    // Offsets of each block's f16 scales (`kernels/src/blocks.rs`).
+    let scales: &[usize] = match ty {
+        GgmlType::Q4_0 | GgmlType::Q5_0 | GgmlType::Q8_0 => &[0],
+        GgmlType::Q4_1 | GgmlType::Q5_1 | GgmlType::Q4K | GgmlType::Q5K => &[0, 2],
+        GgmlType::Q6K => &[208],
+        other => panic!("{other}"),
+    };
+    for block in w.chunks_exact_mut(ty.type_size()) {
+        for &at in scales {
+            let d = f16::from_f32(0.001 + 0.02 * rng.float().abs());
+            block[at..at + 2].copy_from_slice(&d.to_le_bytes());
+        }
+    }
+    w
+}
+
+#[test]
+fn matvec_matches_the_cpu_matmul_for_every_weight_type() {
+    let Some(g) = gpu() else { return };
+    let mut rng = Rng(2);
+    let (rows, cols) = (72, 512);
+    for ty in [
+        GgmlType::Q4_0,
+        GgmlType::Q4_1,
+        GgmlType::Q5_0,
+        GgmlType::Q5_1,
+        GgmlType::Q8_0,
+        GgmlType::Q4K,
+        GgmlType::Q5K,
+        GgmlType::Q6K,
+        GgmlType::F16,
+        GgmlType::F32,
+    ] {
+        // 1 token (decode) and 11 (two launches' worth of grid.y).
+        for n in [1usize, 11] {
+            let w = weights(ty, rows, cols, &mut rng);
+            let x = rng.floats(n * cols);
+            let mut acts = ActBuffer::with_capacity(cols, n);
+            acts.quantize(ty.vec_dot_type(), &x, n, cols).unwrap();
+            let mut want = vec![0.0f32; n * rows];
+            matmul(&QMatrix::new(ty, rows, cols, &w).unwrap(), &acts, &mut want).unwrap();
+            // Scale: Σ|w·x| per output, from the dequantized operands.
+            let (mut wd, mut xd) = (vec![0.0f32; cols], vec![0.0f32; cols]);
+            let mut scale = vec![0.0f32; n * rows];
+            for t in 0..n {
+                dequantize_row(ty.vec_dot_type(), acts.row(t), &mut xd).unwrap();
+                for r in 0..rows {
+                    dequantize_row(
+                        ty,
+                        &w[r * ty.row_bytes(cols).unwrap()..][..ty.row_bytes(cols).unwrap()],
+                        &mut wd,
+                    )
+                    .unwrap();
+                    scale[t * rows + r] = wd.iter().zip(&xd).map(|(a, b)| (a * b).abs()).sum();
+                }
+            }
+            let (dw, dx) = (
+                g.upload(&w).unwrap(),
+                g.upload(&acts.bytes()[..n * ty.vec_dot_type().row_bytes(cols).unwrap()])
+                    .unwrap(),
+            );
+            let mut dy = g.zeros::<f32>(n * rows).unwrap();
+            g.matvec(ty, &dw, rows, cols, &dx, n, &mut dy).unwrap();
+            close(
+                &format!("{ty} × {n} tokens"),
+                &g.download(&dy).unwrap(),
+                &want,
+                &scale,
+                2e-5,
+            );
+        }
+    }
+}
+
+#[test]
+fn norms_rope_activations_and_embeddings_match_the_cpu() {
+    let Some(g) = gpu() else { return };
+    let mut rng = Rng(3);
+    let f = |name: &str| g.function(name).unwrap();
+
+    // RMS norm of 3 rows of 576.
+    let (rows, d) = (3usize, 576usize);
+    let x = rng.floats(rows * d);
+    let w = rng.floats(d);
+    let mut want = vec![0.0f32; rows * d];
+    ops::rms_norm_rows(&x, &w, 1e-5, &mut want);
+    let (dx, dw) = (g.upload(&x).unwrap(), g.upload(&w).unwrap());
+    let mut dout = g.zeros::<f32>(rows * d).unwrap();
+    let (d_i, eps) = (d as i32, 1e-5f32);
+    let mut b = g.stream.launch_builder(f("rms_norm_rows"));
+    b.arg(&dx).arg(&dw).arg(&mut dout).arg(&d_i).arg(&eps);
+    unsafe { b.launch(blocks_of(rows as u32, 256)) }.unwrap();
+    let scale: Vec<f32> = want.iter().map(|v| v.abs()).collect();
+    close("rms_norm", &g.download(&dout).unwrap(), &want, &scale, 4e-7);
+
+    // RoPE, both styles: the same table, the same fused multiply-adds.
+    let (n_tok, heads, head_dim, n_rot, pos0) = (2usize, 3usize, 64usize, 64usize, 17usize);
+    for (style, neox) in [(ops::RopeStyle::Interleaved, 0i32), (ops::RopeStyle::Neox, 1)] {
+        let q = rng.floats(n_tok * heads * head_dim);
+        let mut want = q.clone();
+        let mut table = Vec::new();
+        for t in 0..n_tok {
+            let mut rope = ops::RopeTable::new(n_rot);
+            rope.fill(pos0 + t, 10000.0, 1.0);
+            rope.apply(
+                &mut want[t * heads * head_dim..(t + 1) * heads * head_dim],
+                head_dim,
+                style,
+            );
+            // The same angles as `RopeTable::fill`.
+            let theta_scale = 10000f32.powf(-2.0 / n_rot as f32);
+            let mut theta = (pos0 + t) as f32;
+            let (mut c, mut s) = (Vec::new(), Vec::new());
+            for _ in 0..n_rot / 2 {
+                c.push(theta.cos());
+                s.push(theta.sin());
+                theta *= theta_scale;
+            }
+            table.extend(c);
+            table.extend(s);
+        }
+        let mut dq = g.upload(&q).unwrap();
+        let dt = g.upload(&table).unwrap();
+        let (a, b_, c_, r_) = (n_tok as i32, heads as i32, head_dim as i32, n_rot as i32);
+        let mut b = g.stream.launch_builder(f("rope"));
+        b.arg(&mut dq).arg(&dt).arg(&a).arg(&b_).arg(&c_).arg(&r_).arg(&neox);
+        unsafe { b.launch(grid_1d((n_tok * heads * n_rot / 2) as u64, 128)) }.unwrap();
+        assert_eq!(bits(&g.download(&dq).unwrap()), bits(&want), "rope {style:?}");
+    }
+
+    // SwiGLU and GeGLU with GGML's exp and GELU table.
+    let table: Vec<f32> = (0..=u16::MAX)
+        .map(|h| {
+            let v = f16::from_bits(h).to_f32();
+            if v.abs() < 10.0 {
+                ops::gelu(v)
+            } else {
+                0.0
+            }
+        })
+        .collect();
+    let dtable = g.upload(&table).unwrap();
+    let n = 5000usize;
+    let gate: Vec<f32> = rng.floats(n).iter().map(|v| v * 12.0).collect();
+    let up = rng.floats(n);
+    for (act, kind) in [(FfnActivation::Silu, 0i32), (FfnActivation::GeluTanh, 1)] {
+        let want: Vec<f32> = gate.iter().zip(&up).map(|(&gv, &u)| act.apply(gv, u)).collect();
+        let (mut dg, du) = (g.upload(&gate).unwrap(), g.upload(&up).unwrap());
+        let n64 = n as u64;
+        let mut b = g.stream.launch_builder(f("gated_activation"));
+        b.arg(&mut dg).arg(&du).arg(&dtable).arg(&n64).arg(&kind);
+        unsafe { b.launch(grid_1d(n64, 256)) }.unwrap();
+        assert_eq!(bits(&g.download(&dg).unwrap()), bits(&want), "{act:?}");
+    }
+
+    // Embedding rows of every type, dequantized as the CPU does.
+    let (vocab, n_embd) = (8usize, 512usize);
+    let tokens: Vec<u32> = vec![5, 0, 7];
+    for ty in [
+        GgmlType::Q4_0,
+        GgmlType::Q4_1,
+        GgmlType::Q5_0,
+        GgmlType::Q5_1,
+        GgmlType::Q8_0,
+        GgmlType::Q4K,
+        GgmlType::Q5K,
+        GgmlType::Q6K,
+        GgmlType::F16,
+        GgmlType::F32,
+    ] {
+        let table = weights(ty, vocab, n_embd, &mut rng);
+        let row = ty.row_bytes(n_embd).unwrap();
+        let mut want = vec![0.0f32; tokens.len() * n_embd];
+        for (t, &tok) in tokens.iter().enumerate() {
+            dequantize_row(
+                ty,
+                &table[tok as usize * row..][..row],
+                &mut want[t * n_embd..][..n_embd],
+            )
+            .unwrap();
+        }
+        let (dtab, dtok) = (g.upload(&table).unwrap(), g.upload(&tokens).unwrap());
+        let mut dout = g.zeros::<f32>(tokens.len() * n_embd).unwrap();
+        let (row64, ty_id, n_i, scale) = (row as u64, ty.id() as i32, n_embd as i32, 0.0f32);
+        let mut b = g.stream.launch_builder(f("embed"));
+        b.arg(&dtab)
+            .arg(&row64)
+            .arg(&ty_id)
+            .arg(&dtok)
+            .arg(&mut dout)
+            .arg(&n_i)
+            .arg(&scale);
+        let cfg = LaunchConfig {
+            grid_dim: (2, tokens.len() as u32, 1),
+            block_dim: (128, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        unsafe { b.launch(cfg) }.unwrap();
+        assert_eq!(bits(&g.download(&dout).unwrap()), bits(&want), "embed {ty}");
+    }
+}
+
+#[test]
+fn attention_matches_an_f64_reference_with_and_without_a_window() {
+    let Some(g) = gpu() else { return };
+    let mut rng = Rng(4);
+    let (n_head, n_kv, hd, cells, n_tok) = (4usize, 2usize, 64usize, 300usize, 2usize);
+    let kv_dim = n_kv * hd;
+    let pos0 = cells - n_tok;
+    let k: Vec<u16> = rng
+        .floats(cells * kv_dim)
+        .iter()
+        .map(|&v| f16::from_f32(v).to_bits())
+        .collect();
+    let v: Vec<u16> = rng
+        .floats(cells * kv_dim)
+        .iter()
+        .map(|&v| f16::from_f32(v).to_bits())
+        .collect();
+    let q = rng.floats(n_tok * n_head * hd);
+    let h2f = |h: u16| f16::from_bits(h).to_f32() as f64;
+    let scale = 1.0 / (hd as f32).sqrt();
+    for window in [0usize, 100] {
+        let mut want = vec![0.0f32; q.len()];
+        for t in 0..n_tok {
+            let pos = pos0 + t;
+            let lo = if window > 0 {
+                (pos + 1).saturating_sub(window)
+            } else {
+                0
+            };
+            for h in 0..n_head {
+                let kh = h / (n_head / n_kv);
+                let qh: Vec<f64> = q[(t * n_head + h) * hd..][..hd]
+                    .iter()
+                    .map(|&x| f16::from_f32(x).to_f32() as f64)
+                    .collect();
+                let s: Vec<f64> = (lo..=pos)
+                    .map(|c| (0..hd).map(|d| qh[d] * h2f(k[c * kv_dim + kh * hd + d])).sum::<f64>() * scale as f64)
+                    .collect();
+                let m = s.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
+                let e: Vec<f64> = s.iter().map(|x| (x - m).exp()).collect();
+                let z: f64 = e.iter().sum();
+                for d in 0..hd {
+                    let o: f64 = (lo..=pos)
+                        .zip(&e)
+                        .map(|(c, p)| p * h2f(v[c * kv_dim + kh * hd + d]))
+                        .sum();
+                    want[(t * n_head + h) * hd + d] = (o / z) as f32;
+                }
+            }
+        }
+        let (dq, dk, dv) = (g.upload(&q).unwrap(), g.upload(&k).unwrap(), g.upload(&v).unwrap());
+        let mut dout = g.zeros::<f32>(q.len()).unwrap();
+        let (nh, nkv, hd_i, p0, w_i) = (n_head as i32, n_kv as i32, hd as i32, pos0 as i32, window as i32);
+        let mut b = g.stream.launch_builder(g.function("attention").unwrap());
+        b.arg(&dq)
+            .arg(&dk)
+            .arg(&dv)
+            .arg(&mut dout)
+            .arg(&nh)
+            .arg(&nkv)
+            .arg(&hd_i)
+            .arg(&p0)
+            .arg(&w_i)
+            .arg(&scale);
+        let cfg = LaunchConfig {
+            grid_dim: (n_head as u32, n_tok as u32, 1),
+            block_dim: (128, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        unsafe { b.launch(cfg) }.unwrap();
+        let ones = vec![1.0f32; want.len()];
+        close(
+            &format!("attention window {window}"),
+            &g.download(&dout).unwrap(),
+            &want,
+            &ones,
+            2e-5,
+        );
+    }
+}
+
+#[test]
+fn the_streaming_ffn_computes_ready_slots_and_skips_missing_ones_at_the_deadline() {
+    let Some(g) = gpu() else { return };
+    let mut rng = Rng(5);
+    let (n_embd, n_ff) = (256usize, 64usize);
+    let format = BundleFormat::new(
+        GgmlType::Q4_0,
+        GgmlType::Q4_0,
+        GgmlType::Q8_0,
+        DownLayout::Columns,
+        n_embd,
+    )
+    .unwrap();
+    let bb = format.bundle_bytes();
+    let mut bundles = Vec::new();
+    for _ in 0..n_ff {
+        let mut row = |ty: GgmlType| {
+            let x = rng.floats(n_embd);
+            let mut out = vec![0u8; ty.row_bytes(n_embd).unwrap()];
+            match ty {
+                GgmlType::Q4_0 => quantize_row_q4_0(&x, &mut out).unwrap(),
+                _ => quantize_row_q8_0(&x, &mut out).unwrap(),
+            }
+            out
+        };
+        bundles.extend([row(GgmlType::Q4_0), row(GgmlType::Q4_0), row(GgmlType::Q8_0)].concat());
+    }
+    let x = rng.floats(n_embd);
+    let mut acts = ActBuffer::with_capacity(n_embd, 1);
+    acts.quantize(GgmlType::Q8_0, &x, 1, n_embd).unwrap();
+    let input = FfnInput::new(&format, &acts, &acts, 0).unwrap();
+
+    // Slot s holds neuron (7 s) mod n_ff; every third slot never arrives.
+    let epoch = 3u32;
+    let neurons: Vec<usize> = (0..n_ff).map(|s| (7 * s) % n_ff).collect();
+    let flags: Vec<u32> = (0..n_ff).map(|s| if s % 3 == 2 { epoch - 1 } else { epoch }).collect();
+    let dbundles = g.upload(&bundles).unwrap();
+    let dflags = g.upload(&flags).unwrap();
+    let (bundle_base, flag_base) = {
+        let (b, _sb) = dbundles.device_ptr(&g.stream);
+        let (f, _sf) = dflags.device_ptr(&g.stream);
+        (b, f)
+    };
+    let slots: Vec<Slot> = neurons
+        .iter()
+        .enumerate()
+        .map(|(s, &n)| Slot {
+            bundle: bundle_base + (n * bb) as u64,
+            flag: flag_base + (s * 4) as u64,
+            neuron: n as u32,
+            pad: 0,
+        })
+        .collect();
+    let dslots = g.upload(&slots).unwrap();
+    let dx = g.upload(acts.row(0)).unwrap();
+    let table = vec![0.0f32; 1 << 16];
+    let dtable = g.upload(&table).unwrap();
+    let mut start = g.zeros::<u64>(1).unwrap();
+    let mut act = g.zeros::<f32>(n_ff).unwrap();
+    let mut skipped = g.zeros::<u8>(n_ff).unwrap();
+    let (n_slots, units, gate_bytes, kind, deadline_ns) = (
+        n_ff as i32,
+        (n_embd / 32) as i32,
+        format.gate_bytes() as u64,
+        0i32,
+        2_000_000u64,
+    );
+    let (gate_ty, up_ty) = (GgmlType::Q4_0.id() as i32, GgmlType::Q4_0.id() as i32);
+    let mut b = g.stream.launch_builder(g.function("ffn_stream_activations").unwrap());
+    b.arg(&dslots)
+        .arg(&n_slots)
+        .arg(&epoch)
+        .arg(&dx)
+        .arg(&dx)
+        .arg(&gate_ty)
+        .arg(&up_ty)
+        .arg(&units)
+        .arg(&units)
+        .arg(&gate_bytes)
+        .arg(&kind)
+        .arg(&dtable)
+        .arg(&mut start)
+        .arg(&deadline_ns)
+        .arg(&mut act)
+        .arg(&mut skipped);
+    unsafe { b.launch(grid_1d((n_ff * 32) as u64, 128)) }.unwrap();
+    let got_act = g.download(&act).unwrap();
+    let got_skipped = g.download(&skipped).unwrap();
+    let mut want_y = vec![0.0f32; n_embd];
+    let mut scale = vec![0.0f32; n_embd];
+    let offset = format.gate_bytes() + format.up_bytes();
+    let mut order: Vec<u32> = (0..n_ff as u32).collect();
+    order.sort_by_key(|&s| neurons[s as usize]);
+    for &s in &order {
+        let s = s as usize;
+        let n = neurons[s];
+        assert_eq!(got_skipped[s] == 1, s % 3 == 2, "slot {s}");
+        if s % 3 == 2 {
+            assert_eq!(got_act[s], 0.0);
+            continue;
+        }
+        let a = neuron_activation(&format, &input, FfnActivation::Silu, &bundles[n * bb..][..bb]).unwrap();
+        assert!(
+            (got_act[s] - a).abs() <= 1e-4 * a.abs().max(1e-2),
+            "slot {s}: GPU {}, CPU {a}",
+            got_act[s]
+        );
+        axpy_down(
+            format.down_ty,
+            a,
+            &bundles[n * bb + offset..][..format.down_bytes()],
+            &mut want_y,
+        )
+        .unwrap();
+        let mut col = vec![0.0f32; n_embd];
+        dequantize_row(
+            GgmlType::Q8_0,
+            &bundles[n * bb + offset..][..format.down_bytes()],
+            &mut col,
+        )
+        .unwrap();
+        scale.iter_mut().zip(&col).for_each(|(sc, w)| *sc += (a * w).abs());
+    }
+
+    let dorder = g.upload(&order).unwrap();
+    let mut dy = g.zeros::<f32>(n_embd).unwrap();
+    let (down_offset, down_ty, n_embd_i) = (offset as u64, GgmlType::Q8_0.id() as i32, n_embd as i32);
+    let mut b = g.stream.launch_builder(g.function("ffn_stream_down").unwrap());
+    b.arg(&dslots)
+        .arg(&dorder)
+        .arg(&n_slots)
+        .arg(&act)
+        .arg(&down_offset)
+        .arg(&down_ty)
+        .arg(&mut dy)
+        .arg(&n_embd_i);
+    unsafe { b.launch(grid_1d(n_embd as u64, 128)) }.unwrap();
+    close("streaming FFN output", &g.download(&dy).unwrap(), &want_y, &scale, 1e-4);
+}
