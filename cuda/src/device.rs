@@ -9,7 +9,9 @@
 use std::collections::HashMap;
 use std::sync::Arc;
 
-use cudarc::driver::{CudaContext, CudaFunction, CudaSlice, CudaStream, DeviceRepr, LaunchConfig, PushKernelArg};
+use cudarc::driver::{
+    CudaContext, CudaFunction, CudaSlice, CudaStream, DevicePtr, DeviceRepr, LaunchArgs, LaunchConfig, PushKernelArg,
+};
 use leanstream_kernels::GgmlType;
 
 use crate::flags::Slot;
@@ -96,56 +98,69 @@ impl Gpu {
         self.stream.synchronize().map_err(driver_error("synchronize"))
     }
 
-    /// `n` values of `x` into `out` in dot type `ty` (Q8_0, Q8_1, Q8_K or
-    /// F16), as `leanstream_kernels::quantize::quantize_row`.
-    pub fn quantize(&self, ty: GgmlType, x: &CudaSlice<f32>, n: usize, out: &mut CudaSlice<u8>) -> Result<()> {
-        let blocks = (n / ty.block_size()) as i32;
-        let (name, cfg) = match ty {
-            GgmlType::Q8_0 | GgmlType::Q8_1 => (
-                if ty == GgmlType::Q8_0 {
-                    "quantize_q8_0"
-                } else {
-                    "quantize_q8_1"
-                },
-                grid_1d((blocks as u64) * 32, ROW_BLOCK),
-            ),
-            GgmlType::Q8K => ("quantize_q8_k", blocks_of(blocks as u32, 256)),
-            GgmlType::F16 => ("convert_f16", grid_1d(n as u64, 256)),
-            other => return Err(CudaError::Invalid(format!("{other} is not an activation type"))),
-        };
-        if ty.row_bytes(n)? > out.len() {
-            return Err(CudaError::Invalid(format!(
-                "{ty} output of {} bytes for {n} values",
-                out.len()
-            )));
-        }
+    /// The device address of `s` (launches below take addresses, so one
+    /// buffer can be both input and output, or be used at an offset; all
+    /// work runs on the one stream, in order).
+    pub fn ptr<T>(&self, s: &CudaSlice<T>) -> DevPtr {
+        let (p, _record) = s.device_ptr(&self.stream);
+        DevPtr(p)
+    }
+
+    fn launch(&self, name: &str, cfg: LaunchConfig, args: &[&dyn Arg]) -> Result<()> {
         let f = self.function(name)?;
         let mut b = self.stream.launch_builder(f);
-        b.arg(x).arg(out);
-        let count = n as u64;
-        if ty == GgmlType::F16 {
-            b.arg(&count);
-        } else {
-            b.arg(&blocks);
+        for a in args {
+            a.push(&mut b);
         }
-        // SAFETY: lengths checked above; the kernel reads n values and
-        // writes the blocks of `out` they make.
+        // SAFETY: every wrapper below checks its sizes against what the
+        // kernel indexes, and addresses come from live allocations.
         unsafe { b.launch(cfg) }.map_err(driver_error(name))?;
         Ok(())
     }
 
-    /// `y[t][r] = W[r] · x[t]` for `n_tokens` activation rows in `ty`'s dot
-    /// type (`matvec.cu`); `y` has row stride `rows`.
+    /// `n` values at `x` into dot type `ty` (Q8_0, Q8_1, Q8_K or F16) at
+    /// `out`, as `leanstream_kernels::quantize::quantize_row` does.
+    pub fn quantize_at(&self, ty: GgmlType, x: DevPtr, n: usize, out: DevPtr) -> Result<()> {
+        let blocks = (n / ty.block_size()) as i32;
+        match ty {
+            GgmlType::Q8_0 | GgmlType::Q8_1 => {
+                let name = if ty == GgmlType::Q8_0 {
+                    "quantize_q8_0"
+                } else {
+                    "quantize_q8_1"
+                };
+                self.launch(name, grid_1d(blocks as u64 * 32, ROW_BLOCK), &[&x, &out, &blocks])
+            }
+            GgmlType::Q8K => self.launch("quantize_q8_k", blocks_of(blocks as u32, 256), &[&x, &out, &blocks]),
+            GgmlType::F16 => self.launch("convert_f16", grid_1d(n as u64, 256), &[&x, &out, &(n as u64)]),
+            other => Err(CudaError::Invalid(format!("{other} is not an activation type"))),
+        }
+    }
+
+    /// [`quantize_at`](Self::quantize_at) between slices, sizes checked.
+    pub fn quantize(&self, ty: GgmlType, x: &CudaSlice<f32>, n: usize, out: &mut CudaSlice<u8>) -> Result<()> {
+        if n > x.len() || ty.row_bytes(n)? > out.len() {
+            return Err(CudaError::Invalid(format!(
+                "{ty}: {n} values from {} into {} bytes",
+                x.len(),
+                out.len()
+            )));
+        }
+        self.quantize_at(ty, self.ptr(x), n, self.ptr(out))
+    }
+
+    /// `y[t][r] = W[r] · x[t]` for `n_tokens` rows at `x` in `ty`'s dot type
+    /// (`matvec.cu`); `y` has row stride `rows`.
     #[allow(clippy::too_many_arguments)]
-    pub fn matvec(
+    pub fn matvec_at(
         &self,
         ty: GgmlType,
-        w: &CudaSlice<u8>,
+        w: DevPtr,
         rows: usize,
         cols: usize,
-        x: &CudaSlice<u8>,
+        x: DevPtr,
         n_tokens: usize,
-        y: &mut CudaSlice<f32>,
+        y: DevPtr,
     ) -> Result<()> {
         let name = match ty {
             GgmlType::Q4_0 => "matvec_q4_0",
@@ -166,26 +181,6 @@ impl Gpu {
             GgmlType::F16 | GgmlType::F32 => cols / 8,
             _ => cols / ty.block_size(),
         } as i32;
-        if w.len() < (w_row as usize) * rows || x.len() < (x_row as usize) * n_tokens || y.len() < rows * n_tokens {
-            return Err(CudaError::Invalid(format!(
-                "{name}: buffers of {}, {} and {} for {rows}x{cols} and {n_tokens} tokens",
-                w.len(),
-                x.len(),
-                y.len()
-            )));
-        }
-        let (rows_i, tokens_i, y_stride) = (rows as i32, n_tokens as i32, rows as u64);
-        let f = self.function(name)?;
-        let mut b = self.stream.launch_builder(f);
-        b.arg(w)
-            .arg(&w_row)
-            .arg(x)
-            .arg(&x_row)
-            .arg(y)
-            .arg(&y_stride)
-            .arg(&rows_i)
-            .arg(&tokens_i)
-            .arg(&units);
         let cfg = LaunchConfig {
             grid_dim: (
                 (rows as u32).div_ceil(ROWS_PER_BLOCK),
@@ -195,11 +190,241 @@ impl Gpu {
             block_dim: (ROW_BLOCK, 1, 1),
             shared_mem_bytes: 0,
         };
-        // SAFETY: buffer sizes checked above against what the kernel indexes.
-        unsafe { b.launch(cfg) }.map_err(driver_error(name))?;
-        Ok(())
+        let (rows_i, tokens_i, y_stride) = (rows as i32, n_tokens as i32, rows as u64);
+        self.launch(
+            name,
+            cfg,
+            &[&w, &w_row, &x, &x_row, &y, &y_stride, &rows_i, &tokens_i, &units],
+        )
+    }
+
+    /// [`matvec_at`](Self::matvec_at) between slices, sizes checked.
+    #[allow(clippy::too_many_arguments)]
+    pub fn matvec(
+        &self,
+        ty: GgmlType,
+        w: &CudaSlice<u8>,
+        rows: usize,
+        cols: usize,
+        x: &CudaSlice<u8>,
+        n_tokens: usize,
+        y: &mut CudaSlice<f32>,
+    ) -> Result<()> {
+        let (w_row, x_row) = (ty.row_bytes(cols)?, ty.vec_dot_type().row_bytes(cols)?);
+        if w.len() < w_row * rows || x.len() < x_row * n_tokens || y.len() < rows * n_tokens {
+            return Err(CudaError::Invalid(format!(
+                "{ty} matvec: buffers of {}, {} and {} for {rows}x{cols} and {n_tokens} tokens",
+                w.len(),
+                x.len(),
+                y.len()
+            )));
+        }
+        self.matvec_at(ty, self.ptr(w), rows, cols, self.ptr(x), n_tokens, self.ptr(y))
+    }
+
+    /// RMS norm of `rows` rows of `d` at `x` into `out` (may be `x`).
+    pub fn rms_norm(&self, x: DevPtr, weight: DevPtr, out: DevPtr, rows: usize, d: usize, eps: f32) -> Result<()> {
+        self.launch(
+            "rms_norm_rows",
+            blocks_of(rows as u32, 256),
+            &[&x, &weight, &out, &(d as i32), &eps],
+        )
+    }
+
+    /// RoPE in place over `n_tokens` rows of `heads` heads, the table `[t][cos.., sin..]`.
+    #[allow(clippy::too_many_arguments)]
+    pub fn rope(
+        &self,
+        x: DevPtr,
+        table: DevPtr,
+        n_tokens: usize,
+        heads: usize,
+        head_dim: usize,
+        n_rot: usize,
+        neox: bool,
+    ) -> Result<()> {
+        self.launch(
+            "rope",
+            grid_1d((n_tokens * heads * n_rot / 2) as u64, 128),
+            &[
+                &x,
+                &table,
+                &(n_tokens as i32),
+                &(heads as i32),
+                &(head_dim as i32),
+                &(n_rot as i32),
+                &(neox as i32),
+            ],
+        )
+    }
+
+    pub fn scale(&self, x: DevPtr, s: f32, n: usize) -> Result<()> {
+        self.launch("scale", grid_1d(n as u64, 256), &[&x, &s, &(n as u64)])
+    }
+
+    pub fn softcap(&self, x: DevPtr, cap: f32, n: usize) -> Result<()> {
+        self.launch("softcap", grid_1d(n as u64, 256), &[&x, &cap, &(n as u64)])
+    }
+
+    pub fn add_assign(&self, y: DevPtr, x: DevPtr, n: usize) -> Result<()> {
+        self.launch("add_assign", grid_1d(n as u64, 256), &[&y, &x, &(n as u64)])
+    }
+
+    /// `y[t][i] += b[i]` over `total` values in rows of `n`.
+    pub fn add_bias(&self, y: DevPtr, b: DevPtr, n: usize, total: usize) -> Result<()> {
+        self.launch(
+            "add_bias",
+            grid_1d(total as u64, 256),
+            &[&y, &b, &(n as i32), &(total as u64)],
+        )
+    }
+
+    /// `gate = act(gate) * up` over `n` values (act 0: SiLU, 1: GELU-tanh via `table`).
+    pub fn gated(&self, gate: DevPtr, up: DevPtr, table: DevPtr, n: usize, act: i32) -> Result<()> {
+        self.launch(
+            "gated_activation",
+            grid_1d(n as u64, 256),
+            &[&gate, &up, &table, &(n as u64), &act],
+        )
+    }
+
+    /// Rows `tokens[..n]` of a `ty` table into `out`, times `scale` (0: none).
+    #[allow(clippy::too_many_arguments)]
+    pub fn embed(
+        &self,
+        table: DevPtr,
+        row_bytes: usize,
+        ty: GgmlType,
+        tokens: DevPtr,
+        n: usize,
+        out: DevPtr,
+        n_embd: usize,
+        scale: f32,
+    ) -> Result<()> {
+        let cfg = LaunchConfig {
+            grid_dim: ((n_embd as u32).div_ceil(256), n as u32, 1),
+            block_dim: (256, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        self.launch(
+            "embed",
+            cfg,
+            &[
+                &table,
+                &(row_bytes as u64),
+                &(ty.id() as i32),
+                &tokens,
+                &out,
+                &(n_embd as i32),
+                &scale,
+            ],
+        )
+    }
+
+    /// Keys and values of `n` tokens into a layer's f16 cache at `pos0`.
+    #[allow(clippy::too_many_arguments)]
+    pub fn kv_store(
+        &self,
+        k: DevPtr,
+        v: DevPtr,
+        k_cache: DevPtr,
+        v_cache: DevPtr,
+        kv_dim: usize,
+        pos0: usize,
+        n: usize,
+    ) -> Result<()> {
+        self.launch(
+            "kv_store",
+            grid_1d((n * kv_dim) as u64, 256),
+            &[
+                &k,
+                &v,
+                &k_cache,
+                &v_cache,
+                &(kv_dim as i32),
+                &(pos0 as i32),
+                &(n as i32),
+            ],
+        )
+    }
+
+    /// Attention of `n` query rows at positions `pos0..` over a layer's cache.
+    #[allow(clippy::too_many_arguments)]
+    pub fn attention(
+        &self,
+        q: DevPtr,
+        k_cache: DevPtr,
+        v_cache: DevPtr,
+        out: DevPtr,
+        n: usize,
+        n_head: usize,
+        n_head_kv: usize,
+        head_dim: usize,
+        pos0: usize,
+        window: usize,
+        kq_scale: f32,
+    ) -> Result<()> {
+        if head_dim > 256 {
+            return Err(CudaError::Invalid(format!(
+                "head size {head_dim} (the attention kernel takes up to 256)"
+            )));
+        }
+        let cfg = LaunchConfig {
+            grid_dim: (n_head as u32, n as u32, 1),
+            block_dim: (128, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        self.launch(
+            "attention",
+            cfg,
+            &[
+                &q,
+                &k_cache,
+                &v_cache,
+                &out,
+                &(n_head as i32),
+                &(n_head_kv as i32),
+                &(head_dim as i32),
+                &(pos0 as i32),
+                &(window as i32),
+                &kq_scale,
+            ],
+        )
     }
 }
+
+/// A device address.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct DevPtr(pub u64);
+
+impl DevPtr {
+    /// `bytes` further on.
+    pub fn offset(self, bytes: usize) -> Self {
+        Self(self.0 + bytes as u64)
+    }
+}
+
+/// A kernel argument: pushed by reference, as the launch reads it then.
+trait Arg {
+    fn push<'a>(&'a self, b: &mut LaunchArgs<'a>);
+}
+
+impl Arg for DevPtr {
+    fn push<'a>(&'a self, b: &mut LaunchArgs<'a>) {
+        b.arg(&self.0);
+    }
+}
+
+macro_rules! scalar_arg {
+    ($($t:ty),*) => {$(
+        impl Arg for $t {
+            fn push<'a>(&'a self, b: &mut LaunchArgs<'a>) {
+                b.arg(self);
+            }
+        }
+    )*};
+}
+scalar_arg!(i32, u32, u64, f32);
 
 /// Flags in pinned host memory mapped into the device's address space:
 /// the host publishes them ([`FlagBoard`](crate::flags::FlagBoard) over

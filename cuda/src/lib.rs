@@ -11,6 +11,8 @@
 //! - [`device`]: a CUDA device with every kernel compiled and loaded, and
 //!   typed launches of them (what `tests/device.rs` checks against the CPU
 //!   kernels where a GPU is present).
+//! - [`engine`]: the dense forward pass on the device (weights and the KV
+//!   cache in device memory), greedy decoding.
 //!
 //! CUDA's libraries are loaded at run time (cudarc's dynamic loading) and
 //! looked for first ([`library`]): cudarc panics where one is missing, and a
@@ -18,6 +20,7 @@
 
 pub mod device;
 pub mod emulate;
+pub mod engine;
 mod error;
 pub mod flags;
 pub mod library;

@@ -62,6 +62,12 @@ extern "C" __global__ void add_assign(float* y, const float* __restrict__ x, u64
     if (i < n) y[i] = __fadd_rn(y[i], x[i]);
 }
 
+// `y[t][i] += b[i]` for rows of `n` (attention biases).
+extern "C" __global__ void add_bias(float* y, const float* __restrict__ b, int n, u64 total) {
+    u64 i = (u64)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i < total) y[i] = __fadd_rn(y[i], b[i % n]);
+}
+
 // `x *= s`.
 extern "C" __global__ void scale(float* x, float s, u64 n) {
     u64 i = (u64)blockIdx.x * blockDim.x + threadIdx.x;
