@@ -65,8 +65,9 @@ pub fn nvrtc() -> Result<()> {
         loads_by_name("nvrtc").ok_or_else(|| {
             let tried: Vec<String> = nvrtc_paths().iter().map(|p| p.display().to_string()).collect();
             format!(
-                "no libnvrtc.so on the loader's path{} (set LEANSTREAM_NVRTC to the library, or install the \
-                 nvidia-cuda-nvrtc-cu12 wheel as scripts/test.sh does; looked at {})",
+                "no libnvrtc.so on the loader's path{} (set LEANSTREAM_NVRTC to the library, install the \
+                 nvidia-cuda-nvrtc-cu12 wheel as scripts/test.sh does, or put a CUDA toolkit's lib64, which \
+                 has a libnvrtc.so of any version, on LD_LIBRARY_PATH; looked at {})",
                 if pinned.is_empty() {
                     ""
                 } else {
