@@ -22,6 +22,7 @@ use leanstream_server::terminal::ChatOptions;
 use leanstream_server::{Engine, EngineOptions, ServeOptions};
 
 mod bench;
+mod gpu;
 
 #[derive(Parser)]
 #[command(
@@ -72,6 +73,10 @@ enum Cmd {
         /// on stderr (the resident set then), to watch memory over a long run.
         #[arg(long, value_name = "N")]
         rss_every: Option<usize>,
+        /// Where the model runs: cpu, or cuda[:N] (the dense engine of a
+        /// GGUF model on CUDA device N; an error naming why where there is none).
+        #[arg(long, default_value = "cpu")]
+        device: String,
         #[command(flatten)]
         flash: FlashArgs,
     },
@@ -431,6 +436,7 @@ fn real_main(cli: Cli) -> Result<()> {
             ctx,
             ignore_eos,
             rss_every,
+            device,
             flash,
         } => {
             let sampler = SamplerConfig {
@@ -445,7 +451,10 @@ fn real_main(cli: Cli) -> Result<()> {
                 ignore_eos,
                 rss_every,
             };
-            run(&model, &prompt, &gen, chat, ctx, &flash)
+            match gpu::ordinal(&device)? {
+                Some(ordinal) => gpu::run(&model, &prompt, &gen, chat, ctx, ordinal, &flash),
+                None => run(&model, &prompt, &gen, chat, ctx, &flash),
+            }
         }
         Cmd::Tokenize { model, text } => {
             let model = load(&model)?;
@@ -768,6 +777,20 @@ fn load_path(path: &Path) -> Result<Model> {
     Ok(Model::load(path)?)
 }
 
+/// The prompt's tokens, wrapped in the model's chat template as a user
+/// turn when `chat`.
+fn prompt_ids(model: &Model, prompt: &str, chat: bool) -> Result<Vec<u32>> {
+    let text = if chat {
+        let template = model.gguf.get_str("tokenizer.chat_template")?;
+        let t = ChatTemplate::detect(template, model.config.arch)
+            .context("the model's chat template is not one LeanStream recognises")?;
+        t.format_user(prompt)
+    } else {
+        prompt.to_string()
+    };
+    Ok(model.tokenizer.encode(&text, true, chat))
+}
+
 /// What `run` generates after the prompt.
 struct Generation {
     n: usize,
@@ -796,17 +819,7 @@ fn run(
 ) -> Result<()> {
     let n = gen.n;
     let t0 = Instant::now();
-    let prompt_ids = |model: &Model| -> Result<Vec<u32>> {
-        let text = if chat {
-            let template = model.gguf.get_str("tokenizer.chat_template")?;
-            let t = ChatTemplate::detect(template, model.config.arch)
-                .context("the model's chat template is not one LeanStream recognises")?;
-            t.format_user(prompt)
-        } else {
-            prompt.to_string()
-        };
-        Ok(model.tokenizer.encode(&text, true, chat))
-    };
+    let prompt_ids = |model: &Model| prompt_ids(model, prompt, chat);
     let path = resolve_model(model_arg)?;
     let settings = flash.settings()?;
     let (mut loaded, mut st) = Session::open(&path, &settings, |model| {

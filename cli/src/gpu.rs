@@ -1,0 +1,129 @@
+//! `run --device cuda[:N]`: generation with the dense engine on a CUDA
+//! device (`leanstream-cuda`), sampling on the host from its logits.
+
+use std::io::Write;
+use std::path::Path;
+use std::time::Instant;
+
+use anyhow::{bail, Context, Result};
+use leanstream_cuda::device::Gpu;
+use leanstream_cuda::engine::GpuModel;
+use leanstream_runtime::fetch::resolve_model;
+use leanstream_runtime::tokenizer::StreamDecoder;
+
+use crate::{load_path, prompt_ids, FlashArgs, Generation};
+
+/// `cpu` is `None`; `cuda` and `cuda:N` name a device ordinal.
+pub(crate) fn ordinal(device: &str) -> Result<Option<usize>> {
+    match device {
+        "cpu" => Ok(None),
+        "cuda" => Ok(Some(0)),
+        other => match other.strip_prefix("cuda:").map(str::parse) {
+            Some(Ok(n)) => Ok(Some(n)),
+            _ => bail!("--device {other:?}: expected cpu, cuda or cuda:N"),
+        },
+    }
+}
+
+/// Options of the CPU streaming engine that the device engine does not have.
+fn streaming_option(flash: &FlashArgs) -> Option<&'static str> {
+    [
+        (flash.policy.is_some(), "--policy"),
+        (flash.predictor.is_some(), "--predictor"),
+        (flash.controller.is_some(), "--controller"),
+        (flash.ffn_budget.is_some(), "--ffn-budget"),
+        (flash.mem_budget.is_some(), "--mem-budget"),
+        (flash.sparsity != 0.0, "--sparsity"),
+    ]
+    .into_iter()
+    .find(|(set, _)| *set)
+    .map(|(_, name)| name)
+}
+
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn run(
+    model_arg: &str,
+    prompt: &str,
+    gen: &Generation,
+    chat: bool,
+    ctx: Option<usize>,
+    ordinal: usize,
+    flash: &FlashArgs,
+) -> Result<()> {
+    if let Some(flag) = streaming_option(flash) {
+        bail!("{flag} is an option of the CPU streaming engine; --device cuda runs a GGUF model's dense engine");
+    }
+    let path = resolve_model(model_arg)?;
+    if is_lsflash(&path)? {
+        bail!(
+            "{}: a packed .lsflash model streams on the CPU engine; --device cuda runs a GGUF model's dense engine",
+            path.display()
+        );
+    }
+    let t0 = Instant::now();
+    let model = load_path(&path)?;
+    let ids = prompt_ids(&model, prompt, chat)?;
+    let ctx = ctx.unwrap_or(ids.len() + gen.n + 1).min(model.config.context_length);
+    if ids.len() >= ctx {
+        bail!("the prompt's {} tokens fill the context of {ctx}", ids.len());
+    }
+    let gpu = Gpu::open(ordinal)?;
+    let device = format!(
+        "{} (compute {}.{})",
+        gpu.name, gpu.compute_capability.0, gpu.compute_capability.1
+    );
+    let mut g = GpuModel::new(gpu, &model, ctx, ids.len().clamp(1, 512))?;
+    let load_s = t0.elapsed().as_secs_f64();
+
+    let t = Instant::now();
+    let mut pos = 0;
+    for chunk in ids.chunks(g.max_batch) {
+        g.forward(chunk, pos)?;
+        pos += chunk.len();
+    }
+    let mut logits = g.logits()?;
+    let prompt_s = t.elapsed().as_secs_f64();
+
+    let mut sampler = gen.sampler(&model);
+    let mut decoder = StreamDecoder::new();
+    let stdout = std::io::stdout();
+    let mut out = stdout.lock();
+    let t = Instant::now();
+    let mut generated = 0;
+    while generated < gen.n && pos < ctx {
+        let tok = sampler.sample(&logits);
+        if model.tokenizer.is_end_of_generation(tok) {
+            break;
+        }
+        generated += 1;
+        out.write_all(decoder.push(&model.tokenizer, tok).as_bytes())
+            .and_then(|_| out.flush())
+            .context("writing to stdout")?;
+        if generated < gen.n && pos < ctx {
+            g.forward(&[tok], pos)?;
+            logits = g.logits()?;
+            pos += 1;
+        }
+    }
+    out.write_all(decoder.finish().as_bytes())?;
+    out.flush()?;
+    let decode_s = t.elapsed().as_secs_f64();
+    eprintln!(
+        "\n{device} | load {load_s:.2} s | prompt {} tokens, {:.1} tok/s | decode {generated} tokens, {:.1} tok/s",
+        ids.len(),
+        ids.len() as f64 / prompt_s.max(1e-9),
+        generated as f64 / decode_s.max(1e-9),
+    );
+    Ok(())
+}
+
+/// Whether `path` starts with the `.lsflash` magic.
+fn is_lsflash(path: &Path) -> Result<bool> {
+    use std::io::Read;
+    let mut magic = [0u8; 8];
+    let mut f = std::fs::File::open(path).with_context(|| format!("{}: cannot open", path.display()))?;
+    let n = f
+        .read(&mut magic)
+        .with_context(|| format!("{}: cannot read", path.display()))?;
+    Ok(n == 8 && &magic == leanstream_runtime::flash::format::MAGIC)
+}

@@ -1,0 +1,69 @@
+//! `run --device`: a bad device name and options the device engine lacks
+//! are errors naming them; `cuda` on a machine without CUDA is an ordinary
+//! error ("no CUDA device"), never a panic, and where a device is present
+//! it generates.
+
+use std::path::PathBuf;
+use std::process::{Command, Output};
+
+use leanstream_kernels::GgmlType;
+use leanstream_runtime::synthetic::SyntheticSpec;
+
+fn model() -> PathBuf {
+    let dir = PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join("device");
+    std::fs::create_dir_all(&dir).unwrap();
+    let p = dir.join("tiny.gguf");
+    let mut spec = SyntheticSpec::tiny("llama");
+    spec.weight_type = GgmlType::Q8_0;
+    std::fs::write(&p, spec.build().unwrap().to_bytes()).unwrap();
+    p
+}
+
+fn run(args: &[&str]) -> Output {
+    Command::new(env!("CARGO_BIN_EXE_leanstream"))
+        .arg("run")
+        .arg("--model")
+        .arg(model())
+        .args(["--prompt", "a b", "-n", "4", "--temp", "0"])
+        .args(args)
+        .output()
+        .unwrap()
+}
+
+fn stderr(o: &Output) -> String {
+    String::from_utf8_lossy(&o.stderr).into_owned()
+}
+
+#[test]
+fn an_unknown_device_is_an_error_naming_it() {
+    let o = run(&["--device", "tpu"]);
+    assert!(!o.status.success());
+    assert!(
+        stderr(&o).contains("--device \"tpu\": expected cpu, cuda or cuda:N"),
+        "{}",
+        stderr(&o)
+    );
+}
+
+#[test]
+fn streaming_options_are_refused_on_the_device_engine() {
+    let o = run(&["--device", "cuda", "--policy", "dense"]);
+    assert!(!o.status.success());
+    assert!(
+        stderr(&o).contains("--policy is an option of the CPU streaming engine"),
+        "{}",
+        stderr(&o)
+    );
+}
+
+#[test]
+fn cuda_generates_or_says_there_is_no_device() {
+    let o = run(&["--device", "cuda"]);
+    let err = stderr(&o);
+    assert!(!err.contains("panicked"), "{err}");
+    if o.status.success() {
+        assert!(err.contains("decode 4 tokens"), "{err}");
+    } else {
+        assert!(err.contains("no CUDA device"), "{err}");
+    }
+}
