@@ -19,22 +19,9 @@ use leanstream_kernels::quantize::{quantize_row, quantize_row_q4_0, quantize_row
 use leanstream_kernels::sparse_ffn::{axpy_down, neuron_activation, BundleFormat, DownLayout, FfnActivation, FfnInput};
 use leanstream_kernels::{matmul, ActBuffer, GgmlType, QMatrix};
 
-struct Rng(u64);
+mod common;
 
-impl Rng {
-    fn next(&mut self) -> u64 {
-        self.0 ^= self.0 >> 12;
-        self.0 ^= self.0 << 25;
-        self.0 ^= self.0 >> 27;
-        self.0.wrapping_mul(0x2545_f491_4f6c_dd1d)
-    }
-    fn float(&mut self) -> f32 {
-        (self.next() >> 40) as f32 / (1u64 << 24) as f32 * 2.0 - 1.0
-    }
-    fn floats(&mut self, n: usize) -> Vec<f32> {
-        (0..n).map(|_| self.float()).collect()
-    }
-}
+use common::{Rng, GPU_WEIGHT_TYPES};
 
 fn gpu() -> Option<Gpu> {
     match Gpu::open(0) {
@@ -132,18 +119,7 @@ fn matvec_matches_the_cpu_matmul_for_every_weight_type() {
     let Some(g) = gpu() else { return };
     let mut rng = Rng(2);
     let (rows, cols) = (72, 512);
-    for ty in [
-        GgmlType::Q4_0,
-        GgmlType::Q4_1,
-        GgmlType::Q5_0,
-        GgmlType::Q5_1,
-        GgmlType::Q8_0,
-        GgmlType::Q4K,
-        GgmlType::Q5K,
-        GgmlType::Q6K,
-        GgmlType::F16,
-        GgmlType::F32,
-    ] {
+    for ty in GPU_WEIGHT_TYPES {
         // 1 token (decode) and 11 (two launches' worth of grid.y).
         for n in [1usize, 11] {
             let w = weights(ty, rows, cols, &mut rng);
@@ -269,18 +245,7 @@ fn norms_rope_activations_and_embeddings_match_the_cpu() {
     // Embedding rows of every type, dequantized as the CPU does.
     let (vocab, n_embd) = (8usize, 512usize);
     let tokens: Vec<u32> = vec![5, 0, 7];
-    for ty in [
-        GgmlType::Q4_0,
-        GgmlType::Q4_1,
-        GgmlType::Q5_0,
-        GgmlType::Q5_1,
-        GgmlType::Q8_0,
-        GgmlType::Q4K,
-        GgmlType::Q5K,
-        GgmlType::Q6K,
-        GgmlType::F16,
-        GgmlType::F32,
-    ] {
+    for ty in GPU_WEIGHT_TYPES {
         let table = weights(ty, vocab, n_embd, &mut rng);
         let row = ty.row_bytes(n_embd).unwrap();
         let mut want = vec![0.0f32; tokens.len() * n_embd];

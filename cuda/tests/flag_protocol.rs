@@ -14,26 +14,12 @@ use leanstream_kernels::sparse_ffn::{
 };
 use leanstream_kernels::{ActBuffer, GgmlType};
 
+mod common;
+
+use common::Rng;
+
 const N_EMBD: usize = 64;
 const N_FF: usize = 48;
-
-/// xorshift64*: deterministic test data without a dependency.
-struct Rng(u64);
-
-impl Rng {
-    fn next(&mut self) -> u64 {
-        self.0 ^= self.0 >> 12;
-        self.0 ^= self.0 << 25;
-        self.0 ^= self.0 >> 27;
-        self.0.wrapping_mul(0x2545_f491_4f6c_dd1d)
-    }
-    fn float(&mut self) -> f32 {
-        (self.next() >> 40) as f32 / (1u64 << 24) as f32 * 2.0 - 1.0
-    }
-    fn below(&mut self, n: usize) -> usize {
-        (self.next() % n as u64) as usize
-    }
-}
 
 struct Layer {
     format: BundleFormat,

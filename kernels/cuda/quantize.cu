@@ -4,17 +4,22 @@
 // follow see the same integers on both devices.
 #include "common.cuh"
 
-// One warp per 32-value block: `rows` rows of `cols` values, row-major.
-// Q8_0: d = amax / 127, q = nearest_int(v * (127 / amax)).
+// One warp per 32-value block of `x`: this lane's quant of the block and
+// the block's scale (d = amax / 127, q = nearest_int(v * (127 / amax))).
+__device__ __forceinline__ i32 q8_lane(const float* __restrict__ x, int block, int lane, float* d) {
+    float v = x[(u64)block * QK + lane];
+    float amax = warp_max(fabsf(v));
+    *d = __fdiv_rn(amax, 127.0f);
+    float mul = amax != 0.0f ? __fdiv_rn(127.0f, amax) : 0.0f;
+    return nearest_int(__fmul_rn(v, mul));
+}
+
 extern "C" __global__ void quantize_q8_0(const float* __restrict__ x, BlockQ8_0* __restrict__ out, int n_blocks) {
     int block = (blockIdx.x * blockDim.x + threadIdx.x) / WARP;
     int lane = threadIdx.x % WARP;
     if (block >= n_blocks) return;
-    float v = x[(u64)block * QK + lane];
-    float amax = warp_max(fabsf(v));
-    float d = __fdiv_rn(amax, 127.0f);
-    float mul = amax != 0.0f ? __fdiv_rn(127.0f, amax) : 0.0f;
-    out[block].qs[lane] = (i8)nearest_int(__fmul_rn(v, mul));
+    float d;
+    out[block].qs[lane] = (i8)q8_lane(x, block, lane, &d);
     if (lane == 0) out[block].d = f2h(d);
 }
 
@@ -23,11 +28,8 @@ extern "C" __global__ void quantize_q8_1(const float* __restrict__ x, BlockQ8_1*
     int block = (blockIdx.x * blockDim.x + threadIdx.x) / WARP;
     int lane = threadIdx.x % WARP;
     if (block >= n_blocks) return;
-    float v = x[(u64)block * QK + lane];
-    float amax = warp_max(fabsf(v));
-    float d = __fdiv_rn(amax, 127.0f);
-    float mul = amax != 0.0f ? __fdiv_rn(127.0f, amax) : 0.0f;
-    i32 q = nearest_int(__fmul_rn(v, mul));
+    float d;
+    i32 q = q8_lane(x, block, lane, &d);
     out[block].qs[lane] = (i8)q;
     i32 sum = q;
     for (int o = WARP / 2; o > 0; o >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, o);
