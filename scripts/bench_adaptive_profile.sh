@@ -12,6 +12,8 @@
 #   FLASH: a packed model with its predictor beside it (e.g. a tune's model.lsflash)
 # Env: OUT (default $LEANSTREAM_HOME/adaptive-vs-uniform), W_SKIP_US (100000),
 #      REPS (2 engine rounds), PROFILE (release),
+#      SIM_TOKENS (2000: at the simulator's default 40, one table's cost varied by
+#      up to 8% between seeds, more than the differences it must show; at 2000, 0.6%),
 #      SHORT_SECONDS (LONG_SECONDS / 45), SHORT_REPS (1): independent short adaptive and short uniform profiles each,
 #      so the adaptive-against-uniform difference can be told from run-to-run noise
 set -euo pipefail
@@ -59,7 +61,7 @@ python3 -c "import json; json.dump({'long_s': $t1 - $t0, 'adaptive_s': $adaptive
 for t in "${tables[@]}"; do
   "$bin/leanstream-synth" controller --traces "$out/$t" "${model_args[@]}" -o "$out/$t.lstab" --quiet >&2
   "$bin/leanstream-synth" simulate --table "$out/$t.lstab" --traces "$out/long" "${model_args[@]}" --no-mpc \
-    --json > "$out/$t-sim.json"
+    --tokens "${SIM_TOKENS:-2000}" --json > "$out/$t-sim.json"
 done
 for rep in $(seq "${REPS:-2}"); do
   for t in "${tables[@]}"; do
