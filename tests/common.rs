@@ -126,15 +126,21 @@ pub const ARTIFACTS: [&str; 6] = [
 /// Checks what a finished tune left in `out` and that the engine used it:
 /// the tuned verification run took its actions from the table and
 /// consulted the predictor beside the model, and the file is in the
-/// learned placement's order. Returns the manifest.
-pub fn check_tuned(out: &Path) -> Value {
+/// learned placement's order. `steps`: how many the run's pipeline has (11
+/// with uniform profiling, 10 with adaptive). Returns the manifest.
+pub fn check_tuned(out: &Path, steps: usize) -> Value {
     for a in ARTIFACTS {
         assert!(out.join(a).is_file(), "{a} missing in {}", out.display());
     }
     let m = json_file(&out.join("tune.json"));
     assert!(m["pending"].is_null(), "a step is still pending: {}", m["pending"]);
-    let steps = m["steps"].as_object().expect("steps");
-    assert_eq!(steps.len(), 11, "steps: {:?}", steps.keys().collect::<Vec<_>>());
+    let recorded = m["steps"].as_object().expect("steps");
+    assert_eq!(
+        recorded.len(),
+        steps,
+        "steps: {:?}",
+        recorded.keys().collect::<Vec<_>>()
+    );
 
     let verify = json_file(&out.join("work/verify.json"));
     let runs = verify["runs"].as_array().expect("runs");

@@ -81,7 +81,7 @@ fn a_tune_killed_twice_resumes_to_the_same_artifacts() {
     let err = String::from_utf8_lossy(&o.stderr);
     assert!(err.contains("6 steps ran, 5 were already done"), "{err}");
 
-    let m = check_tuned(&out);
+    let m = check_tuned(&out, 11);
     for s in ["text", "activations", "placement", "pack", "profile-io"] {
         assert_eq!(m["steps"][s], m2["steps"][s], "{s} was redone after the second kill");
     }

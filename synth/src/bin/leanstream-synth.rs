@@ -160,6 +160,11 @@ enum Cmd {
         /// rare and perplexity near dense.
         #[arg(long, default_value_t = 100_000.0)]
         w_skip_us: f64,
+        /// How the device is profiled: `uniform` (every condition of the
+        /// grids, 30% of the budget) or `adaptive` (where the table's
+        /// decisions are sensitive, a 45th of that, at least 30 s).
+        #[arg(long, default_value = "uniform")]
+        profiling: leanstream_synth::tune::Profiling,
         /// The leanstream binary for the verification (default: beside this one).
         #[arg(long)]
         leanstream_bin: Option<PathBuf>,
@@ -427,6 +432,7 @@ fn main() -> Result<()> {
             ffn_budget,
             max_trace_tokens,
             w_skip_us,
+            profiling,
             leanstream_bin,
             quiet,
         } => {
@@ -441,6 +447,7 @@ fn main() -> Result<()> {
                 ffn_budget,
                 max_trace_tokens,
                 w_skip_us,
+                profiling,
                 leanstream_bin,
                 progress: !quiet && std::io::stderr().is_terminal(),
             };

@@ -6,6 +6,9 @@
 //!                    └─▶ predictor, eviction                     verify ─▶ report
 //! ```
 //!
+//! With `--profiling adaptive`, one `profile-adaptive` step (a 45th of the
+//! two profiles' shares, `crate::adaptive`) takes the two profiles' place.
+//!
 //! The output directory is what a device ships: `model.lsflash`,
 //! `controller.lstab`, `predictor.lspred` (and `predictor.lowrank.lspred`
 //! for the prior systems' policies), `eviction.lsevict`, `report.md` with
@@ -33,6 +36,32 @@ pub use steps::Step;
 use crate::error::{Result, SynthError};
 use manifest::{key_of, outputs_intact, Manifest, Pending, StepRecord};
 
+/// How the device is profiled for the controller table.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum Profiling {
+    /// Every condition of the tune's grids in turn, each profile until its
+    /// share is spent or its latencies settle.
+    #[default]
+    Uniform,
+    /// Samples where the table's decisions are sensitive, for a 45th of
+    /// the time (see README, "Profiling cost").
+    Adaptive,
+}
+
+impl std::str::FromStr for Profiling {
+    type Err = SynthError;
+
+    fn from_str(s: &str) -> Result<Self> {
+        match s {
+            "uniform" => Ok(Self::Uniform),
+            "adaptive" => Ok(Self::Adaptive),
+            other => Err(SynthError::Settings(format!(
+                "--profiling {other:?}: expected uniform or adaptive"
+            ))),
+        }
+    }
+}
+
 /// What `tune` is asked to do.
 #[derive(Debug, Clone)]
 pub struct TuneOptions {
@@ -54,6 +83,7 @@ pub struct TuneOptions {
     /// The controller's cost of skipping a layer's whole active mass, µs
     /// (the objective's weight of quality against time).
     pub w_skip_us: f64,
+    pub profiling: Profiling,
     /// The `leanstream` binary the verification runs (default: beside this one).
     pub leanstream_bin: Option<PathBuf>,
     pub progress: bool,
@@ -100,6 +130,15 @@ impl Ctx<'_> {
     /// The step's share of the budget, seconds.
     pub fn budget_of(&self, step: Step) -> f64 {
         self.opts.budget_s * step.share()
+    }
+
+    /// The SHA-256 of every output an earlier step recorded.
+    pub fn outputs_of(&self, step: Step) -> Result<Vec<String>> {
+        self.manifest
+            .steps
+            .get(step.name())
+            .map(|r| r.outputs.iter().map(|o| o.sha256.clone()).collect())
+            .ok_or_else(|| SynthError::Settings(format!("step {} has not run yet", step.name())))
     }
 
     /// The summary an earlier step recorded.
@@ -162,10 +201,11 @@ pub fn tune(opts: &TuneOptions) -> Result<TuneOutcome> {
         cores,
     };
 
-    let display = progress::Display::new(opts.progress, opts.budget_s);
+    let pipeline = Step::pipeline(opts.profiling);
+    let display = progress::Display::new(opts.progress, opts.budget_s, pipeline);
     let mut done = Vec::new();
     let t_run = Instant::now();
-    for (i, &step) in Step::ALL.iter().enumerate() {
+    for (i, &step) in pipeline.iter().enumerate() {
         let inputs = step.inputs(&ctx)?;
         let key = key_of(&inputs);
         let skip = ctx
@@ -192,7 +232,7 @@ pub fn tune(opts: &TuneOptions) -> Result<TuneOutcome> {
             sessions,
         });
         ctx.manifest.save(&ctx.out)?;
-        display.start_step(i, Step::ALL.len(), step, ctx.budget_of(step));
+        display.start_step(i, pipeline.len(), step, ctx.budget_of(step));
         let t = Instant::now();
         let (outputs, summary) = step.run(&ctx)?;
         let seconds = t.elapsed().as_secs_f64();

@@ -36,7 +36,7 @@ fn fmt_s(s: f64) -> String {
 }
 
 impl Display {
-    pub fn new(show: bool, budget_s: f64) -> Self {
+    pub fn new(show: bool, budget_s: f64, pipeline: &'static [Step]) -> Self {
         let bar = if show {
             ProgressBar::with_draw_target(Some(budget_s.ceil() as u64), ProgressDrawTarget::stderr_with_hz(2))
         } else {
@@ -48,7 +48,7 @@ impl Display {
         let state = Arc::new(Mutex::new(State {
             step: String::new(),
             index: 0,
-            steps: Step::ALL.len(),
+            steps: pipeline.len(),
             step_start: Instant::now(),
             step_budget_s: 0.0,
         }));
@@ -71,7 +71,7 @@ impl Display {
                         let in_step = s.step_start.elapsed().as_secs_f64();
                         bar.set_position((elapsed.min(budget_s)) as u64);
                         // The steps after this one, at their shares.
-                        let later: f64 = Step::ALL[(s.index + 1).min(Step::ALL.len())..]
+                        let later: f64 = pipeline[(s.index + 1).min(pipeline.len())..]
                             .iter()
                             .map(|st| st.share() * budget_s)
                             .sum();

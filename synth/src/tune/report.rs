@@ -7,8 +7,9 @@ use std::path::Path;
 use leanstream_plot::{LineChart, Series};
 use serde_json::Value;
 
-use super::steps::{Step, COMPUTE_TRACES, CONTROLLER, IO_TRACES, PLOTS, REPORT, VERIFY};
+use super::steps::{Step, ADAPTIVE_TRACES, COMPUTE_TRACES, CONTROLLER, IO_TRACES, PLOTS, REPORT, VERIFY};
 use super::Ctx;
+use super::Profiling;
 use crate::error::{Result, SynthError};
 
 fn f(v: &Value) -> f64 {
@@ -68,7 +69,7 @@ pub(super) fn write(ctx: &Ctx) -> Result<(Vec<String>, Value)> {
         "## Steps\n\n| step | share of budget (s) | wall (s) | sessions |\n|---|---|---|---|"
     );
     let mut total = 0.0;
-    for s in Step::ALL {
+    for &s in Step::pipeline(ctx.opts.profiling) {
         if let Some(rec) = m.steps.get(s.name()) {
             total += rec.seconds;
             let _ = writeln!(
@@ -86,7 +87,7 @@ pub(super) fn write(ctx: &Ctx) -> Result<(Vec<String>, Value)> {
     let _ = writeln!(r, "\nSteps before the report: {total:.1} s.\n");
 
     let _ = writeln!(r, "## Artifacts\n\n| file | bytes | SHA-256 |\n|---|---|---|");
-    for s in Step::ALL {
+    for &s in Step::pipeline(ctx.opts.profiling) {
         if let Some(rec) = m.steps.get(s.name()) {
             for o in rec.outputs.iter().filter(|o| !o.path.starts_with("work/")) {
                 let _ = writeln!(r, "| `{}` | {} | `{}` |", o.path, o.bytes, &o.sha256[..16]);
@@ -197,9 +198,9 @@ pub(super) fn write(ctx: &Ctx) -> Result<(Vec<String>, Value)> {
     if let Some(s) = ctx.summary_of(Step::Controller) {
         let _ = writeln!(
             r,
-            "{} grid states, {} actions. Simulated on the held-out half of the profile (40 tokens):\n\n\
+            "{} grid states, {} actions. Simulated on the held-out half of the profile ({} tokens):\n\n\
              | policy | mean cost | layer µs | skipped mass |\n|---|---|---|---|",
-            s["states"], s["actions"]
+            s["states"], s["actions"], s["sim_tokens"]
         );
         for row in s["simulated"].as_array().into_iter().flatten() {
             let _ = writeln!(
@@ -215,23 +216,62 @@ pub(super) fn write(ctx: &Ctx) -> Result<(Vec<String>, Value)> {
     let _ = writeln!(r, "\n![controller actions]({rel})");
 
     let _ = writeln!(r, "\n## Device profile\n");
-    for (run, sub, step) in [
-        (IO_TRACES, "io", Step::ProfileIo),
-        (COMPUTE_TRACES, "compute", Step::ProfileCompute),
-    ] {
-        if let Some(s) = ctx.summary_of(step) {
-            let _ = writeln!(
-                r,
-                "- {}: {} samples in {:.0} s ({}, {})",
-                step.name(),
-                s["samples"],
-                f(&s["spent_s"]),
-                s["repetition"].as_str().unwrap_or("?"),
-                s["finish"].as_str().unwrap_or("?")
-            );
+    match ctx.opts.profiling {
+        Profiling::Uniform => {
+            for (run, sub, step) in [
+                (IO_TRACES, "io", Step::ProfileIo),
+                (COMPUTE_TRACES, "compute", Step::ProfileCompute),
+            ] {
+                if let Some(s) = ctx.summary_of(step) {
+                    let _ = writeln!(
+                        r,
+                        "- {}: {} samples in {:.0} s ({}, {})",
+                        step.name(),
+                        s["samples"],
+                        f(&s["spent_s"]),
+                        s["repetition"].as_str().unwrap_or("?"),
+                        s["finish"].as_str().unwrap_or("?")
+                    );
+                }
+                for rel in profile_plots(ctx, run, sub, &mut files)? {
+                    let _ = writeln!(r, "\n  ![{sub}]({rel})");
+                }
+            }
         }
-        for rel in profile_plots(ctx, run, sub, &mut files)? {
-            let _ = writeln!(r, "\n  ![{sub}]({rel})");
+        Profiling::Adaptive => {
+            if let Some(s) = ctx.summary_of(Step::ProfileAdaptive) {
+                let _ = writeln!(
+                    r,
+                    "Adaptive: {} samples in {} profiler runs, {:.0} s. Per round, each condition's \
+                     sensitivity (the share of probe states whose action changes when its samples are \
+                     resampled) and whether the round sampled it (*):\n",
+                    s["samples"],
+                    s["runs"],
+                    f(&s["budget_s"])
+                );
+                for round in s["rounds"].as_array().into_iter().flatten() {
+                    let conditions: Vec<String> = round["conditions"]
+                        .as_array()
+                        .into_iter()
+                        .flatten()
+                        .map(|c| {
+                            let sens = c[1].as_f64().map(|x| format!(" {x:.3}")).unwrap_or_default();
+                            let star = if c[2].as_bool() == Some(true) { "*" } else { "" };
+                            format!("{}{sens}{star}", c[0].as_str().unwrap_or("?"))
+                        })
+                        .collect();
+                    let _ = writeln!(r, "- round {}: {}", round["round"], conditions.join(", "));
+                }
+            }
+            // The pilot sampled every condition the table reads.
+            for (sub, kind) in [("io", "io"), ("compute", "compute")] {
+                let run = format!("{ADAPTIVE_TRACES}/round-00-{kind}");
+                if ctx.out.join(&run).is_dir() {
+                    for rel in profile_plots(ctx, &run, sub, &mut files)? {
+                        let _ = writeln!(r, "\n  ![{sub}, the pilot]({rel})");
+                    }
+                }
+            }
         }
     }
 

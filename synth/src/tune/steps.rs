@@ -12,7 +12,7 @@ use leanstream_profiler::sweeps::{self, ComputeGrid, IoGrid, RunSettings};
 use leanstream_runtime::flash::{self, LsFlash};
 use serde_json::{json, Value};
 
-use super::{remove, Ctx};
+use super::{remove, Ctx, Profiling};
 use crate::error::{Result, SynthError};
 
 /// The pipeline, in order.
@@ -30,6 +30,9 @@ pub enum Step {
     ProfileIo,
     /// The packed model's own FFN kernels.
     ProfileCompute,
+    /// Both profiles' conditions, sampled where the table's decisions are
+    /// sensitive (`--profiling adaptive`, in place of the two above).
+    ProfileAdaptive,
     /// The stochastic-MPC lookup table for this model on this device.
     Controller,
     /// The hashing predictor and the low-rank baseline.
@@ -51,6 +54,9 @@ pub const MODEL: &str = "model.lsflash";
 pub const TRACES: &str = "work/traces";
 pub const IO_TRACES: &str = "work/traces/io";
 pub const COMPUTE_TRACES: &str = "work/traces/compute";
+/// Apart from `TRACES`, so a directory tuned both ways never fits a table
+/// on a mix of the two profiles.
+pub const ADAPTIVE_TRACES: &str = "work/adaptive-traces";
 pub const IO_SCRATCH: &str = "work/io-scratch";
 pub const CONTROLLER: &str = "controller.lstab";
 pub const PREDICTOR: &str = "predictor.lspred";
@@ -76,6 +82,16 @@ const CALIB_TOK_S: f64 = 400.0;
 /// Held-out tokens/s of the eviction step's replay (every policy, Belady's bound among them).
 const REPLAY_TOK_S: f64 = 50.0;
 const TRAIN_S_PER_UNIT: f64 = 80e-9;
+/// The adaptive profile takes this fraction of the uniform profiles' shares
+/// (`scripts/bench_adaptive_profile.sh` compared tables at that ratio)...
+const ADAPTIVE_FRACTION: f64 = 1.0 / 45.0;
+/// ...and at least this long: its pilot must sample every condition the
+/// table reads before the sensitivity rounds have anything to resample.
+const ADAPTIVE_MIN_S: f64 = 30.0;
+/// Tokens the controller step simulates the table against fixed actions
+/// on: at 40, one table's cost varied by up to 8% between seeds; at 2000,
+/// by 0.6% (about 10 s).
+const SIM_TOKENS: usize = 1000;
 /// SmolLM2's layers × n_ff × n_embd.
 const REFERENCE_FFN_PARAMS: f64 = (30 * 1536 * 576) as f64;
 
@@ -104,7 +120,7 @@ pub struct VerifyPlan {
 }
 
 impl Step {
-    pub const ALL: [Step; 11] = [
+    const UNIFORM: [Step; 11] = [
         Step::Text,
         Step::Activations,
         Step::Placement,
@@ -117,6 +133,26 @@ impl Step {
         Step::Verify,
         Step::Report,
     ];
+    const ADAPTIVE: [Step; 10] = [
+        Step::Text,
+        Step::Activations,
+        Step::Placement,
+        Step::Pack,
+        Step::ProfileAdaptive,
+        Step::Controller,
+        Step::Predictor,
+        Step::Eviction,
+        Step::Verify,
+        Step::Report,
+    ];
+
+    /// The steps of a run, in order.
+    pub fn pipeline(profiling: Profiling) -> &'static [Step] {
+        match profiling {
+            Profiling::Uniform => &Self::UNIFORM,
+            Profiling::Adaptive => &Self::ADAPTIVE,
+        }
+    }
 
     pub fn name(self) -> &'static str {
         match self {
@@ -126,6 +162,7 @@ impl Step {
             Step::Pack => "pack",
             Step::ProfileIo => "profile-io",
             Step::ProfileCompute => "profile-compute",
+            Step::ProfileAdaptive => "profile-adaptive",
             Step::Controller => "controller",
             Step::Predictor => "predictor",
             Step::Eviction => "eviction",
@@ -134,7 +171,7 @@ impl Step {
         }
     }
 
-    /// The step's share of the budget (they sum to 1).
+    /// The step's share of the budget (a pipeline's sum to 1).
     pub fn share(self) -> f64 {
         match self {
             Step::Text => 0.0,
@@ -143,6 +180,8 @@ impl Step {
             Step::Pack => 0.04,
             Step::ProfileIo => 0.17,
             Step::ProfileCompute => 0.13,
+            // The two above; it uses ADAPTIVE_FRACTION of it, and the run ends early.
+            Step::ProfileAdaptive => 0.30,
             Step::Controller => 0.05,
             Step::Predictor => 0.22,
             Step::Eviction => 0.05,
@@ -161,6 +200,7 @@ impl Step {
             Step::Pack => &[MODEL],
             Step::ProfileIo => &[IO_TRACES],
             Step::ProfileCompute => &[COMPUTE_TRACES],
+            Step::ProfileAdaptive => &[ADAPTIVE_TRACES],
             Step::Controller => &[CONTROLLER],
             Step::Predictor => &[PREDICTOR, LOW_RANK],
             Step::Eviction => &[EVICTION],
@@ -256,11 +296,25 @@ impl Step {
         Ok(v)
     }
 
+    /// The I/O data file: 1 GiB, or 256 MiB when the run is too short to
+    /// write that much first.
+    fn io_file_size(ctx: &Ctx) -> u64 {
+        if ctx.opts.budget_s * Step::ProfileIo.share() < 120.0 {
+            256 << 20
+        } else {
+            1 << 30
+        }
+    }
+
+    /// Seconds of the adaptive profile.
+    pub fn adaptive_budget(ctx: &Ctx) -> f64 {
+        (ctx.budget_of(Step::ProfileAdaptive) * ADAPTIVE_FRACTION).max(ADAPTIVE_MIN_S)
+    }
+
     fn io_grid(ctx: &Ctx) -> Result<IoGrid> {
-        let small = ctx.budget_of(Step::ProfileIo) < 120.0;
         Ok(IoGrid {
             dir: ctx.out.join(IO_SCRATCH),
-            file_size: if small { 256 << 20 } else { 1 << 30 },
+            file_size: Self::io_file_size(ctx),
             block_sizes: Self::block_sizes(ctx)?,
             // The controller's codebook of queue depths.
             queue_depths: vec![1, 4, 16],
@@ -349,13 +403,30 @@ impl Step {
                 "threads": ctx.cores,
                 "budget_s": ctx.budget_of(self),
             }),
-            Step::Controller => json!({
-                "io": ctx.hash_of(&format!("{IO_TRACES}/manifest.json"))?,
-                "compute": ctx.hash_of(&format!("{COMPUTE_TRACES}/manifest.json"))?,
+            Step::ProfileAdaptive => json!({
+                "device": ctx.manifest.device,
                 "flash": ctx.hash_of(MODEL)?,
+                "file_size": Self::io_file_size(ctx),
+                "threads": ctx.cores,
                 "scenarios": Self::scenarios(ctx),
                 "w_skip_us": o.w_skip_us,
+                "budget_s": Self::adaptive_budget(ctx),
             }),
+            Step::Controller => match o.profiling {
+                Profiling::Uniform => json!({
+                    "io": ctx.hash_of(&format!("{IO_TRACES}/manifest.json"))?,
+                    "compute": ctx.hash_of(&format!("{COMPUTE_TRACES}/manifest.json"))?,
+                    "flash": ctx.hash_of(MODEL)?,
+                    "scenarios": Self::scenarios(ctx),
+                    "w_skip_us": o.w_skip_us,
+                }),
+                Profiling::Adaptive => json!({
+                    "adaptive": ctx.outputs_of(Step::ProfileAdaptive)?,
+                    "flash": ctx.hash_of(MODEL)?,
+                    "scenarios": Self::scenarios(ctx),
+                    "w_skip_us": o.w_skip_us,
+                }),
+            },
             Step::Predictor => json!({
                 "acts": ctx.hash_of(&format!("{ACTS}/manifest.json"))?,
                 "sparsity": o.sparsity,
@@ -377,11 +448,12 @@ impl Step {
                 "plan": Self::verify_plan(ctx),
             }),
             Step::Report => {
+                let pipeline = Self::pipeline(o.profiling);
                 let keys: serde_json::Map<String, Value> = ctx
                     .manifest
                     .steps
                     .iter()
-                    .filter(|(n, _)| n.as_str() != self.name())
+                    .filter(|(n, _)| n.as_str() != self.name() && pipeline.iter().any(|s| s.name() == n.as_str()))
                     .map(|(n, r)| (n.clone(), json!(r.inputs_key)))
                     .collect();
                 json!({ "steps": keys, "verify": ctx.hash_of(VERIFY)? })
@@ -398,6 +470,7 @@ impl Step {
             Step::Placement => placement(ctx),
             Step::Pack => pack(ctx),
             Step::ProfileIo | Step::ProfileCompute => profile(ctx, self),
+            Step::ProfileAdaptive => adaptive_profile(ctx),
             Step::Controller => controller(ctx),
             Step::Predictor => predictor(ctx),
             Step::Eviction => eviction(ctx),
@@ -576,12 +649,70 @@ fn profile(ctx: &Ctx, step: Step) -> Result<(Vec<String>, Value)> {
     }
 }
 
-fn controller(ctx: &Ctx) -> Result<(Vec<String>, Value)> {
-    use crate::sim::{compare, SimConfig};
+/// The adaptive profile, from scratch: each round depends on the ones
+/// before, so a killed profile is redone rather than continued (it is
+/// short).
+fn adaptive_profile(ctx: &Ctx) -> Result<(Vec<String>, Value)> {
+    use crate::adaptive::{profile, AdaptiveOptions};
+    let dir = ctx.out.join(ADAPTIVE_TRACES);
+    remove(&dir)?;
+    let cfg = controller_config(ctx)?;
+    let budget_s = Step::adaptive_budget(ctx);
+    let o = AdaptiveOptions {
+        budget_s,
+        io_dir: ctx.out.join(IO_SCRATCH),
+        io_file_size: Step::io_file_size(ctx),
+        model: ctx.out.join(MODEL),
+        threads: ctx.cores as u32,
+        seed: cfg.seed,
+        cfg,
+        pilot_share: 0.3,
+        rounds: 3,
+        probe_states: 96,
+        replicates: 2,
+    };
+    runner::install_signal_handlers();
+    let log = profile(&dir, &o);
+    runner::reset_signal_handlers();
+    let log = log?;
+    remove(&ctx.out.join(IO_SCRATCH))?;
+    let mut run_dirs: Vec<PathBuf> = std::fs::read_dir(&dir)
+        .map_err(|e| SynthError::io(&dir, e))?
+        .filter_map(|e| e.ok().map(|e| e.path()))
+        .filter(|p| p.join("manifest.json").is_file())
+        .collect();
+    run_dirs.sort();
+    let mut runs = Vec::new();
+    let mut samples = 0u64;
+    for run in &run_dirs {
+        let store = leanstream_profiler::shard::ShardStore::open(run)?;
+        samples += store.manifest.shards.iter().map(|s| s.rows).sum::<u64>();
+        let name = run.file_name().unwrap_or_default().to_string_lossy();
+        runs.push(format!("{ADAPTIVE_TRACES}/{name}/manifest.json"));
+    }
+    Ok((
+        runs.clone(),
+        json!({"budget_s": budget_s, "runs": runs.len(), "samples": samples, "rounds": log}),
+    ))
+}
+
+/// The synthesis settings of this run (the adaptive profile's sensitivity
+/// analysis solves with them too).
+fn controller_config(ctx: &Ctx) -> Result<crate::synth::SynthConfig> {
     let mut cfg = crate::synth::SynthConfig::for_flash(&ctx.out.join(MODEL))?;
     cfg.solver.scenarios = Step::scenarios(ctx);
     cfg.params.w_skip_us = ctx.opts.w_skip_us;
-    let fitted = crate::fit::fit_traces(&ctx.out.join(TRACES))?;
+    Ok(cfg)
+}
+
+fn controller(ctx: &Ctx) -> Result<(Vec<String>, Value)> {
+    use crate::sim::{compare, SimConfig};
+    let cfg = controller_config(ctx)?;
+    let traces = match ctx.opts.profiling {
+        Profiling::Uniform => TRACES,
+        Profiling::Adaptive => ADAPTIVE_TRACES,
+    };
+    let fitted = crate::fit::fit_traces(&ctx.out.join(traces))?;
     let table = crate::synth::synthesize(&cfg, &fitted, false)?;
     table.save(&ctx.out.join(CONTROLLER))?;
     let rows = compare(
@@ -589,14 +720,14 @@ fn controller(ctx: &Ctx) -> Result<(Vec<String>, Value)> {
         &cfg,
         &fitted,
         &SimConfig {
-            tokens: 40,
+            tokens: SIM_TOKENS,
             seed: cfg.seed,
         },
         false,
     )?;
     Ok((
         vec![CONTROLLER.into()],
-        json!({"states": table.n_states(), "actions": table.codebook.len(), "simulated": rows}),
+        json!({"states": table.n_states(), "actions": table.codebook.len(), "sim_tokens": SIM_TOKENS, "simulated": rows}),
     ))
 }
 
