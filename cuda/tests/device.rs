@@ -15,13 +15,13 @@ use leanstream_cuda::flags::Slot;
 use leanstream_cuda::CudaError;
 use leanstream_kernels::dequant::dequantize_row;
 use leanstream_kernels::ops;
-use leanstream_kernels::quantize::{quantize_row, quantize_row_q4_0, quantize_row_q8_0};
+use leanstream_kernels::quantize::quantize_row;
 use leanstream_kernels::sparse_ffn::{axpy_down, neuron_activation, BundleFormat, DownLayout, FfnActivation, FfnInput};
 use leanstream_kernels::{matmul, ActBuffer, GgmlType, QMatrix};
 
 mod common;
 
-use common::{Rng, GPU_WEIGHT_TYPES};
+use common::{random_bundles, Rng, GPU_WEIGHT_TYPES};
 
 fn gpu() -> Option<Gpu> {
     match Gpu::open(0) {
@@ -373,19 +373,7 @@ fn the_streaming_ffn_computes_ready_slots_and_skips_missing_ones_at_the_deadline
     )
     .unwrap();
     let bb = format.bundle_bytes();
-    let mut bundles = Vec::new();
-    for _ in 0..n_ff {
-        let mut row = |ty: GgmlType| {
-            let x = rng.floats(n_embd);
-            let mut out = vec![0u8; ty.row_bytes(n_embd).unwrap()];
-            match ty {
-                GgmlType::Q4_0 => quantize_row_q4_0(&x, &mut out).unwrap(),
-                _ => quantize_row_q8_0(&x, &mut out).unwrap(),
-            }
-            out
-        };
-        bundles.extend([row(GgmlType::Q4_0), row(GgmlType::Q4_0), row(GgmlType::Q8_0)].concat());
-    }
+    let bundles = random_bundles(&mut rng, n_embd, n_ff).concat();
     let x = rng.floats(n_embd);
     let mut acts = ActBuffer::with_capacity(n_embd, 1);
     acts.quantize(GgmlType::Q8_0, &x, 1, n_embd).unwrap();

@@ -8,7 +8,6 @@ use std::time::Duration;
 
 use leanstream_cuda::emulate::{activations, down, Staging, StreamLayer};
 use leanstream_cuda::flags::{down_order, Epochs, FlagBoard, Slot};
-use leanstream_kernels::quantize::{quantize_row_q4_0, quantize_row_q8_0};
 use leanstream_kernels::sparse_ffn::{
     activations as cpu_activations, axpy_down, BundleFormat, DownLayout, FfnActivation, FfnInput, LayerActivations,
 };
@@ -16,7 +15,7 @@ use leanstream_kernels::{ActBuffer, GgmlType};
 
 mod common;
 
-use common::Rng;
+use common::{random_bundles, Rng};
 
 const N_EMBD: usize = 64;
 const N_FF: usize = 48;
@@ -37,18 +36,7 @@ fn layer(seed: u64) -> Layer {
     )
     .unwrap();
     let mut rng = Rng(seed);
-    let mut row = |ty: GgmlType| {
-        let x: Vec<f32> = (0..N_EMBD).map(|_| rng.float()).collect();
-        let mut out = vec![0u8; ty.row_bytes(N_EMBD).unwrap()];
-        match ty {
-            GgmlType::Q4_0 => quantize_row_q4_0(&x, &mut out).unwrap(),
-            _ => quantize_row_q8_0(&x, &mut out).unwrap(),
-        }
-        out
-    };
-    let bundles = (0..N_FF)
-        .map(|_| [row(GgmlType::Q4_0), row(GgmlType::Q4_0), row(GgmlType::Q8_0)].concat())
-        .collect();
+    let bundles = random_bundles(&mut rng, N_EMBD, N_FF);
     let x: Vec<f32> = (0..N_EMBD).map(|_| rng.float()).collect();
     let mut input = ActBuffer::with_capacity(N_EMBD, 1);
     input.quantize(GgmlType::Q8_0, &x, 1, N_EMBD).unwrap();

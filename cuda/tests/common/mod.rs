@@ -1,6 +1,7 @@
 //! Helpers shared by the crate's tests (each test binary uses a part).
 #![allow(dead_code)]
 
+use leanstream_kernels::quantize::{quantize_row_q4_0, quantize_row_q8_0};
 use leanstream_kernels::GgmlType;
 
 /// xorshift64*: deterministic test data without a dependency.
@@ -41,3 +42,20 @@ pub const GPU_WEIGHT_TYPES: [GgmlType; 10] = [
     GgmlType::F16,
     GgmlType::F32,
 ];
+
+/// `n_ff` random neuron bundles of an `n_embd`-wide layer: Q4_0 gate and up
+/// rows and a Q8_0 down column, each quantized from uniform values.
+pub fn random_bundles(rng: &mut Rng, n_embd: usize, n_ff: usize) -> Vec<Vec<u8>> {
+    let mut row = |ty: GgmlType| {
+        let x = rng.floats(n_embd);
+        let mut out = vec![0u8; ty.row_bytes(n_embd).unwrap()];
+        match ty {
+            GgmlType::Q4_0 => quantize_row_q4_0(&x, &mut out).unwrap(),
+            _ => quantize_row_q8_0(&x, &mut out).unwrap(),
+        }
+        out
+    };
+    (0..n_ff)
+        .map(|_| [row(GgmlType::Q4_0), row(GgmlType::Q4_0), row(GgmlType::Q8_0)].concat())
+        .collect()
+}
