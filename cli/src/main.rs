@@ -347,7 +347,7 @@ pub(crate) struct FlashArgs {
     pub(crate) merge_gap: Option<String>,
     /// I/O staging (bytes, e.g. 8MiB): the read buffers that hold reads in
     /// flight and landed bundles not yet computed, the only staging the
-    /// flash path has. Default: about two layers, at most 16 MiB.
+    /// flash path has. Default: about four layers (the stages streamed at once), 4 to 16 MiB.
     #[arg(long)]
     pub(crate) staging: Option<String>,
 }
@@ -480,15 +480,15 @@ fn real_main(cli: Cli) -> Result<()> {
                 let level = cal
                     .level(s)
                     .with_context(|| format!("{}: no thresholds for sparsity {s}", path.display()))?;
-                if level.per_layer.len() != model.config.n_layer {
+                if level.full.len() != model.config.n_layer {
                     bail!(
                         "{}: {} layers of thresholds for a {}-layer model",
                         path.display(),
-                        level.per_layer.len(),
+                        level.full.len(),
                         model.config.n_layer
                     );
                 }
-                sparsifier = Some(Sparsifier::new(level.per_layer.clone()));
+                sparsifier = Some(Sparsifier::new(level.full.clone()));
             }
             let hook: &mut dyn LayerHook = match &mut sparsifier {
                 Some(s) => s,
@@ -713,7 +713,7 @@ impl ThresholdSource {
             leanstream_runtime::model::Config::from_gguf(&leanstream_runtime::gguf::GgufFile::open(gguf)?)?.n_layer;
         let levels = thresholds
             .iter()
-            .map(|t| Ok(flash::SparsityLevel::from_thresholds(t, n_layer)?))
+            .map(|t| Ok(t.for_layers(n_layer)?))
             .collect::<Result<_>>()?;
         Ok((levels, scores))
     }

@@ -90,7 +90,7 @@ pub fn write_all(out: &Path, repo: &Path, profile_bin: &Path) -> Result<()> {
     let levels = cal
         .levels
         .iter()
-        .map(|t| leanstream_runtime::flash::SparsityLevel::from_thresholds(t, 2))
+        .map(|t| t.for_layers(2))
         .collect::<leanstream_runtime::Result<Vec<_>>>()?;
     pack(
         model,

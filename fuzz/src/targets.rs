@@ -11,7 +11,7 @@ use leanstream_profiler::shard::ShardStore;
 use leanstream_runtime::cache::RetentionTable;
 use leanstream_runtime::control::{state_at, ControlTable};
 use leanstream_runtime::flash::pack::load_placement;
-use leanstream_runtime::flash::{format::check_permutation, LsFlash, SparsityLevel};
+use leanstream_runtime::flash::{format::check_permutation, LsFlash};
 use leanstream_runtime::gguf::GgufFile;
 use leanstream_runtime::model::{Config, Model, RunState};
 use leanstream_runtime::predict::{ComputePath, Predictor};
@@ -77,7 +77,7 @@ pub fn run(target: Target, data: &[u8], scratch: &Scratch) -> Result<(), String>
         Target::Calibration => {
             let c = Calibration::load(&scratch.file("calibration.json", data)?).map_err(|e| s(&e))?;
             for t in &c.levels {
-                SparsityLevel::from_thresholds(t, t.per_layer.len()).map_err(|e| s(&e))?;
+                t.for_layers(t.full.len()).map_err(|e| s(&e))?;
             }
             Ok(())
         }

@@ -194,16 +194,53 @@ impl LayerHook for Sparsifier {
     }
 }
 
-/// Per-layer thresholds for one target sparsity.
+/// Per-layer thresholds for one target sparsity: what calibration measures,
+/// what a calibration file (JSON) and a `.lsflash` header store.
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
-pub struct Thresholds {
+pub struct SparsityLevel {
+    /// Target fraction of neurons skipped, in [0, 1).
     pub sparsity: f32,
-    /// On |act(g)·u|: the exact criterion.
-    pub per_layer: Vec<f32>,
-    /// On |act(g)|, calibrated to the same sparsity: the criterion of a
-    /// policy that decides from gate rows alone (`gate-first`).
-    #[serde(default)]
-    pub gate_per_layer: Vec<f32>,
+    /// Per layer, on |act(g)·u|: the exact criterion.
+    #[serde(rename = "per_layer")]
+    pub full: Vec<f32>,
+    /// Per layer, on |act(g)|, calibrated to the same sparsity: the criterion
+    /// of a policy that decides from gate rows alone (`gate-first`).
+    #[serde(rename = "gate_per_layer", default)]
+    pub gate: Vec<f32>,
+}
+
+impl SparsityLevel {
+    /// How far a requested sparsity may be from a stored level's and still
+    /// name it (levels are written as decimal flags, read back as f32).
+    pub const MATCH: f32 = 1e-4;
+
+    /// No neuron skipped.
+    pub fn dense(n_layer: usize) -> Self {
+        Self {
+            sparsity: 0.0,
+            full: vec![0.0; n_layer],
+            gate: vec![0.0; n_layer],
+        }
+    }
+
+    /// Whether this level is the one asked for as `sparsity`.
+    pub fn is(&self, sparsity: f32) -> bool {
+        (self.sparsity - sparsity).abs() < Self::MATCH
+    }
+
+    /// This level, checked to cover a model of `n_layer` layers with both criteria.
+    pub fn for_layers(&self, n_layer: usize) -> Result<Self> {
+        if self.full.len() != n_layer || self.gate.len() != n_layer {
+            return Err(RuntimeError::Invalid(format!(
+                "thresholds for sparsity {} cover {} (full) and {} (gate) layers; the model has {n_layer} \
+                 (re-run calibrate with this build to get gate thresholds)",
+                self.sparsity,
+                self.full.len(),
+                self.gate.len()
+            )));
+        }
+        Ok(self.clone())
+    }
 }
 
 /// The calibration file: thresholds for several sparsities and what they were made from.
@@ -212,7 +249,7 @@ pub struct Calibration {
     pub model: String,
     pub text: String,
     pub tokens: usize,
-    pub levels: Vec<Thresholds>,
+    pub levels: Vec<SparsityLevel>,
     /// Per layer, each neuron's mean |act(g)·u| (ranks a static hot set).
     #[serde(default)]
     pub neuron_scores: Vec<Vec<f32>>,
@@ -221,15 +258,15 @@ pub struct Calibration {
 /// What [`calibrate`] measured.
 #[derive(Debug, Clone)]
 pub struct Calibrated {
-    pub levels: Vec<Thresholds>,
+    pub levels: Vec<SparsityLevel>,
     /// Per layer, each neuron's mean |act(g)·u|.
     pub neuron_scores: Vec<Vec<f32>>,
     pub tokens: usize,
 }
 
 impl Calibration {
-    pub fn level(&self, sparsity: f32) -> Option<&Thresholds> {
-        self.levels.iter().find(|l| (l.sparsity - sparsity).abs() < 1e-6)
+    pub fn level(&self, sparsity: f32) -> Option<&SparsityLevel> {
+        self.levels.iter().find(|l| l.is(sparsity))
     }
 
     pub fn load(path: &std::path::Path) -> Result<Self> {
@@ -238,12 +275,11 @@ impl Calibration {
             path: path.to_path_buf(),
             problem: e.to_string(),
         })?;
-        if cal.levels.iter().any(|l| {
-            l.per_layer
-                .iter()
-                .chain(&l.gate_per_layer)
-                .any(|t| t.is_nan() || *t < 0.0)
-        }) {
+        if cal
+            .levels
+            .iter()
+            .any(|l| l.full.iter().chain(&l.gate).any(|t| t.is_nan() || *t < 0.0))
+        {
             return Err(RuntimeError::Corrupt {
                 path: path.to_path_buf(),
                 problem: "negative or NaN threshold".into(),
@@ -327,10 +363,10 @@ pub fn calibrate_windows(model: &Model, windows: &[&[u32]], sparsities: &[f32], 
     } = &cal;
     let levels = sparsities
         .iter()
-        .map(|&s| Thresholds {
+        .map(|&s| SparsityLevel {
             sparsity: s,
-            per_layer: (0..n_layer).map(|l| full.threshold(l, s)).collect(),
-            gate_per_layer: (0..n_layer).map(|l| gate.threshold(l, s)).collect(),
+            full: (0..n_layer).map(|l| full.threshold(l, s)).collect(),
+            gate: (0..n_layer).map(|l| gate.threshold(l, s)).collect(),
         })
         .collect();
     let n_ff = model.config.n_ff;

@@ -8,7 +8,7 @@ mod common;
 use std::path::{Path, PathBuf};
 
 use leanstream_runtime::engine::{ActiveTrace, CachePolicy, EngineOptions, FlashEngine, FlashModel, Policy};
-use leanstream_runtime::flash::{pack, pagecache, DownType, PackOptions, SparsityLevel};
+use leanstream_runtime::flash::{pack, pagecache, DownType, PackOptions};
 use leanstream_runtime::model::Model;
 use leanstream_runtime::sparsity::calibrate;
 use leanstream_runtime::synthetic::SyntheticSpec;
@@ -36,11 +36,7 @@ fn pack_calibrated_down(src: &Path, name: &str, down: DownType) -> PathBuf {
     let opts = PackOptions {
         down,
         placement: None,
-        sparsity: c
-            .levels
-            .iter()
-            .map(|t| SparsityLevel::from_thresholds(t, n_layer).unwrap())
-            .collect(),
+        sparsity: c.levels.iter().map(|t| t.for_layers(n_layer).unwrap()).collect(),
         neuron_scores: c.neuron_scores,
         progress: false,
     };

@@ -60,11 +60,11 @@ fn calibrated_thresholds_hit_their_target_on_the_calibration_text() {
         .iter()
         .all(|r| r.len() == model.config.n_ff && r.iter().all(|v| v.is_finite() && *v >= 0.0)));
     assert!(c.neuron_scores.iter().all(|r| r.iter().any(|&v| v > 0.0)));
-    assert!(levels[0].per_layer.iter().all(|&t| t == 0.0));
+    assert!(levels[0].full.iter().all(|&t| t == 0.0));
     for level in &levels[1..] {
         // Thresholds rise with the target, layer by layer.
-        assert!(level.per_layer.iter().all(|&t| t > 0.0));
-        let mut hook = Sparsifier::new(level.per_layer.clone());
+        assert!(level.full.iter().all(|&t| t > 0.0));
+        let mut hook = Sparsifier::new(level.full.clone());
         perplexity_with(&model, &text, 64, None, false, &mut hook).unwrap();
         let skipped = hook.skipped_fraction().unwrap();
         // Histogram bins are ~1% wide and perplexity scores its own windows of the text.
@@ -74,11 +74,7 @@ fn calibrated_thresholds_hit_their_target_on_the_calibration_text() {
             level.sparsity
         );
     }
-    assert!(levels[1]
-        .per_layer
-        .iter()
-        .zip(&levels[2].per_layer)
-        .all(|(a, b)| a <= b));
+    assert!(levels[1].full.iter().zip(&levels[2].full).all(|(a, b)| a <= b));
 }
 
 #[test]
@@ -95,7 +91,7 @@ fn zero_thresholds_change_nothing_and_real_ones_do() {
         64,
         None,
         false,
-        &mut Sparsifier::new(levels[0].per_layer.clone()),
+        &mut Sparsifier::new(levels[0].full.clone()),
     )
     .unwrap();
     assert_ne!(dense.ppl.to_bits(), sparse.ppl.to_bits());

@@ -282,7 +282,7 @@ pub fn record(opts: &RecordOptions) -> Result<Manifest> {
             .iter()
             .map(|l| Level {
                 sparsity: l.sparsity,
-                per_layer: l.per_layer.clone(),
+                per_layer: l.full.clone(),
             })
             .collect();
         let m = fresh(levels);

@@ -75,6 +75,7 @@ use sha2::{Digest, Sha256};
 
 use crate::gguf::GgufFile;
 use crate::model::Config;
+pub use crate::sparsity::SparsityLevel;
 use crate::{Result, RuntimeError};
 
 pub const MAGIC: &[u8; 8] = b"LSFLASH\0";
@@ -224,46 +225,6 @@ pub struct LayerEntry {
     pub sha256: [u8; 32],
 }
 
-/// Calibrated thresholds for one target sparsity (see [`crate::sparsity`]).
-#[derive(Debug, Clone, PartialEq)]
-pub struct SparsityLevel {
-    /// Target fraction of neurons skipped, in [0, 1).
-    pub sparsity: f32,
-    /// Per layer, on |act(g)·u|.
-    pub full: Vec<f32>,
-    /// Per layer, on |act(g)| (the gate-only criterion).
-    pub gate: Vec<f32>,
-}
-
-impl SparsityLevel {
-    /// No neuron skipped.
-    pub fn dense(n_layer: usize) -> Self {
-        Self {
-            sparsity: 0.0,
-            full: vec![0.0; n_layer],
-            gate: vec![0.0; n_layer],
-        }
-    }
-
-    /// From a calibration's thresholds (both criteria must cover `n_layer`).
-    pub fn from_thresholds(t: &crate::sparsity::Thresholds, n_layer: usize) -> Result<Self> {
-        if t.per_layer.len() != n_layer || t.gate_per_layer.len() != n_layer {
-            return Err(RuntimeError::Invalid(format!(
-                "thresholds for sparsity {} cover {} (full) and {} (gate) layers; the model has {n_layer} \
-                 (re-run calibrate with this build to get gate thresholds)",
-                t.sparsity,
-                t.per_layer.len(),
-                t.gate_per_layer.len()
-            )));
-        }
-        Ok(Self {
-            sparsity: t.sparsity,
-            full: t.per_layer.clone(),
-            gate: t.gate_per_layer.clone(),
-        })
-    }
-}
-
 /// Everything in the preamble and meta block, decoded and validated.
 #[derive(Debug, Clone, PartialEq)]
 pub struct Header {
@@ -334,10 +295,7 @@ impl Header {
         if sparsity == 0.0 {
             return Some(SparsityLevel::dense(self.layers.len()));
         }
-        self.sparsity
-            .iter()
-            .find(|l| (l.sparsity - sparsity).abs() < 1e-4)
-            .cloned()
+        self.sparsity.iter().find(|l| l.is(sparsity)).cloned()
     }
 
     /// The meta block's bytes.

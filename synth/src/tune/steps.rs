@@ -584,7 +584,7 @@ fn pack(ctx: &Ctx) -> Result<(Vec<String>, Value)> {
     let sparsity = c
         .levels
         .iter()
-        .map(|t| flash::SparsityLevel::from_thresholds(t, n_layer))
+        .map(|t| t.for_layers(n_layer))
         .collect::<std::result::Result<Vec<_>, _>>()?;
     let opts = flash::PackOptions {
         down: flash::DownType::Q8_0,
