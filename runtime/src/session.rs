@@ -30,7 +30,7 @@ pub struct StreamSettings {
     pub eviction: Option<PathBuf>,
     /// Default [`DEFAULT_MERGE_GAP`].
     pub merge_gap: Option<usize>,
-    /// Bytes of I/O staging (default: about two layers, at most 16 MiB).
+    /// Bytes of I/O staging (default: about four layers, 4 to 16 MiB).
     pub staging: Option<u64>,
     /// `speculate`'s predictor (default: the one beside the model).
     pub predictor: Option<PathBuf>,
@@ -67,7 +67,8 @@ impl StreamSettings {
         };
         let weights = fm.flash.resident_range().1 + fm.model.tokenizer.heap_bytes();
         let state = st.bytes() as u64;
-        let engine = fm.engine_overhead_bytes(policy, st.max_batch, self.staging) + trace_bytes;
+        let staging = self.staging_bytes(fm, policy, st, trace_bytes);
+        let engine = fm.engine_overhead_bytes(policy, st.max_batch, staging) + trace_bytes;
         let fixed = weights + state + engine;
         if fixed > total {
             return Err(RuntimeError::Invalid(format!(
@@ -81,6 +82,23 @@ impl StreamSettings {
             )));
         }
         Ok(total - fixed)
+    }
+
+    /// The I/O staging to stream with: the one set; else the default, where
+    /// the memory budget has room for it; else what the budget leaves of it
+    /// (the engine keeps at least two reads), so a tight budget streams with
+    /// fewer reads ahead rather than not at all. `None`: the default.
+    pub fn staging_bytes(&self, fm: &FlashModel, policy: Policy, st: &RunState, trace_bytes: u64) -> Option<u64> {
+        let (None, Some(total)) = (self.staging, self.mem_budget) else {
+            return self.staging;
+        };
+        let resident = fm.flash.resident_range().1 + fm.model.tokenizer.heap_bytes() + st.bytes() as u64 + trace_bytes;
+        let with_default = resident + fm.engine_overhead_bytes(policy, st.max_batch, None);
+        let excess = with_default.checked_sub(total).filter(|&e| e > 0)?;
+        let least = fm.engine_overhead_bytes(policy, st.max_batch, Some(0));
+        let default = fm.engine_overhead_bytes(policy, st.max_batch, None);
+        // The default pool less what the budget lacks (0: the engine's least).
+        Some((default - least).saturating_sub(excess))
     }
 
     /// What a `policy` engine over `fm` needs of the speculation artifacts
@@ -114,7 +132,7 @@ impl StreamSettings {
             cache_bytes: self.cache_bytes(fm, policy, st, trace_bytes)?,
             cache_policy,
             merge_gap_bytes: self.merge_gap.unwrap_or(DEFAULT_MERGE_GAP),
-            staging_bytes: self.staging,
+            staging_bytes: self.staging_bytes(fm, policy, st, trace_bytes),
             level: fm.sparsity_level(self.sparsity)?,
             record,
             trace,

@@ -12,12 +12,13 @@ use std::time::{Duration, Instant};
 use leanstream_kernels::GgmlType;
 use leanstream_runtime::cache::FfnBudget;
 use leanstream_runtime::engine::{
-    is_lsflash, BackendFactory, CachePolicy, EngineOptions, FlashEngine, FlashModel, Policy, Streamer, Want,
+    is_lsflash, BackendFactory, CachePolicy, EngineOptions, FlashEngine, FlashModel, Policy, Streamer, Want, STAGES,
 };
 use leanstream_runtime::flash::io::{make_backend, Backend, FaultyBackend, IoConfig};
 use leanstream_runtime::flash::{DownType, SparsityLevel};
 use leanstream_runtime::generate::argmax;
 use leanstream_runtime::model::Model;
+use leanstream_runtime::session::StreamSettings;
 use leanstream_runtime::synthetic::SyntheticSpec;
 
 fn dir() -> PathBuf {
@@ -276,9 +277,13 @@ fn multi_read_model(name: &str) -> FlashModel {
 }
 
 fn multi_read_model_down(name: &str, down: DownType) -> FlashModel {
+    layered_model(name, down, 2048, 3)
+}
+
+fn layered_model(name: &str, down: DownType, n_ff: usize, n_layer: usize) -> FlashModel {
     let mut spec = SyntheticSpec::tiny("llama");
     spec.weight_type = GgmlType::Q8_0;
-    (spec.n_embd, spec.n_ff, spec.n_layer) = (256, 2048, 3);
+    (spec.n_embd, spec.n_ff, spec.n_layer) = (256, n_ff, n_layer);
     let src = dir().join(format!("{name}.gguf"));
     std::fs::write(&src, spec.build().unwrap().to_bytes()).unwrap();
     FlashModel::open(pack_down(&src, name, None, down)).unwrap()
@@ -383,6 +388,53 @@ fn staging_is_bounded_by_the_pool() {
     assert!(s.stats().bytes_read >= 2 * layer_bytes);
 }
 
+/// The streamer keeps several layers requested ahead of the one computing
+/// (dense-stream asks for every stage it has): a layer already queued is not
+/// asked for again, each is read once, and they are served in order, whole,
+/// whether the pool holds them all or only a fraction of one (the stages
+/// behind the front share half of it, so the front always gets buffers).
+#[test]
+fn several_layers_stream_ahead_in_order() {
+    let fm = layered_model("ahead", DownType::Q8_0, 1024, STAGES + 1);
+    let layer_bytes = fm.ffn_bytes() / fm.flash.n_layer() as u64;
+    for staging in [16u64 << 20, 256 << 10] {
+        let mut s = Streamer::new(&fm, 0, CachePolicy::Lru, None, 0, Some(staging), None).unwrap();
+        s.ensure(0, Want::All).unwrap();
+        for l in 1..STAGES {
+            s.prefetch(l, Want::All).unwrap();
+            s.prefetch(l, Want::All).unwrap();
+        }
+        // Every stage is taken: a further layer waits for one to free.
+        s.prefetch(STAGES, Want::All).unwrap();
+        assert!(!s.is_queued(STAGES), "staging {staging}");
+        assert!((0..STAGES).all(|l| s.is_queued(l)), "staging {staging}");
+        if staging >= STAGES as u64 * layer_bytes * 2 {
+            // Compute makes no call: the I/O thread reads all of them.
+            let t = Instant::now();
+            while s.stats().bytes_read < STAGES as u64 * layer_bytes && t.elapsed() < Duration::from_secs(20) {
+                std::thread::sleep(Duration::from_millis(5));
+            }
+            std::thread::sleep(Duration::from_millis(50));
+            let read = s.stats().bytes_read;
+            assert!(read >= STAGES as u64 * layer_bytes, "{read}");
+            assert!(read < (STAGES + 1) as u64 * layer_bytes, "each layer once: {read}");
+        }
+        for l in 0..STAGES {
+            let mut bundles = 0;
+            while let Some(run) = s.next_run(l).unwrap() {
+                bundles += run.neurons.len();
+            }
+            assert_eq!(bundles, fm.flash.n_ff(), "staging {staging}, layer {l}");
+            s.finish(l, false);
+        }
+        let read = s.stats().bytes_read;
+        assert!(
+            read < (STAGES + 1) as u64 * layer_bytes,
+            "staging {staging}: each layer once: {read}"
+        );
+    }
+}
+
 #[test]
 fn reads_progress_while_the_compute_thread_is_busy() {
     let fm = multi_read_model("progress");
@@ -407,4 +459,45 @@ fn reads_progress_while_the_compute_thread_is_busy() {
     }
     assert_eq!(bundles, fm.flash.n_ff());
     assert_eq!(s.stats().io_wait_seconds, 0.0, "nothing was waited for");
+}
+
+/// Under a memory budget that cannot hold the default staging, the engine
+/// streams with what the budget leaves of it (fewer reads ahead) instead of
+/// refusing, and gives the same bits; below the least staging it refuses.
+#[test]
+fn a_tight_memory_budget_shrinks_the_staging() {
+    let fm = multi_read_model("tight");
+    let st = fm.model.new_state(32, 4, 1);
+    let policy = Policy::DenseStream;
+    let resident = fm.flash.resident_range().1 + fm.model.tokenizer.heap_bytes() + st.bytes() as u64;
+    let floor_default = resident + fm.engine_overhead_bytes(policy, st.max_batch, None);
+    let floor_least = resident + fm.engine_overhead_bytes(policy, st.max_batch, Some(0));
+    assert!(floor_least + (1 << 20) < floor_default, "{floor_least} {floor_default}");
+    let settings = |mem: u64| StreamSettings {
+        policy: Some(policy),
+        mem_budget: Some(mem),
+        ..StreamSettings::default()
+    };
+    assert_eq!(
+        settings(floor_default + (1 << 20)).staging_bytes(&fm, policy, &st, 0),
+        None
+    );
+    let tight = settings((floor_least + floor_default) / 2);
+    let staging = tight.staging_bytes(&fm, policy, &st, 0).expect("a smaller staging");
+    assert!(
+        staging < fm.engine_overhead_bytes(policy, st.max_batch, None),
+        "{staging}"
+    );
+    let cache = tight.cache_bytes(&fm, policy, &st, 0).unwrap();
+    assert!(cache < (floor_default - floor_least) / 2 + 1, "{cache}");
+    let mut e = tight.engine(&fm, policy, &st, None, false).unwrap();
+    let prompt = [1u32, 5, 9, 3];
+    let reference = greedy_flash(
+        &fm,
+        &mut fm.engine(Policy::Dense, FfnBudget::Percent(0.0)).unwrap(),
+        &prompt,
+        4,
+    );
+    assert!(common::same_bits(&greedy_flash(&fm, &mut e, &prompt, 4), &reference));
+    assert!(settings(floor_least / 2).cache_bytes(&fm, policy, &st, 0).is_err());
 }

@@ -40,7 +40,7 @@ pub use controller::{Controller, Decisions};
 
 pub use policy::Policy;
 use policy::{FfnPolicy, LayerCall};
-pub use stream::{CachePolicy, LandedRun, Streamer, Want};
+pub use stream::{CachePolicy, LandedRun, Streamer, Want, STAGES};
 use tail::{Resident, Source, Tail};
 pub use trace::{ActiveTrace, TraceCursor};
 
@@ -61,7 +61,8 @@ pub struct EngineOptions {
     /// ([`DEFAULT_MERGE_GAP`] unless tuned for the device).
     pub merge_gap_bytes: usize,
     /// Bytes of I/O staging (the read buffers that hold reads in flight and
-    /// landed runs not yet computed); `None`: about two layers, at most 16 MiB.
+    /// landed runs not yet computed); `None`: about the four layers a streamer
+    /// keeps requested at once, 4 to 16 MiB.
     pub staging_bytes: Option<u64>,
     /// Thresholds (all zero: no sparsity).
     pub level: SparsityLevel,

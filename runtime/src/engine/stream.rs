@@ -146,8 +146,23 @@ impl Landing {
     }
 }
 
+/// Stages a streamer keeps at once: the layer computing and up to three
+/// requested ahead of it (what they read together is bounded by the pool).
+pub const STAGES: usize = 4;
+const STAGE_BITS: u32 = STAGES.trailing_zeros();
+
+/// A read's id: its run in the stage's list, and the stage.
+fn request_id(stage: usize, run: usize) -> u32 {
+    (run << STAGE_BITS | stage) as u32
+}
+
+/// The stage and run of a read's id.
+fn split_id(id: u32) -> (usize, usize) {
+    (id as usize & (STAGES - 1), (id >> STAGE_BITS) as usize)
+}
+
 struct Landings {
-    stages: [Landing; 2],
+    stages: [Landing; STAGES],
     /// Counts deliveries; compute sleeps on it when nothing new has landed.
     signal: Mutex<u64>,
     arrived: Condvar,
@@ -162,14 +177,14 @@ impl Landings {
     }
 }
 
-/// Holds each finished read for compute (request id = run << 1 | stage).
+/// Holds each finished read for compute (request id: [`request_id`]).
 struct LandingSink(Arc<Landings>);
 
 impl Sink for LandingSink {
     fn deliver(&mut self, d: Delivery) {
         let k = match d {
             Delivery::Landed { id, data, .. } => {
-                let (k, run) = (id as usize & 1, (id >> 1) as usize);
+                let (k, run) = split_id(id);
                 let st = &self.0.stages[k];
                 let mut h = lock(&st.held);
                 if h.open && run < h.runs.len() {
@@ -177,16 +192,16 @@ impl Sink for LandingSink {
                     drop(h);
                     // Published after it is held: compute that sees the run
                     // in the log finds its bytes.
-                    st.log.push(id >> 1);
+                    st.log.push(run as u32);
                 }
                 k
             }
             Delivery::Failed { id, error, .. } => {
-                let k = id as usize & 1;
+                let (k, _) = split_id(id);
                 lock(&self.0.stages[k].failed).get_or_insert(error);
                 k
             }
-            Delivery::Cancelled { id, .. } => id as usize & 1,
+            Delivery::Cancelled { id, .. } => split_id(id).0,
         };
         self.0.settle(k, 1);
     }
@@ -282,10 +297,9 @@ pub struct Streamer {
     use_spans: bool,
     /// Requested bundles that had not landed by their layer's deadline.
     late_skipped: u64,
-    stages: [Stage; 2],
+    stages: [Stage; STAGES],
     /// Stages requested and not yet finished, oldest first.
     queue: VecDeque<usize>,
-    next_stage: usize,
     seq: u32,
     /// Time compute spent blocked on arrivals.
     wait_ns: u64,
@@ -294,7 +308,8 @@ pub struct Streamer {
     current: Option<TakenRun>,
     /// The run with its held prefix filled in (`gate-first`; empty otherwise).
     assembled: Vec<u8>,
-    /// Runs the stage behind the front may have posted (half the pool's buffers).
+    /// Runs the stages behind the front may have posted together (half the
+    /// pool's buffers: the front always finds buffers for its reads).
     ahead_runs: usize,
     /// Runs to post (priority, run), reused.
     to_post: Vec<(u32, usize)>,
@@ -387,7 +402,7 @@ impl Streamer {
         prefill(m, &mut cache)?;
         let (n_ff, n_layer) = (f.n_ff(), f.n_layer());
         let landings = Arc::new(Landings {
-            stages: [Landing::new(n_ff), Landing::new(n_ff)],
+            stages: std::array::from_fn(|_| Landing::new(n_ff)),
             signal: Mutex::new(0),
             arrived: Condvar::new(),
         });
@@ -439,9 +454,8 @@ impl Streamer {
             extension: Vec::with_capacity(n_ff),
             use_spans: false,
             late_skipped: 0,
-            stages: [stage(), stage()],
-            queue: VecDeque::with_capacity(2),
-            next_stage: 0,
+            stages: std::array::from_fn(|_| stage()),
+            queue: VecDeque::with_capacity(STAGES),
             seq: 0,
             wait_ns: 0,
             current: None,
@@ -528,7 +542,7 @@ impl Streamer {
             .map(|l| m.flash.layer_extent(l).1)
             .max()
             .unwrap_or(0);
-        let cfg = IoConfig::for_layer_bytes(layer);
+        let cfg = IoConfig::for_layer_bytes(layer, STAGES);
         match staging_bytes {
             None => cfg,
             Some(bytes) => {
@@ -630,8 +644,10 @@ impl Streamer {
     }
 
     fn request_exact(&mut self, l: usize, want: Want, urgency: Option<&[u16]>) -> Result<()> {
-        let k = self.next_stage;
-        self.next_stage ^= 1;
+        // A free stage: callers request only when the queue has room (or after a reset).
+        let k = (0..STAGES)
+            .find(|k| !self.queue.contains(k))
+            .ok_or_else(|| RuntimeError::Invalid(format!("layer {l}: every streaming stage is in use")))?;
         self.seq = self.seq.wrapping_add(1);
         // The stage is not queued, so nothing of it is outstanding; make sure.
         self.quiesce(k);
@@ -692,19 +708,23 @@ impl Streamer {
     }
 
     /// Posts stage `k`'s deferred runs that its share of the pool allows:
-    /// all of them at the front, or once the front has every read back.
+    /// all of them at the front, or right behind it once the front has every
+    /// read back; further back, what the stages behind the front have
+    /// posted together leaves of half the pool.
     fn post_deferred(&mut self, k: usize) {
         let front = self.queue.front().copied();
         let unlimited = front == Some(k)
-            || front.is_some_and(|f| {
-                let st = &self.stages[f];
-                st.deferred.is_empty() && self.landings.stages[f].settled.load(Ordering::Acquire) >= st.runs.len()
-            });
+            || (self.queue.get(1) == Some(&k)
+                && front.is_some_and(|f| {
+                    let st = &self.stages[f];
+                    st.deferred.is_empty() && self.landings.stages[f].settled.load(Ordering::Acquire) >= st.runs.len()
+                }));
+        let behind: usize = self.queue.iter().skip(1).map(|&j| self.stages[j].posted).sum();
         let s = &mut self.stages[k];
         let room = if unlimited {
             s.deferred.len()
         } else {
-            self.ahead_runs.saturating_sub(s.posted).min(s.deferred.len())
+            self.ahead_runs.saturating_sub(behind).min(s.deferred.len())
         };
         if room == 0 {
             return;
@@ -719,7 +739,7 @@ impl Streamer {
         self.io.read(batch.iter().map(|&(priority, r)| {
             let (p0, n) = runs[r];
             let req = Request {
-                id: Self::request_id(k, r),
+                id: request_id(k, r),
                 offset: base + (p0 * bb + skip) as u64,
                 len: (n * bb - skip) as u32,
                 priority,
@@ -727,6 +747,17 @@ impl Streamer {
             (req, 0)
         }));
         self.to_post = batch;
+    }
+
+    /// Posts what the stages behind the front held back, as far as their
+    /// share of the pool allows, nearest first.
+    fn post_behind(&mut self) {
+        for j in 1..self.queue.len() {
+            let k = self.queue[j];
+            if !self.stages[k].deferred.is_empty() {
+                self.post_deferred(k);
+            }
+        }
     }
 
     /// The queued stage of layer `l`, if any.
@@ -831,7 +862,7 @@ impl Streamer {
             // (What stays deferred is needed.)
             if *st == RUN_QUEUED && !needed(r) {
                 *st = RUN_CANCELLED;
-                ids.push(Self::request_id(k, r));
+                ids.push(request_id(k, r));
             }
         }
         if unposted > 0 {
@@ -891,10 +922,6 @@ impl Streamer {
         Ok(())
     }
 
-    fn request_id(stage: usize, run: usize) -> u32 {
-        (run << 1 | stage) as u32
-    }
-
     /// Drops every outstanding stage: requests not yet submitted are
     /// cancelled, reads in flight are drained.
     fn reset(&mut self) -> Result<()> {
@@ -902,7 +929,7 @@ impl Streamer {
         for &k in &self.queue {
             let n = self.stages[k].runs.len();
             self.stages[k].deferred.clear();
-            self.io.cancel((0..n).map(|r| Self::request_id(k, r)));
+            self.io.cancel((0..n).map(|r| request_id(k, r)));
         }
         while let Some(k) = self.queue.pop_front() {
             self.quiesce(k);
@@ -935,7 +962,8 @@ impl Streamer {
         Ok(())
     }
 
-    /// Requests layer `l` behind the current one, if a stage is free.
+    /// Requests layer `l` behind the stages queued, if a stage is free and
+    /// `l` has none yet.
     pub fn prefetch(&mut self, l: usize, want: Want) -> Result<()> {
         self.prefetch_ranked(l, want, None)
     }
@@ -943,7 +971,7 @@ impl Streamer {
     /// [`prefetch`](Self::prefetch) with each neuron's `urgency` (0 most
     /// urgent) ordering the reads.
     pub fn prefetch_ranked(&mut self, l: usize, want: Want, urgency: Option<&[u16]>) -> Result<()> {
-        if self.queue.len() < 2 {
+        if self.queue.len() < STAGES && !self.is_queued(l) {
             self.request(l, want, urgency)?;
         }
         Ok(())
@@ -1009,12 +1037,8 @@ impl Streamer {
     pub fn next_run_until(&mut self, l: usize, deadline: Option<std::time::Instant>) -> Result<Option<LandedRun<'_>>> {
         self.retire();
         let k = self.front(l)?;
-        // The stage behind may post what it held back once this one has every read back.
-        if let Some(&next) = self.queue.get(1) {
-            if !self.stages[next].deferred.is_empty() {
-                self.post_deferred(next);
-            }
-        }
+        // The stages behind may post what they held back once this one has every read back.
+        self.post_behind();
         if self.stages[k].expired {
             return Ok(None);
         }
@@ -1072,7 +1096,7 @@ impl Streamer {
                 self.late_skipped += late as u64;
                 let ids: Vec<u32> = (0..total)
                     .filter(|&r| s.run_state[r] == RUN_QUEUED)
-                    .map(|r| Self::request_id(k, r))
+                    .map(|r| request_id(k, r))
                     .collect();
                 self.io.cancel(ids);
             }
@@ -1142,6 +1166,7 @@ impl Streamer {
         if let Some(&k) = self.queue.front() {
             self.post_deferred(k);
         }
+        self.post_behind();
         if end_of_token {
             self.cache.end_token();
         }

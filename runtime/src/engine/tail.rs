@@ -289,12 +289,18 @@ impl Tail {
         let rows = rows.max(1);
         // Two converted input buffers (f32 is the widest), the activation rows,
         // a piece's two value arrays, the id list.
-        (2 * n_embd * rows * 4 + rows * n_ff * 4 + 2 * Self::piece(rows) * rows * 4 + n_ff * 4) as u64
+        (2 * n_embd * rows * 4 + rows * n_ff * 4 + 2 * Self::piece_values(rows) * 4 + n_ff * 4) as u64
     }
 
     /// Bundles per piece for calls of `rows` rows.
     fn piece(rows: usize) -> usize {
         (PIECE_VALUES / rows.max(1)).max(TASK)
+    }
+
+    /// Values a piece of calls of up to `rows` rows holds: `piece(n) * n` for
+    /// every `n <= rows`.
+    fn piece_values(rows: usize) -> usize {
+        PIECE_VALUES.max(TASK * rows.max(1))
     }
 
     fn reserve(&mut self, n: usize) {
@@ -305,8 +311,8 @@ impl Tail {
         self.gate_acts = ActBuffer::with_capacity(self.n_embd, n);
         self.up_acts = ActBuffer::with_capacity(self.n_embd, n);
         self.a = vec![0.0; n * self.n_ff];
-        self.piece = vec![0.0; Self::piece(n) * n];
-        self.scratch = vec![0.0; Self::piece(n) * n];
+        self.piece = vec![0.0; Self::piece_values(n)];
+        self.scratch = vec![0.0; Self::piece_values(n)];
     }
 
     /// Converts the rows for the gate and up dot products.
@@ -617,7 +623,9 @@ impl Tail {
             &self.up_acts
         };
         let rows = FfnRows::new(f, &self.gate_acts, up_acts)?.as_matrix_of(n_ff);
-        let piece = Self::piece(self.rows);
+        // Pieces for this call's rows, not the most the buffers were sized
+        // for: a decode row after a prompt batch is one piece, not dozens.
+        let piece = Self::piece(n);
         let total = run.count(f);
         for (c, start) in (0..total).step_by(piece).enumerate() {
             let count = piece.min(total - start);

@@ -1,9 +1,11 @@
 //! `dense-stream`: every bundle of every layer each token, through the I/O
-//! thread, layer l+1 requested while layer l computes; the neuron cache
+//! thread, the next layers requested while layer l computes (as many as the
+//! streamer has stages; the pool bounds what they read ahead) so the device
+//! never waits for a layer's compute to hear of the next; the neuron cache
 //! serves what it holds.
 
 use super::{streamer, FfnPolicy, LayerCall, Plan, Policy};
-use crate::engine::stream::Want;
+use crate::engine::stream::{Want, STAGES};
 use crate::engine::tail::{Select, Source, Tail};
 use crate::Result;
 
@@ -17,7 +19,9 @@ impl FfnPolicy for DenseStream {
     fn plan<'p>(&'p mut self, call: &LayerCall<'_>, source: &mut Source, _tail: &Tail) -> Result<Plan<'p>> {
         let s = streamer(source)?;
         s.ensure(call.layer, Want::All)?;
-        s.prefetch(call.next_layer(), Want::All)?;
+        for ahead in 1..STAGES {
+            s.prefetch(call.layer_ahead(ahead), Want::All)?;
+        }
         Ok(Plan::new(Select::Threshold(call.threshold), None))
     }
 }

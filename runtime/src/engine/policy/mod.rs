@@ -139,9 +139,10 @@ pub(crate) struct LayerCall<'a> {
 }
 
 impl LayerCall<'_> {
-    /// The layer after this one in run order (the next token's layer 0 after the last).
-    pub fn next_layer(&self) -> usize {
-        (self.layer + 1) % self.n_layer
+    /// The layer `d` after this one in run order (the next token's layers
+    /// follow the last).
+    pub fn layer_ahead(&self, d: usize) -> usize {
+        (self.layer + d) % self.n_layer
     }
 }
 

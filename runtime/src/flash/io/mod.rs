@@ -110,20 +110,27 @@ impl Default for IoConfig {
 }
 
 impl IoConfig {
-    /// The defaults, with reads (and so pool buffers) no larger than a
-    /// share of two layers of `layer_bytes`: the pool, which is all of the
-    /// streamer's staging, holds about the two stages it fills (at most
-    /// 16 MiB), so a small model's floor stays small.
-    pub fn for_layer_bytes(layer_bytes: u64) -> Self {
+    /// The defaults, with a pool that holds about `layers` layers of
+    /// `layer_bytes` (the stages a streamer fills at once; at least 32 reads
+    /// of [`MIN_POOL_READ`], at most [`MAX_POOL_BYTES`]), in reads no larger
+    /// than a 32nd of it: the pool is all of the streamer's staging, so a
+    /// small model's floor stays small.
+    pub fn for_layer_bytes(layer_bytes: u64, layers: usize) -> Self {
         let d = Self::default();
-        let share = (2 * layer_bytes / d.pool_buffers as u64).max(1);
+        let min_pool = (d.pool_buffers * MIN_POOL_READ) as u64;
+        let pool = (layers as u64 * layer_bytes).clamp(min_pool, MAX_POOL_BYTES);
+        let share = (pool / d.pool_buffers as u64).max(1);
         let read = (1u64 << share.ilog2()).clamp(MIN_POOL_READ as u64, d.max_read_bytes as u64);
         Self {
             max_read_bytes: read as usize,
+            pool_buffers: (pool / read).max(d.pool_buffers as u64) as usize,
             ..d
         }
     }
 }
+
+/// Most bytes [`IoConfig::for_layer_bytes`] gives the pool.
+const MAX_POOL_BYTES: u64 = 16 << 20;
 
 /// Smallest read [`IoConfig::for_layer_bytes`] picks: below it request
 /// overhead starts to cost bandwidth on common SSDs.

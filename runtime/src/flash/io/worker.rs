@@ -255,11 +255,13 @@ fn run(mut io: IoEngine, mut sink: impl Sink, shared: &Shared) {
                 }
             }
         }
-        if io.in_flight() == 0 {
-            if let Some(t) = busy_since.take() {
-                shared
-                    .busy_ns
-                    .fetch_add(t.elapsed().as_nanos() as u64, Ordering::Relaxed);
+        // Busy time is counted as it passes, not only when the queue runs
+        // dry: a streamer that keeps layers queued ahead may never let it.
+        if let Some(t) = busy_since.take() {
+            let now = Instant::now();
+            shared.busy_ns.fetch_add((now - t).as_nanos() as u64, Ordering::Relaxed);
+            if io.in_flight() > 0 {
+                busy_since = Some(now);
             }
         }
         *lock(&shared.stats) = io.stats();
