@@ -59,8 +59,9 @@ run)
   done
   .gpu/table3 20 | tee "$out/table3.jsonl"
   if wait "$llama_build"; then
-    /tmp/llama/build/bin/llama-bench -m /tmp/mistral-32.gguf -ngl 99 -p 0 -n 32 -r 3 -o json |
-      tee "$out/llama-bench.json"
+    # Our device engine and llama.cpp's CUDA build on the same GGUF, run by run.
+    .gpu/leanstream bench --model /tmp/mistral-32.gguf --device cuda --prompt-tokens 512 --gen-tokens 32 \
+      --reps 3 --llama-bench /tmp/llama/build/bin/llama-bench | tee "$out/bench-cuda.json"
   else
     echo "llama.cpp's CUDA build failed:" && tail -30 "$out/llama-build.log"
   fi

@@ -63,6 +63,10 @@ pub struct BenchArgs {
     /// Output folder of --sweep.
     #[arg(long)]
     out: Option<PathBuf>,
+    /// Where the model runs: cpu, or cuda[:N] (the dense engine of a GGUF
+    /// model on CUDA device N; with --llama-bench, give it a CUDA build).
+    #[arg(long, default_value = "cpu")]
+    device: String,
 }
 
 pub use leanstream_runtime::cache::peak_rss_bytes;
@@ -137,10 +141,17 @@ pub fn run(a: BenchArgs) -> Result<()> {
     if a.prompt_tokens == 0 && a.gen_tokens == 0 {
         bail!("nothing to measure: --prompt-tokens and --gen-tokens are both 0");
     }
+    let ordinal = crate::gpu::ordinal(&a.device)?;
     if a.sweep {
+        if ordinal.is_some() {
+            bail!("--sweep runs the CPU engine's policies; it has no --device");
+        }
         return sweep(&a);
     }
     let path = leanstream_runtime::fetch::resolve_model(&a.model)?;
+    if let Some(ordinal) = ordinal {
+        return device_bench(&a, &path, ordinal);
+    }
     let t0 = Instant::now();
     let state_tokens = a.prompt_tokens.max(a.gen_tokens).max(1);
     let settings = a.flash.settings()?;
@@ -284,22 +295,107 @@ pub fn run(a: BenchArgs) -> Result<()> {
         bail!("--quality-file applies to .lsflash models");
     }
     if a.llama_bench.is_some() {
-        let ((tpp, tpp_std), (ttg, ttg_std)) = (stats(&theirs_pp), stats(&theirs_tg));
-        let ratio = |ours: f64, theirs: f64| (theirs > 0.0).then(|| ours / theirs);
-        report["llama_cpp"] = json!({
-            "prompt_tok_s": tpp,
-            "prompt_tok_s_std": tpp_std,
-            "decode_tok_s": ttg,
-            "decode_tok_s_std": ttg_std,
-            "build": theirs_build,
-        });
-        report["ratio_prompt"] = json!(ratio(pp_mean, tpp));
-        report["ratio_decode"] = json!(ratio(tg_mean, ttg));
-        report["ratio_prompt_paired_median"] = json!(paired_median_ratio(&pp, &theirs_pp));
-        report["ratio_decode_paired_median"] = json!(paired_median_ratio(&tg, &theirs_tg));
+        add_llama_cpp(&mut report, (&pp, &tg), (&theirs_pp, &theirs_tg), theirs_build);
     }
     println!("{}", serde_json::to_string_pretty(&report)?);
     Ok(())
+}
+
+/// `bench --device cuda[:N]`: the same plan of random tokens through the
+/// device's dense engine (the logits copied back after each step, as a
+/// sampler needs them), with llama-bench interleaved as on the CPU.
+fn device_bench(a: &BenchArgs, path: &Path, ordinal: usize) -> Result<()> {
+    crate::gpu::check_dense_gguf(path, &a.flash)?;
+    if a.quality_file.is_some() {
+        bail!("--quality-file applies to .lsflash models on the CPU engine");
+    }
+    let t0 = Instant::now();
+    let model = crate::load_path(path)?;
+    let c = model.config.clone();
+    let ctx = a.prompt_tokens.max(a.gen_tokens).max(1);
+    if ctx > c.context_length {
+        bail!("{ctx} tokens exceed the model's context of {}", c.context_length);
+    }
+    let (mut g, device) = crate::gpu::open(ordinal, &model, ctx, a.prompt_tokens)?;
+    let load_s = t0.elapsed().as_secs_f64();
+    let reps = a.reps.max(1);
+    let plan = make_plan(reps, a.prompt_tokens, a.gen_tokens, c.n_vocab);
+    let threads = rayon::current_num_threads();
+    let (mut pp, mut tg, mut theirs_pp, mut theirs_tg) = (Vec::new(), Vec::new(), Vec::new(), Vec::new());
+    let mut theirs_build = Value::Null;
+    for (rep, (ptoks, gtoks)) in plan.iter().enumerate() {
+        // Repetition 0 compiles nothing (NVRTC ran at open) but warms the
+        // device's clocks and caches; it is not counted.
+        if !ptoks.is_empty() {
+            let t = Instant::now();
+            let mut pos = 0;
+            for chunk in ptoks.chunks(g.max_batch) {
+                g.forward(chunk, pos)?;
+                pos += chunk.len();
+            }
+            g.logits()?;
+            if rep > 0 {
+                pp.push(ptoks.len() as f64 / t.elapsed().as_secs_f64());
+            }
+        }
+        if !gtoks.is_empty() {
+            let t = Instant::now();
+            for (pos, &tok) in gtoks.iter().enumerate() {
+                g.forward(&[tok], pos)?;
+                g.logits()?;
+            }
+            if rep > 0 {
+                tg.push(gtoks.len() as f64 / t.elapsed().as_secs_f64());
+            }
+        }
+        if let (Some(bin), true) = (&a.llama_bench, rep > 0) {
+            let flash_attn = a.flash.flash_attn;
+            let r = llama_bench(bin, path, a.prompt_tokens, a.gen_tokens, threads, flash_attn)?;
+            theirs_pp.extend(r.prompt_tok_s);
+            theirs_tg.extend(r.decode_tok_s);
+            theirs_build = r.build;
+        }
+    }
+    let stats = |xs: &[f64]| if xs.is_empty() { (0.0, 0.0) } else { mean_std(xs) };
+    let ((pp_mean, pp_std), (tg_mean, tg_std)) = (stats(&pp), stats(&tg));
+    let mut report = json!({
+        "model": path.display().to_string(),
+        "arch": c.arch.name(),
+        "device": device,
+        "prompt_tokens": a.prompt_tokens,
+        "gen_tokens": a.gen_tokens,
+        "reps": reps,
+        "prompt_tok_s": pp_mean,
+        "prompt_tok_s_std": pp_std,
+        "decode_tok_s": tg_mean,
+        "decode_tok_s_std": tg_std,
+        "load_s": load_s,
+        "weights_bytes": model.weights.matrix_bytes(),
+    });
+    if a.llama_bench.is_some() {
+        add_llama_cpp(&mut report, (&pp, &tg), (&theirs_pp, &theirs_tg), theirs_build);
+    }
+    println!("{}", serde_json::to_string_pretty(&report)?);
+    Ok(())
+}
+
+/// llama-bench's speeds and our ratios to them (means and paired medians).
+fn add_llama_cpp(report: &mut Value, ours: (&[f64], &[f64]), theirs: (&[f64], &[f64]), build: Value) {
+    let stats = |xs: &[f64]| if xs.is_empty() { (0.0, 0.0) } else { mean_std(xs) };
+    let ((pp, _), (tg, _)) = (stats(ours.0), stats(ours.1));
+    let ((tpp, tpp_std), (ttg, ttg_std)) = (stats(theirs.0), stats(theirs.1));
+    let ratio = |ours: f64, theirs: f64| (theirs > 0.0).then(|| ours / theirs);
+    report["llama_cpp"] = json!({
+        "prompt_tok_s": tpp,
+        "prompt_tok_s_std": tpp_std,
+        "decode_tok_s": ttg,
+        "decode_tok_s_std": ttg_std,
+        "build": build,
+    });
+    report["ratio_prompt"] = json!(ratio(pp, tpp));
+    report["ratio_decode"] = json!(ratio(tg, ttg));
+    report["ratio_prompt_paired_median"] = json!(paired_median_ratio(ours.0, theirs.0));
+    report["ratio_decode_paired_median"] = json!(paired_median_ratio(ours.1, theirs.1));
 }
 
 /// Perplexity and top-1 agreement of `policy` at `sparsity` against dense,
@@ -475,8 +571,8 @@ struct LlamaBench {
 
 /// Runs one repetition of llama-bench with matching settings.
 fn llama_bench(
-    bin: &PathBuf,
-    model: &PathBuf,
+    bin: &Path,
+    model: &Path,
     p: usize,
     g: usize,
     threads: usize,

@@ -1,5 +1,5 @@
-//! `run --device cuda[:N]`: generation with the dense engine on a CUDA
-//! device (`leanstream-cuda`), sampling on the host from its logits.
+//! `--device cuda[:N]`: generation (`run`) and speed (`bench`) with the dense
+//! engine on a CUDA device (`leanstream-cuda`), sampling on the host from its logits.
 
 use std::io::Write;
 use std::path::Path;
@@ -9,6 +9,7 @@ use anyhow::{bail, Context, Result};
 use leanstream_cuda::device::Gpu;
 use leanstream_cuda::engine::GpuModel;
 use leanstream_runtime::fetch::resolve_model;
+use leanstream_runtime::model::Model;
 use leanstream_runtime::tokenizer::StreamDecoder;
 
 use crate::{load_path, prompt_ids, FlashArgs, Generation};
@@ -50,16 +51,8 @@ pub(crate) fn run(
     ordinal: usize,
     flash: &FlashArgs,
 ) -> Result<()> {
-    if let Some(flag) = streaming_option(flash) {
-        bail!("{flag} is an option of the CPU streaming engine; --device cuda runs a GGUF model's dense engine");
-    }
     let path = resolve_model(model_arg)?;
-    if is_lsflash(&path)? {
-        bail!(
-            "{}: a packed .lsflash model streams on the CPU engine; --device cuda runs a GGUF model's dense engine",
-            path.display()
-        );
-    }
+    check_dense_gguf(&path, flash)?;
     let t0 = Instant::now();
     let model = load_path(&path)?;
     let ids = prompt_ids(&model, prompt, chat)?;
@@ -67,12 +60,7 @@ pub(crate) fn run(
     if ids.len() >= ctx {
         bail!("the prompt's {} tokens fill the context of {ctx}", ids.len());
     }
-    let gpu = Gpu::open(ordinal)?;
-    let device = format!(
-        "{} (compute {}.{})",
-        gpu.name, gpu.compute_capability.0, gpu.compute_capability.1
-    );
-    let mut g = GpuModel::new(gpu, &model, ctx, ids.len().clamp(1, 512))?;
+    let (mut g, device) = open(ordinal, &model, ctx, ids.len())?;
     let load_s = t0.elapsed().as_secs_f64();
 
     let t = Instant::now();
@@ -115,6 +103,32 @@ pub(crate) fn run(
         generated as f64 / decode_s.max(1e-9),
     );
     Ok(())
+}
+
+/// Refuses what the device engine does not run: the CPU streaming engine's
+/// options and packed `.lsflash` models.
+pub(crate) fn check_dense_gguf(path: &Path, flash: &FlashArgs) -> Result<()> {
+    if let Some(flag) = streaming_option(flash) {
+        bail!("{flag} is an option of the CPU streaming engine; --device cuda runs a GGUF model's dense engine");
+    }
+    if is_lsflash(path)? {
+        bail!(
+            "{}: a packed .lsflash model streams on the CPU engine; --device cuda runs a GGUF model's dense engine",
+            path.display()
+        );
+    }
+    Ok(())
+}
+
+/// The device engine for `model` with a context of `ctx` and prompt batches
+/// of up to `prompt` rows (at most 512), and the device's description.
+pub(crate) fn open(ordinal: usize, model: &Model, ctx: usize, prompt: usize) -> Result<(GpuModel<'_>, String)> {
+    let gpu = Gpu::open(ordinal)?;
+    let device = format!(
+        "{} (compute {}.{})",
+        gpu.name, gpu.compute_capability.0, gpu.compute_capability.1
+    );
+    Ok((GpuModel::new(gpu, model, ctx, prompt.clamp(1, 512))?, device))
 }
 
 /// Whether `path` starts with the `.lsflash` magic.

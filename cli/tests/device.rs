@@ -67,3 +67,43 @@ fn cuda_generates_or_says_there_is_no_device() {
         assert!(err.contains("no CUDA device"), "{err}");
     }
 }
+
+fn bench(args: &[&str]) -> Output {
+    Command::new(env!("CARGO_BIN_EXE_leanstream"))
+        .arg("bench")
+        .arg("--model")
+        .arg(model())
+        .args(["--prompt-tokens", "8", "--gen-tokens", "4", "--reps", "1"])
+        .args(args)
+        .output()
+        .unwrap()
+}
+
+#[test]
+fn bench_on_cuda_measures_or_says_there_is_no_device() {
+    let o = bench(&["--device", "cuda"]);
+    let err = stderr(&o);
+    assert!(!err.contains("panicked"), "{err}");
+    if o.status.success() {
+        let r: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
+        assert!(r["device"].as_str().is_some_and(|d| d.contains("compute")), "{r}");
+        assert!(r["decode_tok_s"].as_f64().unwrap() > 0.0, "{r}");
+        assert!(r["prompt_tok_s"].as_f64().unwrap() > 0.0, "{r}");
+    } else {
+        assert!(err.contains("no CUDA device"), "{err}");
+    }
+}
+
+#[test]
+fn bench_refuses_what_the_device_engine_does_not_run() {
+    let o = bench(&["--device", "cuda:0", "--ffn-budget", "25%"]);
+    assert!(!o.status.success());
+    assert!(
+        stderr(&o).contains("--ffn-budget is an option of the CPU streaming engine"),
+        "{}",
+        stderr(&o)
+    );
+    let o = bench(&["--device", "gpu"]);
+    assert!(!o.status.success());
+    assert!(stderr(&o).contains("expected cpu, cuda or cuda:N"), "{}", stderr(&o));
+}
