@@ -13,15 +13,21 @@
 # Env: GEN (32), POLICY (oracle; a comma list gives a column each), SPARSITY
 #      (0.5), SLACK_MIB (16), LLAMA_ARGS (extra llama-bench flags), PACK_ARGS
 #      (default: a calibration on data/text/apache-2.0.txt, --hot-first), TAG
-#      (names the packed file, reused while it exists; default memlimit).
+#      (names the packed file, reused while it exists; default memlimit),
+#      PROFILE (release; `ci` reuses scripts/test.sh's build).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 export CARGO_TARGET_DIR=${CARGO_TARGET_DIR:-$HOME/.cache/leanstream/target}
 home=${LEANSTREAM_HOME:-$HOME/.cache/leanstream}
 gen=${GEN:-32} policy=${POLICY:-oracle} sparsity=${SPARSITY:-0.5} slack=${SLACK_MIB:-16}
 model=$1; shift
-cargo build --release --bin leanstream >&2
-ls=$CARGO_TARGET_DIR/release/leanstream
+profile=${PROFILE:-release}
+if [ "$profile" = ci ]; then
+  cargo test --profile ci --workspace --no-run >&2
+else
+  cargo build --profile "$profile" --bin leanstream >&2
+fi
+ls=$CARGO_TARGET_DIR/$profile/leanstream
 llama=$(scripts/llama_cpp.sh)/llama-bench
 gguf=$("$ls" fetch "$model" 2>/dev/null || echo "$model")
 name=$(basename "$gguf" .gguf)
