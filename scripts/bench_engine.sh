@@ -24,13 +24,7 @@ home=${LEANSTREAM_HOME:-$HOME/.cache/leanstream}
 budget=${BUDGET:-25%} prompt=${PROMPT:-128} gen=${GEN:-128} reps=${REPS:-3}
 out=${OUT:-$home/bench-engine}
 mkdir -p "$out" "$home/flash"
-profile=${PROFILE:-release}
-if [ "$profile" = ci ]; then
-  cargo test --profile ci --workspace --no-run >&2
-else
-  cargo build --profile "$profile" --bin leanstream >&2
-fi
-ls=$CARGO_TARGET_DIR/$profile/leanstream
+ls=$(scripts/leanstream_bin.sh)
 command -v fio >/dev/null || { apt-get update >&2 && apt-get install -y fio >&2; }
 models=("$@")
 [ ${#models[@]} -gt 0 ] || models=(smollm2 gemma3)

@@ -21,13 +21,7 @@ export CARGO_TARGET_DIR=${CARGO_TARGET_DIR:-$HOME/.cache/leanstream/target}
 home=${LEANSTREAM_HOME:-$HOME/.cache/leanstream}
 gen=${GEN:-32} policy=${POLICY:-oracle} sparsity=${SPARSITY:-0.5} slack=${SLACK_MIB:-16}
 model=$1; shift
-profile=${PROFILE:-release}
-if [ "$profile" = ci ]; then
-  cargo test --profile ci --workspace --no-run >&2
-else
-  cargo build --profile "$profile" --bin leanstream >&2
-fi
-ls=$CARGO_TARGET_DIR/$profile/leanstream
+ls=$(scripts/leanstream_bin.sh)
 llama=$(scripts/llama_cpp.sh)/llama-bench
 gguf=$("$ls" fetch "$model" 2>/dev/null || echo "$model")
 name=$(basename "$gguf" .gguf)

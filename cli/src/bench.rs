@@ -210,26 +210,12 @@ pub fn run(a: BenchArgs) -> Result<()> {
         }
     }
     let run_s = t_run.elapsed().as_secs_f64();
-    let stats = |xs: &[f64]| if xs.is_empty() { (0.0, 0.0) } else { mean_std(xs) };
-    let ((pp_mean, pp_std), (tg_mean, tg_std)) = (stats(&pp), stats(&tg));
-    let mut report = json!({
-        "model": path.display().to_string(),
-        "arch": c.arch.name(),
-        "threads": threads,
-        "cpu_features": leanstream_kernels::Device::cpu_features(),
-        "prompt_tokens": a.prompt_tokens,
-        "gen_tokens": a.gen_tokens,
-        "reps": reps,
-        "prompt_tok_s": pp_mean,
-        "prompt_tok_s_std": pp_std,
-        "decode_tok_s": tg_mean,
-        "decode_tok_s_std": tg_std,
-        "load_s": load_s,
-        "weights_bytes": weights_bytes,
-        "state_bytes": st.bytes(),
-        "flash_attn": settings.flash_attn.to_string(),
-        "flash_attn_enabled": st.flash_attn(),
-    });
+    let mut report = speed_report(&path, c.arch.name(), &a, (&pp, &tg), load_s, weights_bytes);
+    report["threads"] = json!(threads);
+    report["cpu_features"] = json!(leanstream_kernels::Device::cpu_features());
+    report["state_bytes"] = json!(st.bytes());
+    report["flash_attn"] = json!(settings.flash_attn.to_string());
+    report["flash_attn_enabled"] = json!(st.flash_attn());
     if let Some((fm, engine)) = loaded.flash() {
         let s = engine.stats();
         let tokens = s.tokens.max(1) as f64;
@@ -356,27 +342,41 @@ fn device_bench(a: &BenchArgs, path: &Path, ordinal: usize) -> Result<()> {
             theirs_build = r.build;
         }
     }
-    let stats = |xs: &[f64]| if xs.is_empty() { (0.0, 0.0) } else { mean_std(xs) };
-    let ((pp_mean, pp_std), (tg_mean, tg_std)) = (stats(&pp), stats(&tg));
-    let mut report = json!({
-        "model": path.display().to_string(),
-        "arch": c.arch.name(),
-        "device": device,
-        "prompt_tokens": a.prompt_tokens,
-        "gen_tokens": a.gen_tokens,
-        "reps": reps,
-        "prompt_tok_s": pp_mean,
-        "prompt_tok_s_std": pp_std,
-        "decode_tok_s": tg_mean,
-        "decode_tok_s_std": tg_std,
-        "load_s": load_s,
-        "weights_bytes": model.weights.matrix_bytes(),
-    });
+    let weights_bytes = model.weights.matrix_bytes();
+    let mut report = speed_report(path, c.arch.name(), a, (&pp, &tg), load_s, weights_bytes);
+    report["device"] = json!(device);
     if a.llama_bench.is_some() {
         add_llama_cpp(&mut report, (&pp, &tg), (&theirs_pp, &theirs_tg), theirs_build);
     }
     println!("{}", serde_json::to_string_pretty(&report)?);
     Ok(())
+}
+
+/// What every bench report starts with: the model, the plan, and the
+/// prompt and decode speeds (mean and deviation over the counted runs).
+fn speed_report(
+    path: &Path,
+    arch: &str,
+    a: &BenchArgs,
+    (pp, tg): (&[f64], &[f64]),
+    load_s: f64,
+    weights_bytes: usize,
+) -> Value {
+    let stats = |xs: &[f64]| if xs.is_empty() { (0.0, 0.0) } else { mean_std(xs) };
+    let ((pp_mean, pp_std), (tg_mean, tg_std)) = (stats(pp), stats(tg));
+    json!({
+        "model": path.display().to_string(),
+        "arch": arch,
+        "prompt_tokens": a.prompt_tokens,
+        "gen_tokens": a.gen_tokens,
+        "reps": a.reps.max(1),
+        "prompt_tok_s": pp_mean,
+        "prompt_tok_s_std": pp_std,
+        "decode_tok_s": tg_mean,
+        "decode_tok_s_std": tg_std,
+        "load_s": load_s,
+        "weights_bytes": weights_bytes,
+    })
 }
 
 /// llama-bench's speeds and our ratios to them (means and paired medians).

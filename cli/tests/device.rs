@@ -5,29 +5,42 @@
 
 use std::path::PathBuf;
 use std::process::{Command, Output};
+use std::sync::OnceLock;
 
 use leanstream_kernels::GgmlType;
 use leanstream_runtime::synthetic::SyntheticSpec;
 
+/// The tiny model, written once per test process (tests run in parallel, and
+/// one rewriting the file while another's command reads it made that read fail).
 fn model() -> PathBuf {
-    let dir = PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join("device");
-    std::fs::create_dir_all(&dir).unwrap();
-    let p = dir.join("tiny.gguf");
-    let mut spec = SyntheticSpec::tiny("llama");
-    spec.weight_type = GgmlType::Q8_0;
-    std::fs::write(&p, spec.build().unwrap().to_bytes()).unwrap();
-    p
+    static MODEL: OnceLock<PathBuf> = OnceLock::new();
+    MODEL
+        .get_or_init(|| {
+            let dir = PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join("device");
+            std::fs::create_dir_all(&dir).unwrap();
+            let p = dir.join(format!("tiny-{}.gguf", std::process::id()));
+            let mut spec = SyntheticSpec::tiny("llama");
+            spec.weight_type = GgmlType::Q8_0;
+            std::fs::write(&p, spec.build().unwrap().to_bytes()).unwrap();
+            p
+        })
+        .clone()
 }
 
-fn run(args: &[&str]) -> Output {
+/// `leanstream SUBCOMMAND --model <tiny> PLAN... ARGS...`.
+fn leanstream(subcommand: &str, plan: &[&str], args: &[&str]) -> Output {
     Command::new(env!("CARGO_BIN_EXE_leanstream"))
-        .arg("run")
+        .arg(subcommand)
         .arg("--model")
         .arg(model())
-        .args(["--prompt", "a b", "-n", "4", "--temp", "0"])
+        .args(plan)
         .args(args)
         .output()
         .unwrap()
+}
+
+fn run(args: &[&str]) -> Output {
+    leanstream("run", &["--prompt", "a b", "-n", "4", "--temp", "0"], args)
 }
 
 fn stderr(o: &Output) -> String {
@@ -69,14 +82,11 @@ fn cuda_generates_or_says_there_is_no_device() {
 }
 
 fn bench(args: &[&str]) -> Output {
-    Command::new(env!("CARGO_BIN_EXE_leanstream"))
-        .arg("bench")
-        .arg("--model")
-        .arg(model())
-        .args(["--prompt-tokens", "8", "--gen-tokens", "4", "--reps", "1"])
-        .args(args)
-        .output()
-        .unwrap()
+    leanstream(
+        "bench",
+        &["--prompt-tokens", "8", "--gen-tokens", "4", "--reps", "1"],
+        args,
+    )
 }
 
 #[test]

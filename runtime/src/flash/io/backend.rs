@@ -45,6 +45,18 @@ pub trait Backend: Send {
     /// returned by `complete`.
     unsafe fn submit(&mut self, op: ReadOp) -> io::Result<()>;
 
+    /// Offers the engine's read buffers, `count` of `size` bytes from `base`,
+    /// to be registered with the kernel once, so that reads into them need
+    /// not pin their pages one read at a time. Returns whether it did; the
+    /// engine then promises that every `ReadOp` lies inside buffer `tag`.
+    ///
+    /// # Safety
+    /// The memory must stay valid, and not move, for as long as the backend lives.
+    unsafe fn register_buffers(&mut self, base: *mut u8, count: usize, size: usize) -> bool {
+        let _ = (base, count, size);
+        false
+    }
+
     /// Sends queued reads on, waits until at least `min` completions are
     /// available (`min` never exceeds the reads outstanding), and appends every
     /// available completion to `out`.

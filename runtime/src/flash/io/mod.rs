@@ -368,7 +368,7 @@ impl IoEngine {
     }
 
     /// Opens `path` with a given backend (e.g. a [`FaultyBackend`]).
-    pub fn with_backend(path: impl AsRef<Path>, cfg: IoConfig, backend: Box<dyn Backend>) -> Result<Self> {
+    pub fn with_backend(path: impl AsRef<Path>, cfg: IoConfig, mut backend: Box<dyn Backend>) -> Result<Self> {
         let path = path.as_ref().to_path_buf();
         let a = cfg.alignment;
         if !a.is_power_of_two() || cfg.max_read_bytes < a || cfg.max_in_flight == 0 {
@@ -382,6 +382,9 @@ impl IoEngine {
         let (file, direct) = open_file(&path, &cfg)?;
         let file_len = file.metadata().map_err(|e| RuntimeError::io(&path, e))?.len();
         let pool = Pool::new(pool_buffers, buf_size, a);
+        // SAFETY: the pool's one allocation outlives the backend: the engine
+        // holds an `Arc` of it and drops the backend first (field order).
+        unsafe { backend.register_buffers(pool.ptr(0), pool_buffers, buf_size) };
         Ok(Self {
             path,
             file,
