@@ -71,7 +71,11 @@ pub struct BenchArgs {
 
 pub use leanstream_runtime::cache::peak_rss_bytes;
 
+/// Mean and sample deviation; (0, 0) for no runs (a test not measured).
 fn mean_std(xs: &[f64]) -> (f64, f64) {
+    if xs.is_empty() {
+        return (0.0, 0.0);
+    }
     let n = xs.len() as f64;
     let mean = xs.iter().sum::<f64>() / n;
     let var = if xs.len() > 1 {
@@ -362,8 +366,7 @@ fn speed_report(
     load_s: f64,
     weights_bytes: usize,
 ) -> Value {
-    let stats = |xs: &[f64]| if xs.is_empty() { (0.0, 0.0) } else { mean_std(xs) };
-    let ((pp_mean, pp_std), (tg_mean, tg_std)) = (stats(pp), stats(tg));
+    let ((pp_mean, pp_std), (tg_mean, tg_std)) = (mean_std(pp), mean_std(tg));
     json!({
         "model": path.display().to_string(),
         "arch": arch,
@@ -381,9 +384,8 @@ fn speed_report(
 
 /// llama-bench's speeds and our ratios to them (means and paired medians).
 fn add_llama_cpp(report: &mut Value, ours: (&[f64], &[f64]), theirs: (&[f64], &[f64]), build: Value) {
-    let stats = |xs: &[f64]| if xs.is_empty() { (0.0, 0.0) } else { mean_std(xs) };
-    let ((pp, _), (tg, _)) = (stats(ours.0), stats(ours.1));
-    let ((tpp, tpp_std), (ttg, ttg_std)) = (stats(theirs.0), stats(theirs.1));
+    let ((pp, _), (tg, _)) = (mean_std(ours.0), mean_std(ours.1));
+    let ((tpp, tpp_std), (ttg, ttg_std)) = (mean_std(theirs.0), mean_std(theirs.1));
     let ratio = |ours: f64, theirs: f64| (theirs > 0.0).then(|| ours / theirs);
     report["llama_cpp"] = json!({
         "prompt_tok_s": tpp,

@@ -93,10 +93,9 @@ impl StreamSettings {
             return self.staging;
         };
         let resident = fm.flash.resident_range().1 + fm.model.tokenizer.heap_bytes() + st.bytes() as u64 + trace_bytes;
-        let with_default = resident + fm.engine_overhead_bytes(policy, st.max_batch, None);
-        let excess = with_default.checked_sub(total).filter(|&e| e > 0)?;
-        let least = fm.engine_overhead_bytes(policy, st.max_batch, Some(0));
         let default = fm.engine_overhead_bytes(policy, st.max_batch, None);
+        let excess = (resident + default).checked_sub(total).filter(|&e| e > 0)?;
+        let least = fm.engine_overhead_bytes(policy, st.max_batch, Some(0));
         // The default pool less what the budget lacks (0: the engine's least).
         Some((default - least).saturating_sub(excess))
     }
