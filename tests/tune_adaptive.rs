@@ -13,7 +13,7 @@ fn adaptive_profiling_replaces_the_uniform_profiles_and_feeds_the_table() {
     let mut c = tune_command(&model, &out, "60s");
     c.args(["--profiling", "adaptive"]);
     check(c);
-    let m = check_tuned(&out, 10);
+    let m = check_tuned(&out, 11);
     check_exact_at_sparsity_0(&out);
 
     let steps = m["steps"].as_object().expect("steps");

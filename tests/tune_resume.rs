@@ -74,15 +74,15 @@ fn a_tune_killed_twice_resumes_to_the_same_artifacts() {
     });
     let before_kill = shard_files(&compute);
     // Steps finished before a kill are not redone.
-    for s in ["text", "activations", "placement", "pack", "profile-io"] {
+    for s in ["text", "activations", "placement", "pack", "predictor", "profile-io"] {
         assert!(m2["steps"][s].is_object(), "{s} not finished before the second kill");
     }
     let o = check(tune_command(&model, &out, BUDGET));
     let err = String::from_utf8_lossy(&o.stderr);
-    assert!(err.contains("6 steps ran, 5 were already done"), "{err}");
+    assert!(err.contains("6 steps ran, 6 were already done"), "{err}");
 
-    let m = check_tuned(&out, 11);
-    for s in ["text", "activations", "placement", "pack", "profile-io"] {
+    let m = check_tuned(&out, 12);
+    for s in ["text", "activations", "placement", "pack", "predictor", "profile-io"] {
         assert_eq!(m["steps"][s], m2["steps"][s], "{s} was redone after the second kill");
     }
     assert_eq!(m["steps"]["activations"]["sessions"], 2);

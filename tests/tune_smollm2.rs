@@ -11,7 +11,7 @@ fn tune_on_smollm2_drives_the_engine() {
     let dir = tmp("tune-smollm2");
     let out = dir.join("tuned");
     check(tune_command(&model, &out, "60s"));
-    check_tuned(&out, 11);
+    check_tuned(&out, 12);
     check_exact_at_sparsity_0(&out);
     // The report's numbers come from the run it describes.
     let report = std::fs::read_to_string(out.join("report.md")).unwrap();

@@ -10,7 +10,7 @@ fn tune_makes_artifacts_the_engine_uses_and_a_rerun_skips_every_step() {
     let model = synthetic_model(&dir);
     let out = dir.join("tuned");
     check(tune_command(&model, &out, "60s"));
-    let m = check_tuned(&out, 11);
+    let m = check_tuned(&out, 12);
     check_exact_at_sparsity_0(&out);
 
     // The table names the model it was made for and the device.

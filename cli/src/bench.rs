@@ -265,6 +265,9 @@ pub fn run(a: BenchArgs) -> Result<()> {
         if let Some(p) = engine.predictor_name() {
             report["predictor"] = json!(p);
         }
+        if let Some(l) = engine.read_latencies() {
+            report["read_latency"] = json!(l);
+        }
         report["page_cache_bytes"] = json!(cached);
         report["file_bytes"] = json!(file_len);
     }

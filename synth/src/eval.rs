@@ -563,3 +563,73 @@ pub fn rank_7b(hashing: &PredictorConfig) -> usize {
     );
     equal_size_rank(4096, 14336, hashing.group, h.layer_bytes())
 }
+
+/// Mass recall of the predictor's `refine` use (what `speculate` finally
+/// reads a layer by: its ranking from the layer's true input) at each
+/// prefetch breadth: the share of the true active set's |activation| mass
+/// (top `(1 − sparsity) × n_ff` per row) that the top `b ×` that many
+/// predicted neurons cover, averaged over layers and the first `max_tokens`
+/// rows of `split`. This is the control model's `recall(b)`.
+pub fn breadth_recall(
+    trace: &Trace,
+    p: &Predictor,
+    split: &str,
+    sparsity: f32,
+    breadths: &[f64],
+    max_tokens: usize,
+) -> Result<Vec<(f64, f64)>> {
+    let (n_layer, n_ff) = (trace.n_layer(), trace.n_ff());
+    let c = &p.config;
+    if (c.d_model, c.n_ff, c.n_layer) != (trace.n_embd(), n_ff, n_layer) {
+        return Err(SynthError::Settings(format!(
+            "breadth recall: predictor for d_model {} n_ff {} layers {}, the trace has {} {n_ff} {n_layer}",
+            c.d_model,
+            c.n_ff,
+            c.n_layer,
+            trace.n_embd()
+        )));
+    }
+    let ui = p
+        .use_index(USES[1])
+        .ok_or_else(|| SynthError::Settings(format!("predictor has no use {:?}", USES[1])))?;
+    let k = active_count(n_ff, sparsity);
+    let group = c.group;
+    let mut scratch = p.scratch();
+    let mut out = vec![0.0f32; p.n_groups()];
+    let (mut idx, mut top) = (Vec::with_capacity(n_ff), Vec::with_capacity(n_ff));
+    let mut truth = vec![false; n_ff];
+    let mut sums = vec![0.0f64; breadths.len()];
+    let mut rows_seen = 0usize;
+    for l in 0..n_layer {
+        let mut act = trace.layer(split, Array::Act, l)?;
+        act.rows = act.rows.min(max_tokens);
+        let inputs = input_rows(trace, split, l)?;
+        for r in 0..act.rows {
+            let a = act.row(r);
+            top_k_abs(a, k, &mut idx);
+            truth.fill(false);
+            let mut mass_total = 0.0f32;
+            for &i in &idx {
+                truth[i as usize] = true;
+                mass_total += a[i as usize].abs();
+            }
+            p.scores(ui, l, inputs[1].row(r), ComputePath::Simd, &mut scratch, &mut out)?;
+            for (bi, &b) in breadths.iter().enumerate() {
+                let groups = ((b * k as f64 / group as f64).ceil() as usize).clamp(1, out.len());
+                let g = top_groups(&out, groups, &mut top);
+                sums[bi] += recall_of(g, group, &truth, k, a, mass_total).1;
+            }
+            rows_seen += 1;
+        }
+    }
+    if rows_seen == 0 {
+        return Err(SynthError::Settings(format!(
+            "breadth recall: the trace's {split:?} split has no rows"
+        )));
+    }
+    Ok(breadths
+        .iter()
+        .zip(&sums)
+        .map(|(&b, &s)| (b, s / rows_seen as f64))
+        .collect())
+}

@@ -31,15 +31,19 @@
 //!   layer takes `max(Tr, Tc) + min(Tr, Tc)/K`, and Tc is multiplied by the
 //!   profiled split overhead of K stages (`ffn_split` / `ffn_split K=1`);
 //! - `prefetch_breadth` b: load `L = b·D` bytes from the top of the predicted
-//!   priority list. The activation mass covered is `recall(b) = 1 − (1−r₀)^b`
-//!   (r₀ = recall of the predictor at breadth 1, a model parameter); the rest
+//!   priority list. The activation mass covered is `recall(b)`: the
+//!   predictor's measured mass recall at each breadth on held-out traces
+//!   where tune has measured it ([`eval::breadth_recall`], interpolated),
+//!   else `1 − (1−r₀)^b` (r₀ = recall at breadth 1, a parameter); the rest
 //!   of `L` is wasted reads. Idle I/O time of a layer prefetches up to `b·D`
 //!   bytes of the next layer (that is the next state's Q);
 //! - `deadline_factor` d: neurons not loaded by `d × E[Tc]` are skipped; the
 //!   reads not yet issued are cancelled;
 //! - `queue_depth` q: reads in flight. `R = max(L − Q, 0)` bytes are read as
 //!   `⌈R/block⌉` requests in `⌈n/q⌉` waves, each wave taking a read latency
-//!   drawn from the profiled distribution at (block, q).
+//!   drawn from the profiled distribution at (block, q); where the engine's
+//!   own runs are given ([`engine_fit`]), block is the engine's mean read
+//!   size and the latencies (and compute per neuron) are the engine's.
 //!
 //! **Randomness**: read latencies by (request size, queue depth), compute
 //! time per neuron and split overheads by K, all empirical distributions
@@ -64,6 +68,7 @@
 //! deterministic for a seed.
 
 pub mod adaptive;
+pub mod engine_fit;
 pub mod error;
 pub mod eval;
 pub mod eviction;

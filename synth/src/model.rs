@@ -21,6 +21,11 @@ pub struct ModelParams {
     pub ref_qd: u32,
     /// Predictor recall (activation mass covered) at prefetch breadth 1.
     pub recall_at_1: f64,
+    /// Measured mass recall at each breadth, `(breadth, recall)` ascending
+    /// (`eval::breadth_recall`); when present it replaces the
+    /// `recall_at_1` curve.
+    #[serde(default)]
+    pub recall_by_breadth: Vec<(f64, f64)>,
     /// Cost weight of one unit of skipped activation mass (the whole
     /// predicted-active mass of a layer), in µs.
     pub w_skip_us: f64,
@@ -39,6 +44,7 @@ impl Default for ModelParams {
             block: 64 * 1024,
             ref_qd: 4,
             recall_at_1: 0.85,
+            recall_by_breadth: Vec::new(),
             w_skip_us: 2000.0,
             w_waste_us_per_mib: 100.0,
         }
@@ -253,8 +259,25 @@ pub struct Outcome {
     pub next_queued: f64,
 }
 
-fn recall(r1: f64, b: f64) -> f64 {
-    1.0 - (1.0 - r1).powf(b)
+impl ModelParams {
+    /// Activation mass covered by the top `b` × need of the predictor's
+    /// ranking: the measured points interpolated linearly (from 0 at
+    /// breadth 0, flat past the last), else `1 − (1 − r₁)^b`.
+    pub fn recall(&self, b: f64) -> f64 {
+        let pts = &self.recall_by_breadth;
+        if pts.is_empty() {
+            return 1.0 - (1.0 - self.recall_at_1).powf(b);
+        }
+        let mut prev = (0.0, 0.0);
+        for &(x, y) in pts {
+            if b <= x {
+                let f = if x > prev.0 { (b - prev.0) / (x - prev.0) } else { 1.0 };
+                return (prev.1 + f * (y - prev.1)).clamp(0.0, 1.0);
+            }
+            prev = (x, y);
+        }
+        prev.1.clamp(0.0, 1.0)
+    }
 }
 
 /// One layer of the dynamics.
@@ -265,7 +288,7 @@ pub fn step(env: &Env, s: &ControlState, a: &Action, d: &Draw) -> Outcome {
     let big_d = s.missing_bytes.max(0.0);
     let b = a.prefetch_breadth as f64;
     let load = b * big_d;
-    let rec = recall(p.recall_at_1, b);
+    let rec = p.recall(b);
     let useful_frac = if load > 0.0 { (rec * big_d / load).min(1.0) } else { 0.0 };
     // Reads: regime-scaled waves of requests.
     let regime = (s.read_bw_bytes_s / env.bw_median).max(1e-3);
@@ -316,4 +339,20 @@ pub fn step(env: &Env, s: &ControlState, a: &Action, d: &Draw) -> Outcome {
 pub fn layers_left(p: &ModelParams, position: f64) -> usize {
     let l = (position * p.n_layers as f64).round() as usize;
     p.n_layers.saturating_sub(l).max(1)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn measured_recall_is_interpolated_and_flat_past_the_last_breadth() {
+        let mut p = ModelParams::default();
+        assert!((p.recall(1.0) - 0.85).abs() < 1e-12);
+        p.recall_by_breadth = vec![(1.0, 0.9), (2.0, 0.98)];
+        assert!((p.recall(0.5) - 0.45).abs() < 1e-12);
+        assert!((p.recall(1.0) - 0.9).abs() < 1e-12);
+        assert!((p.recall(1.5) - 0.94).abs() < 1e-12);
+        assert!((p.recall(3.0) - 0.98).abs() < 1e-12);
+    }
 }

@@ -528,6 +528,15 @@ impl FlashEngine {
         }
     }
 
+    /// Read latencies per queue depth (`None` for `Dense`): what the
+    /// controller's model is fitted to.
+    pub fn read_latencies(&self) -> Option<Vec<crate::flash::io::DepthLatency>> {
+        match &self.source {
+            Source::Resident(_) => None,
+            Source::Stream(s) => Some(s.read_latencies()),
+        }
+    }
+
     /// The neuron cache's eviction policy (`None` for `Dense`).
     pub fn cache_policy_name(&self) -> Option<&'static str> {
         match &self.source {

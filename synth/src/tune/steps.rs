@@ -33,10 +33,13 @@ pub enum Step {
     /// Both profiles' conditions, sampled where the table's decisions are
     /// sensitive (`--profiling adaptive`, in place of the two above).
     ProfileAdaptive,
-    /// The stochastic-MPC lookup table for this model on this device.
-    Controller,
     /// The hashing predictor and the low-rank baseline.
     Predictor,
+    /// `speculate` in the real engine at each queue depth of the codebook:
+    /// the read latencies and compute speed the control model is fitted to.
+    EngineProbe,
+    /// The stochastic-MPC lookup table for this model on this device.
+    Controller,
     /// The learned cache's retention table.
     Eviction,
     /// The tuned model against the untuned default in the real engine.
@@ -63,6 +66,7 @@ pub const PREDICTOR: &str = "predictor.lspred";
 pub const LOW_RANK: &str = "predictor.lowrank.lspred";
 pub const EVICTION: &str = "eviction.lsevict";
 pub const VERIFY: &str = "work/verify.json";
+pub const ENGINE_RUNS: &str = "work/engine";
 pub const REPORT: &str = "report.md";
 pub const PLOTS: &str = "plots";
 
@@ -120,27 +124,32 @@ pub struct VerifyPlan {
 }
 
 impl Step {
-    const UNIFORM: [Step; 11] = [
+    // The predictor comes before the profiles: the control model's recall
+    // is measured from it, and the adaptive profile's sensitivity analysis
+    // solves with that model.
+    const UNIFORM: [Step; 12] = [
         Step::Text,
         Step::Activations,
         Step::Placement,
         Step::Pack,
+        Step::Predictor,
         Step::ProfileIo,
         Step::ProfileCompute,
+        Step::EngineProbe,
         Step::Controller,
-        Step::Predictor,
         Step::Eviction,
         Step::Verify,
         Step::Report,
     ];
-    const ADAPTIVE: [Step; 10] = [
+    const ADAPTIVE: [Step; 11] = [
         Step::Text,
         Step::Activations,
         Step::Placement,
         Step::Pack,
-        Step::ProfileAdaptive,
-        Step::Controller,
         Step::Predictor,
+        Step::ProfileAdaptive,
+        Step::EngineProbe,
+        Step::Controller,
         Step::Eviction,
         Step::Verify,
         Step::Report,
@@ -165,6 +174,7 @@ impl Step {
             Step::ProfileAdaptive => "profile-adaptive",
             Step::Controller => "controller",
             Step::Predictor => "predictor",
+            Step::EngineProbe => "engine-probe",
             Step::Eviction => "eviction",
             Step::Verify => "verify",
             Step::Report => "report",
@@ -178,10 +188,11 @@ impl Step {
             Step::Activations => 0.12,
             Step::Placement => 0.04,
             Step::Pack => 0.04,
-            Step::ProfileIo => 0.17,
-            Step::ProfileCompute => 0.13,
+            Step::ProfileIo => 0.155,
+            Step::ProfileCompute => 0.115,
             // The two above; it uses ADAPTIVE_FRACTION of it, and the run ends early.
-            Step::ProfileAdaptive => 0.30,
+            Step::ProfileAdaptive => 0.27,
+            Step::EngineProbe => 0.03,
             Step::Controller => 0.05,
             Step::Predictor => 0.22,
             Step::Eviction => 0.05,
@@ -203,6 +214,7 @@ impl Step {
             Step::ProfileAdaptive => &[ADAPTIVE_TRACES],
             Step::Controller => &[CONTROLLER],
             Step::Predictor => &[PREDICTOR, LOW_RANK],
+            Step::EngineProbe => &[ENGINE_RUNS],
             Step::Eviction => &[EVICTION],
             Step::Verify => &[VERIFY],
             Step::Report => &[REPORT, PLOTS],
@@ -257,6 +269,15 @@ impl Step {
         let unit =
             EPOCHS as f64 * (ctx.shape.n_layer * ctx.shape.n_ff) as f64 * TRAIN_S_PER_UNIT * 2.0 / ctx.cores as f64;
         round_to(ctx.budget_of(Step::Predictor) / unit, 256, 256, Self::trace_tokens(ctx))
+    }
+
+    /// Decoded tokens of each engine probe run.
+    pub fn probe_tokens(ctx: &Ctx) -> usize {
+        if ctx.budget_of(Step::EngineProbe) >= 30.0 {
+            48
+        } else {
+            8
+        }
     }
 
     pub fn verify_plan(ctx: &Ctx) -> VerifyPlan {
@@ -411,6 +432,15 @@ impl Step {
                 "scenarios": Self::scenarios(ctx),
                 "w_skip_us": o.w_skip_us,
                 "budget_s": Self::adaptive_budget(ctx),
+                "predictor": ctx.hash_of(PREDICTOR)?,
+            }),
+            Step::EngineProbe => json!({
+                "flash": ctx.hash_of(MODEL)?,
+                "predictor": ctx.hash_of(PREDICTOR)?,
+                "sparsity": o.sparsity,
+                "ffn_budget": o.ffn_budget,
+                "queue_depths": crate::model::ActionSpace::default().queue_depths,
+                "gen_tokens": Self::probe_tokens(ctx),
             }),
             Step::Controller => match o.profiling {
                 Profiling::Uniform => json!({
@@ -419,12 +449,16 @@ impl Step {
                     "flash": ctx.hash_of(MODEL)?,
                     "scenarios": Self::scenarios(ctx),
                     "w_skip_us": o.w_skip_us,
+                    "predictor": ctx.hash_of(PREDICTOR)?,
+                    "engine": ctx.outputs_of(Step::EngineProbe)?,
                 }),
                 Profiling::Adaptive => json!({
                     "adaptive": ctx.outputs_of(Step::ProfileAdaptive)?,
                     "flash": ctx.hash_of(MODEL)?,
                     "scenarios": Self::scenarios(ctx),
                     "w_skip_us": o.w_skip_us,
+                    "predictor": ctx.hash_of(PREDICTOR)?,
+                    "engine": ctx.outputs_of(Step::EngineProbe)?,
                 }),
             },
             Step::Predictor => json!({
@@ -473,6 +507,7 @@ impl Step {
             Step::ProfileAdaptive => adaptive_profile(ctx),
             Step::Controller => controller(ctx),
             Step::Predictor => predictor(ctx),
+            Step::EngineProbe => super::verify::engine_probe(ctx),
             Step::Eviction => eviction(ctx),
             Step::Verify => super::verify::verify(ctx),
             Step::Report => super::report::write(ctx),
@@ -696,23 +731,37 @@ fn adaptive_profile(ctx: &Ctx) -> Result<(Vec<String>, Value)> {
     ))
 }
 
+/// Held-out rows the predictor's recall per breadth is measured on.
+const RECALL_TOKENS: usize = 512;
+
 /// The synthesis settings of this run (the adaptive profile's sensitivity
-/// analysis solves with them too).
-fn controller_config(ctx: &Ctx) -> Result<crate::synth::SynthConfig> {
+/// analysis solves with them too), with the predictor's recall at each
+/// breadth of the codebook measured on the held-out trace.
+pub(super) fn controller_config(ctx: &Ctx) -> Result<crate::synth::SynthConfig> {
     let mut cfg = crate::synth::SynthConfig::for_flash(&ctx.out.join(MODEL))?;
     cfg.solver.scenarios = Step::scenarios(ctx);
     cfg.params.w_skip_us = ctx.opts.w_skip_us;
+    let predictor_path = ctx.out.join(PREDICTOR);
+    if predictor_path.is_file() {
+        let trace = Trace::open(&ctx.out.join(ACTS))?;
+        let p = leanstream_runtime::predict::Predictor::load(&predictor_path)?;
+        let breadths: Vec<f64> = cfg.space.prefetch_breadths.iter().map(|&b| b as f64).collect();
+        cfg.params.recall_by_breadth =
+            crate::eval::breadth_recall(&trace, &p, "heldout", ctx.opts.sparsity, &breadths, RECALL_TOKENS)?;
+    }
     Ok(cfg)
 }
 
 fn controller(ctx: &Ctx) -> Result<(Vec<String>, Value)> {
     use crate::sim::{compare, SimConfig};
-    let cfg = controller_config(ctx)?;
+    let mut cfg = controller_config(ctx)?;
     let traces = match ctx.opts.profiling {
         Profiling::Uniform => TRACES,
         Profiling::Adaptive => ADAPTIVE_TRACES,
     };
-    let fitted = crate::fit::fit_traces(&ctx.out.join(traces))?;
+    let mut fitted = crate::fit::fit_traces(&ctx.out.join(traces))?;
+    let engine = crate::engine_fit::fit_engine(&super::verify::probe_runs(ctx)?, cfg.params.n_layers, cfg.params.n_ff)?;
+    cfg.params.block = engine.apply_to(&mut fitted);
     let table = crate::synth::synthesize(&cfg, &fitted, false)?;
     table.save(&ctx.out.join(CONTROLLER))?;
     let rows = compare(
@@ -727,7 +776,10 @@ fn controller(ctx: &Ctx) -> Result<(Vec<String>, Value)> {
     )?;
     Ok((
         vec![CONTROLLER.into()],
-        json!({"states": table.n_states(), "actions": table.codebook.len(), "sim_tokens": SIM_TOKENS, "simulated": rows}),
+        json!({"states": table.n_states(), "actions": table.codebook.len(), "sim_tokens": SIM_TOKENS, "simulated": rows,
+               "recall_by_breadth": cfg.params.recall_by_breadth, "engine_fit": {
+                   "block": engine.block, "ns_per_neuron": engine.ns_per_neuron,
+                   "latency_us_median": engine.latency_us.iter().map(|(q, l)| (q, l[l.len() / 2])).collect::<Vec<_>>()}}),
     ))
 }
 

@@ -1,13 +1,14 @@
-//! The verification benchmark: the tuned model (speculate, driven by the
-//! table and predictor beside it) against what the same file does untuned
-//! (dense-stream, no artifacts), in the real engine, each run in its own
-//! `leanstream bench` process so each peak RSS is its own.
+//! The tune's runs of the real engine, each in its own `leanstream bench`
+//! process (so each peak RSS is its own): the engine probe the control
+//! model is fitted to, and the verification benchmark: the tuned model
+//! (speculate, driven by the table and predictor beside it) against what
+//! the same file does untuned (dense-stream, no artifacts).
 
 use std::process::Command;
 
 use serde_json::{json, Value};
 
-use super::steps::{Step, HELDOUT_TEXT, MODEL, VERIFY};
+use super::steps::{Step, ENGINE_RUNS, HELDOUT_TEXT, MODEL, VERIFY};
 use super::Ctx;
 use crate::error::{Result, SynthError};
 
@@ -51,38 +52,21 @@ pub(super) fn verify(ctx: &Ctx) -> Result<(Vec<String>, Value)> {
             quality: true,
         });
     }
-    let model = ctx.out.join(MODEL);
     let heldout = ctx.out.join(HELDOUT_TEXT);
     let mut rows = Vec::new();
     for r in &runs {
-        let mut cmd = Command::new(&bin);
-        cmd.arg("bench")
-            .arg("--model")
-            .arg(&model)
-            .args(["--sparsity", &ctx.opts.sparsity.to_string()])
-            .args(["--ffn-budget", &r.budget])
-            .args(["--prompt-tokens", "0"])
-            .args(["--gen-tokens", &plan.gen_tokens.to_string()])
-            .args(["--reps", &plan.reps.to_string()])
-            .args(&r.args);
+        let mut extra = r.args.clone();
         if r.quality {
-            cmd.arg("--quality-file")
-                .arg(&heldout)
-                .args(["--quality-ctx", &plan.quality_ctx.to_string()])
-                .args(["--quality-chunks", &plan.quality_chunks.to_string()]);
+            extra.extend([
+                "--quality-file".into(),
+                heldout.display().to_string(),
+                "--quality-ctx".into(),
+                plan.quality_ctx.to_string(),
+                "--quality-chunks".into(),
+                plan.quality_chunks.to_string(),
+            ]);
         }
-        let out = cmd.output().map_err(|e| SynthError::io(&bin, e))?;
-        if !out.status.success() {
-            return Err(SynthError::Settings(format!(
-                "verification run `{}` failed ({}): {}",
-                r.label,
-                out.status,
-                String::from_utf8_lossy(&out.stderr).trim()
-            )));
-        }
-        let mut v: Value = serde_json::from_slice(&out.stdout).map_err(|e| {
-            SynthError::Settings(format!("verification run `{}`: bench printed no JSON ({e})", r.label))
-        })?;
+        let mut v = bench(ctx, &bin, &r.label, &r.budget, plan.gen_tokens, plan.reps, &extra)?;
         v["label"] = json!(r.label);
         v["config"] = json!(r.config);
         v["budget"] = json!(r.budget);
@@ -93,6 +77,96 @@ pub(super) fn verify(ctx: &Ctx) -> Result<(Vec<String>, Value)> {
     let text = serde_json::to_vec_pretty(&report).map_err(|e| SynthError::Settings(e.to_string()))?;
     leanstream_profiler::shard::write_atomic(&path, &text)?;
     Ok((vec![VERIFY.into()], summarize(&rows)))
+}
+
+/// One `leanstream bench` run of the tuned file at the tune's sparsity,
+/// decode only; its JSON report.
+fn bench(
+    ctx: &Ctx,
+    bin: &std::path::Path,
+    label: &str,
+    budget: &str,
+    gen_tokens: usize,
+    reps: usize,
+    args: &[String],
+) -> Result<Value> {
+    let out = Command::new(bin)
+        .arg("bench")
+        .arg("--model")
+        .arg(ctx.out.join(MODEL))
+        .args(["--sparsity", &ctx.opts.sparsity.to_string()])
+        .args(["--ffn-budget", budget])
+        .args(["--prompt-tokens", "0"])
+        .args(["--gen-tokens", &gen_tokens.to_string()])
+        .args(["--reps", &reps.to_string()])
+        .args(args)
+        .output()
+        .map_err(|e| SynthError::io(bin, e))?;
+    if !out.status.success() {
+        return Err(SynthError::Settings(format!(
+            "bench run `{label}` failed ({}): {}",
+            out.status,
+            String::from_utf8_lossy(&out.stderr).trim()
+        )));
+    }
+    serde_json::from_slice(&out.stdout)
+        .map_err(|e| SynthError::Settings(format!("bench run `{label}`: it printed no JSON ({e})")))
+}
+
+/// The fixed action of the engine probe at queue depth `q`: no deadline,
+/// so every read lands and is timed.
+fn probe_action(q: u16) -> String {
+    format!("fixed:K=1,b=1.5,d=inf,q={q}")
+}
+
+/// The engine probe's reports, one per queue depth of the codebook.
+pub(super) fn probe_runs(ctx: &Ctx) -> Result<Vec<std::path::PathBuf>> {
+    let runs: Vec<_> = crate::model::ActionSpace::default()
+        .queue_depths
+        .iter()
+        .map(|q| ctx.out.join(ENGINE_RUNS).join(format!("q{q}.json")))
+        .collect();
+    match runs.iter().find(|p| !p.is_file()) {
+        Some(p) => Err(SynthError::Settings(format!(
+            "{}: missing; the engine-probe step makes it",
+            p.display()
+        ))),
+        None => Ok(runs),
+    }
+}
+
+/// `speculate` with the tuned predictor at each queue depth of the
+/// codebook, the rest of the action fixed: the engine's read latencies per
+/// depth and its compute time per neuron, which the controller step fits
+/// the control model to.
+pub(super) fn engine_probe(ctx: &Ctx) -> Result<(Vec<String>, Value)> {
+    let bin = super::leanstream_bin(ctx.opts)?;
+    let dir = ctx.out.join(ENGINE_RUNS);
+    std::fs::create_dir_all(&dir).map_err(|e| SynthError::io(&dir, e))?;
+    let (mut files, mut brief) = (Vec::new(), Vec::new());
+    for q in crate::model::ActionSpace::default().queue_depths {
+        let action = probe_action(q);
+        let args = ["--policy", "speculate", "--controller", &action].map(String::from);
+        let v = bench(
+            ctx,
+            &bin,
+            &action,
+            &ctx.opts.ffn_budget,
+            Step::probe_tokens(ctx),
+            1,
+            &args,
+        )?;
+        let rel = format!("{ENGINE_RUNS}/q{q}.json");
+        let text = serde_json::to_vec_pretty(&v).map_err(|e| SynthError::Settings(e.to_string()))?;
+        leanstream_profiler::shard::write_atomic(&ctx.out.join(&rel), &text)?;
+        files.push(rel);
+        brief.push(
+            json!({"queue_depth": q, "decode_tok_s": v["decode_tok_s"], "read_latency": v["read_latency"]
+            .as_array().into_iter().flatten().map(|d| json!({"queue_depth": d["queue_depth"], "reads": d["reads"],
+            "mean_bytes": d["mean_bytes"], "median_us": d["latency_us"][50]})).collect::<Vec<_>>()}),
+        );
+    }
+    Ok((files, json!({ "runs": brief })))
 }
 
 /// Tokens/s, skipped share and quality of each run, for the manifest.

@@ -14,6 +14,7 @@
 
 mod backend;
 mod bench;
+mod latency;
 mod pool;
 mod pread;
 mod request;
@@ -27,10 +28,12 @@ use std::os::fd::AsRawFd;
 use std::os::unix::fs::OpenOptionsExt;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, AtomicU8, Ordering};
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
+use std::time::Instant;
 
 pub use backend::{Backend, Fault, FaultyBackend, ReadOp, ReadResult};
 pub use bench::{read_benchmark, ReadBench, ReadBenchReport};
+pub use latency::{DepthLatency, LatencyLog};
 pub use pool::Completed;
 pub use pread::PreadBackend;
 pub use request::Request;
@@ -270,6 +273,9 @@ struct InFlight {
     needed: u64,
     retries: u32,
     members: Vec<Request>,
+    /// When the read was first submitted, and the queue depth then.
+    issued: Instant,
+    depth: u32,
 }
 
 impl InFlight {
@@ -295,6 +301,7 @@ pub struct IoEngine {
     bytes_in_flight: u64,
     ready: VecDeque<std::result::Result<Completed, ReadFailure>>,
     flags: Option<Arc<ReadyFlags>>,
+    latencies: Option<Arc<Mutex<LatencyLog>>>,
     results: Vec<ReadResult>,
     hint: usize,
     stats: IoStats,
@@ -404,6 +411,7 @@ impl IoEngine {
             bytes_in_flight: 0,
             ready: VecDeque::new(),
             flags: None,
+            latencies: None,
             results: Vec::new(),
             hint: 0,
             stats: IoStats::default(),
@@ -436,6 +444,11 @@ impl IoEngine {
     }
 
     /// Sets `flags` for each request as it completes (ids must be < `flags.len()`).
+    /// Records each finished read's latency (submission to completion) into `log`.
+    pub fn set_latency_log(&mut self, log: Arc<Mutex<LatencyLog>>) {
+        self.latencies = Some(log);
+    }
+
     pub fn set_ready_flags(&mut self, flags: Arc<ReadyFlags>) {
         self.flags = Some(flags);
     }
@@ -589,6 +602,8 @@ impl IoEngine {
                 needed,
                 retries: 0,
                 members,
+                issued: Instant::now(),
+                depth: self.cfg.max_in_flight as u32,
             });
             self.in_flight += 1;
             self.bytes_in_flight += g.end - g.start;
@@ -673,6 +688,12 @@ impl IoEngine {
 
     fn finish(&mut self, buf: usize) {
         let s = self.slots[buf].take().expect("slot in flight");
+        if let Some(log) = &self.latencies {
+            let us = s.issued.elapsed().as_secs_f64() * 1e6;
+            log.lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .record(s.depth, us as f32, s.span() as u32);
+        }
         self.in_flight -= 1;
         self.bytes_in_flight -= s.span();
         self.pool.set_refs(buf, s.members.len() as u32);

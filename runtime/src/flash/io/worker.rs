@@ -13,7 +13,7 @@ use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::thread::JoinHandle;
 use std::time::Instant;
 
-use super::{Completed, IoConfig, IoEngine, IoStats, Request};
+use super::{Completed, DepthLatency, IoConfig, IoEngine, IoStats, LatencyLog, Request};
 use crate::{Result, RuntimeError};
 
 /// What happened to one request, handed to the [`Sink`] on the worker thread.
@@ -61,6 +61,7 @@ struct Shared {
     stats: Mutex<IoStats>,
     /// Nanoseconds with at least one read in flight.
     busy_ns: AtomicU64,
+    latencies: Arc<Mutex<LatencyLog>>,
 }
 
 /// An [`IoEngine`] driven by a background thread.
@@ -79,13 +80,15 @@ fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
 
 impl IoWorker {
     /// Moves `engine` onto a new thread that feeds `sink`.
-    pub fn spawn(engine: IoEngine, sink: impl Sink) -> Result<Self> {
+    pub fn spawn(mut engine: IoEngine, sink: impl Sink) -> Result<Self> {
         let shared = Arc::new(Shared {
             inbox: Mutex::new(Inbox::default()),
             wake: Condvar::new(),
             stats: Mutex::new(IoStats::default()),
             busy_ns: AtomicU64::new(0),
+            latencies: Arc::new(Mutex::new(LatencyLog::default())),
         });
+        engine.set_latency_log(Arc::clone(&shared.latencies));
         let (config, direct, backend) = (engine.config().clone(), engine.is_direct(), engine.backend_name());
         // A buffer freed by compute may unblock a stalled queue.
         let woken = Arc::clone(&shared);
@@ -131,6 +134,11 @@ impl IoWorker {
 
     pub fn stats(&self) -> IoStats {
         *lock(&self.shared.stats)
+    }
+
+    /// Latencies of the reads finished so far, per queue depth.
+    pub fn latencies(&self) -> Vec<DepthLatency> {
+        lock(&self.shared.latencies).summary()
     }
 
     /// Seconds with at least one read in flight, since the start.
