@@ -40,8 +40,10 @@
 //! - `deadline_factor` d: neurons not loaded by `d × E[Tc]` are skipped; the
 //!   reads not yet issued are cancelled;
 //! - `queue_depth` q: reads in flight. `R = max(L − Q, 0)` bytes are read as
-//!   `⌈R/block⌉` requests in `⌈n/q⌉` waves, each wave taking a read latency
-//!   drawn from the profiled distribution at (block, q); where the engine's
+//!   `n = ⌈R/block⌉` requests in `⌈n/m⌉` waves of `m = min(q, n)` reads, each
+//!   wave taking a read latency drawn from the profiled distribution at
+//!   (block, the deepest profiled depth ≤ m): a deep queue is never charged
+//!   for reads that are not there; where the engine's
 //!   own runs are given ([`engine_fit`]), block is the engine's mean read
 //!   size and the latencies (and compute per neuron) are the engine's.
 //!

@@ -294,9 +294,21 @@ pub fn step(env: &Env, s: &ControlState, a: &Action, d: &Draw) -> Outcome {
     let regime = (s.read_bw_bytes_s / env.bw_median).max(1e-3);
     let remaining = (load - s.queued_bytes.max(0.0)).max(0.0);
     let n_req = (remaining / p.block as f64).ceil();
-    let waves = (n_req / a.queue_depth as f64).ceil();
+    // A queue fills only as far as there are reads: a few reads at depth 16
+    // wait as long as a few reads in flight, not as long as sixteen. So the
+    // waves take the latency of the deepest profiled depth not above the
+    // reads actually in flight.
+    let in_flight = (a.queue_depth as f64).min(n_req.max(1.0));
+    let qi_eff = env
+        .qds
+        .iter()
+        .enumerate()
+        .filter(|(_, &q)| q as f64 <= in_flight)
+        .max_by_key(|(_, &q)| q)
+        .map_or(qi, |(i, _)| i);
+    let waves = (n_req / in_flight).ceil();
     let lat = d.lat_us[qi] / regime;
-    let t_read = waves * lat;
+    let t_read = waves * d.lat_us[qi_eff] / regime;
     // Compute of the useful loaded neurons, split into K stages.
     let neurons = rec * big_d / p.bundle_bytes;
     let tc_expected = neurons * s.compute_ns_per_neuron * 1e-3;

@@ -166,3 +166,55 @@ fn simulator_reports_every_policy() {
         rows.iter().map(|r| r.mean_cost).collect::<Vec<_>>()
     );
 }
+
+/// Share of the table's states whose action satisfies `f`.
+fn share(t: &ControlTable, f: impl Fn(&leanstream_runtime::control::Action) -> bool) -> f64 {
+    t.codes.iter().filter(|&&c| f(&t.codebook[c as usize])).count() as f64 / t.codes.len() as f64
+}
+
+#[test]
+fn measured_recall_and_engine_latencies_change_what_the_table_chooses() {
+    let cfg = small_cfg();
+    let base = synthesize(&cfg, &fitted(), false).unwrap();
+
+    // A predictor that covers nearly all the mass at breadth 1: reading
+    // 2.5x the need buys little, so fewer states do it.
+    let mut sharp = cfg.clone();
+    sharp.params.recall_by_breadth = vec![(1.0, 0.995), (2.5, 1.0)];
+    let t = synthesize(&sharp, &fitted(), false).unwrap();
+    let wide = |a: &leanstream_runtime::control::Action| a.prefetch_breadth > 2.0;
+    assert!(
+        share(&t, wide) < share(&base, wide),
+        "breadth 2.5 in {} of states with the measured recall, {} without",
+        share(&t, wide),
+        share(&base, wide)
+    );
+
+    // Two engines: one where sixteen reads in flight take barely longer
+    // than one, one where they take sixteen times as long (a deep queue
+    // buys nothing). Fitted to the first, the table keeps more reads in
+    // flight.
+    let engine = |per_read: f64| leanstream_synth::engine_fit::EngineFit {
+        block: 20480,
+        latency_us: [1u32, 4, 16]
+            .iter()
+            .map(|&q| (q, vec![900.0 + per_read * (q - 1) as f64; 101]))
+            .collect(),
+        ns_per_neuron: None,
+        runs: vec![],
+    };
+    let table_for = |per_read: f64| {
+        let mut f = fitted();
+        let mut c = cfg.clone();
+        c.params.block = engine(per_read).apply_to(&mut f);
+        synthesize(&c, &f, false).unwrap()
+    };
+    let deep = |a: &leanstream_runtime::control::Action| a.queue_depth == 16;
+    let (free, costly) = (table_for(10.0), table_for(900.0));
+    assert!(
+        share(&free, deep) > share(&costly, deep),
+        "q=16 in {} of states where a deep queue is nearly free, {} where it costs its depth",
+        share(&free, deep),
+        share(&costly, deep)
+    );
+}
