@@ -92,6 +92,15 @@ impl EngineFit {
         self.latency_us.iter().map(|(q, _)| *q).collect()
     }
 
+    /// The probed depth nearest `wanted`: the bandwidth axis is read at a
+    /// reference depth, which must be one the probe ran.
+    pub fn reference_depth(&self, wanted: u32) -> u32 {
+        self.queue_depths()
+            .into_iter()
+            .min_by_key(|q| q.abs_diff(wanted))
+            .unwrap_or(wanted)
+    }
+
     /// Puts the engine's latencies in place of the profile's at the
     /// engine's request size (the throughput at each depth follows from
     /// them: q reads of `block` bytes per latency), and scales the profiled

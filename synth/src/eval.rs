@@ -115,6 +115,19 @@ fn recall_of(groups: &[u32], group: usize, truth: &[bool], k: usize, act: &[f32]
     (hit as f64 / k as f64, (mass / mass_total.max(1e-30)) as f64)
 }
 
+/// Marks the row's true active set (its `k` largest |activations|) in
+/// `truth`; returns their |activation| mass.
+fn true_set(a: &[f32], k: usize, idx: &mut Vec<u32>, truth: &mut [bool]) -> f32 {
+    top_k_abs(a, k, idx);
+    truth.fill(false);
+    let mut mass = 0.0f32;
+    for &i in idx.iter() {
+        truth[i as usize] = true;
+        mass += a[i as usize].abs();
+    }
+    mass
+}
+
 pub fn evaluate(trace: &Trace, predictors: &[(PathBuf, Predictor)], o: &EvalOptions) -> Result<Report> {
     let (n_layer, n_ff, dm) = (trace.n_layer(), trace.n_ff(), trace.n_embd());
     for (path, p) in predictors {
@@ -159,13 +172,7 @@ pub fn evaluate(trace: &Trace, predictors: &[(PathBuf, Predictor)], o: &EvalOpti
             };
             for r in 0..act.rows {
                 let a = act.row(r);
-                top_k_abs(a, k, &mut idx);
-                truth.fill(false);
-                let mut mass_total = 0.0f32;
-                for &i in &idx {
-                    truth[i as usize] = true;
-                    mass_total += a[i as usize].abs();
-                }
+                let mass_total = true_set(a, k, &mut idx, &mut truth);
                 add(
                     &mut sums[predictors.len() * 2],
                     recall_of(&static_top, 1, &truth, k, a, mass_total),
@@ -606,13 +613,7 @@ pub fn breadth_recall(
         let inputs = input_rows(trace, split, l)?;
         for r in 0..act.rows {
             let a = act.row(r);
-            top_k_abs(a, k, &mut idx);
-            truth.fill(false);
-            let mut mass_total = 0.0f32;
-            for &i in &idx {
-                truth[i as usize] = true;
-                mass_total += a[i as usize].abs();
-            }
+            let mass_total = true_set(a, k, &mut idx, &mut truth);
             p.scores(ui, l, inputs[1].row(r), ComputePath::Simd, &mut scratch, &mut out)?;
             for (bi, &b) in breadths.iter().enumerate() {
                 let groups = ((b * k as f64 / group as f64).ceil() as usize).clamp(1, out.len());

@@ -177,6 +177,58 @@ fn cli_controller_inspect_simulate_bench() {
     let mut a = vec!["controller", "--quiet", "--traces", &traces, "-o", &t];
     a.extend(small);
     run(&a);
+    // Fitted to engine runs and a measured recall: the settings record both.
+    let report = root.join("engine.json");
+    let depths: Vec<serde_json::Value> = [1, 4, 16]
+        .iter()
+        .map(|q| serde_json::json!({"queue_depth": q, "reads": 50, "mean_bytes": 20000.0, "latency_us": vec![100.0 * *q as f64; 101]}))
+        .collect();
+    std::fs::write(
+        &report,
+        serde_json::json!({"read_latency": depths, "time_per_token": {"compute_s": 0.01}, "skipped_fraction": 0.5})
+            .to_string(),
+    )
+    .unwrap();
+    let (r, engine_t) = (
+        report.display().to_string(),
+        root.join("engine.lstab").display().to_string(),
+    );
+    let mut a = vec![
+        "controller",
+        "--quiet",
+        "--traces",
+        &traces,
+        "-o",
+        &engine_t,
+        "--engine-runs",
+        &r,
+        "--recall-by-breadth",
+        "1:0.7,2.5:1",
+    ];
+    a.extend(small);
+    run(&a);
+    let settings = run(&["inspect", &engine_t, "--svg", "/dev/null"]);
+    assert!(
+        settings.contains("\"block\":20480") && settings.contains("[1.0,0.7]"),
+        "{settings}"
+    );
+    let mut a = vec![
+        "controller",
+        "--quiet",
+        "--traces",
+        &traces,
+        "-o",
+        &engine_t,
+        "--recall-by-breadth",
+        "2:0.9,1:0.5",
+    ];
+    a.extend(small);
+    let o = std::process::Command::new(exe).args(&a).output().unwrap();
+    assert!(
+        !o.status.success() && String::from_utf8_lossy(&o.stderr).contains("breadths must ascend"),
+        "{}",
+        String::from_utf8_lossy(&o.stderr)
+    );
     let text = run(&["inspect", &t]);
     assert!(
         text.contains("12 states") && text.contains("x86_64/Test CPU/2cpu/24GiB"),

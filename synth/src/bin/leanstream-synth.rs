@@ -3,7 +3,7 @@
 use std::path::{Path, PathBuf};
 use std::time::Instant;
 
-use anyhow::{Context, Result};
+use anyhow::{bail, Context, Result};
 use clap::{Parser, Subcommand};
 use leanstream_profiler::activations::read::Trace;
 use leanstream_runtime::control::{AxisKind, ControlState, ControlTable};
@@ -49,6 +49,10 @@ struct ModelArgs {
     /// Predictor recall at prefetch breadth 1.
     #[arg(long, default_value_t = 0.85)]
     recall: f64,
+    /// Measured mass recall per breadth, `B:R,...` (e.g. 1:0.66,1.5:0.85,2.5:1,
+    /// what `tune` records as `recall_by_breadth`); replaces --recall.
+    #[arg(long)]
+    recall_by_breadth: Option<String>,
     /// Cost of skipping the whole active mass of a layer, µs.
     #[arg(long, default_value_t = 2000.0)]
     w_skip_us: f64,
@@ -80,6 +84,34 @@ struct ModelArgs {
     seed: u64,
 }
 
+/// `B:R,...` with breadths ascending and recalls in [0, 1].
+fn parse_recall(s: &str) -> Result<Vec<(f64, f64)>> {
+    let pts = s
+        .split(',')
+        .map(|p| {
+            let (b, r) = p
+                .split_once(':')
+                .with_context(|| format!("--recall-by-breadth {p:?}: expected B:R"))?;
+            let (b, r): (f64, f64) = (
+                b.trim()
+                    .parse()
+                    .with_context(|| format!("--recall-by-breadth {p:?}: breadth"))?,
+                r.trim()
+                    .parse()
+                    .with_context(|| format!("--recall-by-breadth {p:?}: recall"))?,
+            );
+            if !(b > 0.0 && (0.0..=1.0).contains(&r)) {
+                bail!("--recall-by-breadth {p:?}: breadth must be > 0 and recall in [0, 1]");
+            }
+            Ok((b, r))
+        })
+        .collect::<Result<Vec<_>>>()?;
+    if pts.windows(2).any(|w| w[1].0 <= w[0].0) {
+        bail!("--recall-by-breadth {s:?}: breadths must ascend");
+    }
+    Ok(pts)
+}
+
 impl ModelArgs {
     fn config(&self) -> Result<SynthConfig> {
         let shape = match &self.flash {
@@ -103,6 +135,10 @@ impl ModelArgs {
                 bundle_bytes,
                 block: self.block,
                 recall_at_1: self.recall,
+                recall_by_breadth: match &self.recall_by_breadth {
+                    Some(s) => parse_recall(s)?,
+                    None => Vec::new(),
+                },
                 w_skip_us: self.w_skip_us,
                 w_waste_us_per_mib: self.w_waste_us_per_mib,
                 ..ModelParams::default()
@@ -161,7 +197,7 @@ enum Cmd {
         #[arg(long, default_value_t = 100_000.0)]
         w_skip_us: f64,
         /// How the device is profiled: `uniform` (every condition of the
-        /// grids, 30% of the budget) or `adaptive` (where the table's
+        /// grids, 27% of the budget) or `adaptive` (where the table's
         /// decisions are sensitive, a 45th of that, at least 30 s).
         #[arg(long, default_value = "uniform")]
         profiling: leanstream_synth::tune::Profiling,
@@ -211,6 +247,12 @@ enum Cmd {
         traces: PathBuf,
         #[arg(short, long)]
         out: PathBuf,
+        /// `leanstream bench --json` reports of `speculate` with one action
+        /// pinned per codebook queue depth (what tune's engine-probe step
+        /// writes to work/engine/): the model takes the engine's read size,
+        /// read latencies and compute speed from them instead of the profile's.
+        #[arg(long, num_args = 1..)]
+        engine_runs: Vec<PathBuf>,
         #[command(flatten)]
         model: ModelArgs,
         #[arg(long)]
@@ -583,12 +625,19 @@ fn main() -> Result<()> {
         Cmd::Controller {
             traces,
             out,
+            engine_runs,
             model,
             quiet,
         } => {
-            let cfg = model.config()?;
+            let mut cfg = model.config()?;
             let t0 = Instant::now();
-            let fitted = fit_traces(&traces)?;
+            let mut fitted = fit_traces(&traces)?;
+            if !engine_runs.is_empty() {
+                let engine =
+                    leanstream_synth::engine_fit::fit_engine(&engine_runs, cfg.params.n_layers, cfg.params.n_ff)?;
+                cfg.params.block = engine.apply_to(&mut fitted);
+                cfg.params.ref_qd = engine.reference_depth(cfg.params.ref_qd);
+            }
             let t_fit = t0.elapsed().as_secs_f64();
             let table = synthesize(&cfg, &fitted, !quiet)?;
             let t_all = t0.elapsed().as_secs_f64();

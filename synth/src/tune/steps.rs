@@ -762,11 +762,7 @@ fn controller(ctx: &Ctx) -> Result<(Vec<String>, Value)> {
     let mut fitted = crate::fit::fit_traces(&ctx.out.join(traces))?;
     let engine = crate::engine_fit::fit_engine(&super::verify::probe_runs(ctx)?, cfg.params.n_layers, cfg.params.n_ff)?;
     cfg.params.block = engine.apply_to(&mut fitted);
-    // The bandwidth axis is read at the reference depth: one the probe ran.
-    let depths = engine.queue_depths();
-    if let Some(&q) = depths.iter().min_by_key(|&&q| q.abs_diff(cfg.params.ref_qd)) {
-        cfg.params.ref_qd = q;
-    }
+    cfg.params.ref_qd = engine.reference_depth(cfg.params.ref_qd);
     let table = crate::synth::synthesize(&cfg, &fitted, false)?;
     table.save(&ctx.out.join(CONTROLLER))?;
     let rows = compare(
