@@ -193,37 +193,21 @@ fn cli_controller_inspect_simulate_bench() {
         report.display().to_string(),
         root.join("engine.lstab").display().to_string(),
     );
-    let mut a = vec![
-        "controller",
-        "--quiet",
-        "--traces",
-        &traces,
-        "-o",
-        &engine_t,
-        "--engine-runs",
-        &r,
-        "--recall-by-breadth",
-        "1:0.7,2.5:1",
-    ];
-    a.extend(small);
-    run(&a);
+    // `controller` writing the engine-fitted table with `extra` arguments.
+    let engine_controller = |extra: &[&str]| {
+        let mut a = vec!["controller", "--quiet", "--traces", &traces, "-o", &engine_t];
+        a.extend(extra);
+        a.extend(small);
+        std::process::Command::new(exe).args(&a).output().unwrap()
+    };
+    let o = engine_controller(&["--engine-runs", &r, "--recall-by-breadth", "1:0.7,2.5:1"]);
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
     let settings = run(&["inspect", &engine_t, "--svg", "/dev/null"]);
     assert!(
         settings.contains("\"block\":20480") && settings.contains("[1.0,0.7]"),
         "{settings}"
     );
-    let mut a = vec![
-        "controller",
-        "--quiet",
-        "--traces",
-        &traces,
-        "-o",
-        &engine_t,
-        "--recall-by-breadth",
-        "2:0.9,1:0.5",
-    ];
-    a.extend(small);
-    let o = std::process::Command::new(exe).args(&a).output().unwrap();
+    let o = engine_controller(&["--recall-by-breadth", "2:0.9,1:0.5"]);
     assert!(
         !o.status.success() && String::from_utf8_lossy(&o.stderr).contains("breadths must ascend"),
         "{}",
