@@ -47,26 +47,22 @@ fn stderr(o: &Output) -> String {
     String::from_utf8_lossy(&o.stderr).into_owned()
 }
 
+/// The command failed, and its error says `why`.
+fn assert_refused(o: &Output, why: &str) {
+    assert!(!o.status.success(), "succeeded: {}", stderr(o));
+    assert!(stderr(o).contains(why), "{}", stderr(o));
+}
+
 #[test]
 fn an_unknown_device_is_an_error_naming_it() {
     let o = run(&["--device", "tpu"]);
-    assert!(!o.status.success());
-    assert!(
-        stderr(&o).contains("--device \"tpu\": expected cpu, cuda or cuda:N"),
-        "{}",
-        stderr(&o)
-    );
+    assert_refused(&o, "--device \"tpu\": expected cpu, cuda or cuda:N");
 }
 
 #[test]
 fn streaming_options_are_refused_on_the_device_engine() {
     let o = run(&["--device", "cuda", "--policy", "dense"]);
-    assert!(!o.status.success());
-    assert!(
-        stderr(&o).contains("--policy is an option of the CPU streaming engine"),
-        "{}",
-        stderr(&o)
-    );
+    assert_refused(&o, "--policy is an option of the CPU streaming engine");
 }
 
 #[test]
@@ -107,13 +103,7 @@ fn bench_on_cuda_measures_or_says_there_is_no_device() {
 #[test]
 fn bench_refuses_what_the_device_engine_does_not_run() {
     let o = bench(&["--device", "cuda:0", "--ffn-budget", "25%"]);
-    assert!(!o.status.success());
-    assert!(
-        stderr(&o).contains("--ffn-budget is an option of the CPU streaming engine"),
-        "{}",
-        stderr(&o)
-    );
+    assert_refused(&o, "--ffn-budget is an option of the CPU streaming engine");
     let o = bench(&["--device", "gpu"]);
-    assert!(!o.status.success());
-    assert!(stderr(&o).contains("expected cpu, cuda or cuda:N"), "{}", stderr(&o));
+    assert_refused(&o, "expected cpu, cuda or cuda:N");
 }

@@ -517,12 +517,12 @@ impl Streamer {
         }
     }
 
-    /// Whether reads bypass the page cache (O_DIRECT).
     /// The engine's read latencies per queue depth so far.
     pub fn read_latencies(&self) -> Vec<crate::flash::io::DepthLatency> {
         self.io.latencies()
     }
 
+    /// Whether reads bypass the page cache (O_DIRECT).
     pub fn is_direct(&self) -> bool {
         self.io.is_direct()
     }

@@ -737,18 +737,16 @@ const RECALL_TOKENS: usize = 512;
 /// The synthesis settings of this run (the adaptive profile's sensitivity
 /// analysis solves with them too), with the predictor's recall at each
 /// breadth of the codebook measured on the held-out trace.
-pub(super) fn controller_config(ctx: &Ctx) -> Result<crate::synth::SynthConfig> {
+fn controller_config(ctx: &Ctx) -> Result<crate::synth::SynthConfig> {
     let mut cfg = crate::synth::SynthConfig::for_flash(&ctx.out.join(MODEL))?;
     cfg.solver.scenarios = Step::scenarios(ctx);
     cfg.params.w_skip_us = ctx.opts.w_skip_us;
-    let predictor_path = ctx.out.join(PREDICTOR);
-    if predictor_path.is_file() {
-        let trace = Trace::open(&ctx.out.join(ACTS))?;
-        let p = leanstream_runtime::predict::Predictor::load(&predictor_path)?;
-        let breadths: Vec<f64> = cfg.space.prefetch_breadths.iter().map(|&b| b as f64).collect();
-        cfg.params.recall_by_breadth =
-            crate::eval::breadth_recall(&trace, &p, "heldout", ctx.opts.sparsity, &breadths, RECALL_TOKENS)?;
-    }
+    // Both callers run after the predictor step (the pipelines' order).
+    let trace = Trace::open(&ctx.out.join(ACTS))?;
+    let p = leanstream_runtime::predict::Predictor::load(&ctx.out.join(PREDICTOR))?;
+    let breadths: Vec<f64> = cfg.space.prefetch_breadths.iter().map(|&b| b as f64).collect();
+    cfg.params.recall_by_breadth =
+        crate::eval::breadth_recall(&trace, &p, "heldout", ctx.opts.sparsity, &breadths, RECALL_TOKENS)?;
     Ok(cfg)
 }
 

@@ -119,12 +119,17 @@ fn probe_action(q: u16) -> String {
     format!("fixed:K=1,b=1.5,d=inf,q={q}")
 }
 
+/// The engine probe's report at queue depth `q`, relative to the output directory.
+fn probe_file(q: u16) -> String {
+    format!("{ENGINE_RUNS}/q{q}.json")
+}
+
 /// The engine probe's reports, one per queue depth of the codebook.
 pub(super) fn probe_runs(ctx: &Ctx) -> Result<Vec<std::path::PathBuf>> {
     let runs: Vec<_> = crate::model::ActionSpace::default()
         .queue_depths
         .iter()
-        .map(|q| ctx.out.join(ENGINE_RUNS).join(format!("q{q}.json")))
+        .map(|&q| ctx.out.join(probe_file(q)))
         .collect();
     match runs.iter().find(|p| !p.is_file()) {
         Some(p) => Err(SynthError::Settings(format!(
@@ -156,7 +161,7 @@ pub(super) fn engine_probe(ctx: &Ctx) -> Result<(Vec<String>, Value)> {
             1,
             &args,
         )?;
-        let rel = format!("{ENGINE_RUNS}/q{q}.json");
+        let rel = probe_file(q);
         let text = serde_json::to_vec_pretty(&v).map_err(|e| SynthError::Settings(e.to_string()))?;
         leanstream_profiler::shard::write_atomic(&ctx.out.join(&rel), &text)?;
         files.push(rel);

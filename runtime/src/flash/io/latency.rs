@@ -59,10 +59,6 @@ impl LatencyLog {
         self.by_depth.entry(queue_depth).or_default().push(latency_us, bytes);
     }
 
-    pub fn is_empty(&self) -> bool {
-        self.by_depth.is_empty()
-    }
-
     /// One summary per queue depth that finished a read, by depth.
     pub fn summary(&self) -> Vec<DepthLatency> {
         self.by_depth
