@@ -231,6 +231,7 @@ pub fn run(a: BenchArgs) -> Result<()> {
         report["bytes_requested_per_token"] = json!(s.bytes_requested as f64 / tokens);
         report["sparsity"] = json!(engine.sparsity());
         report["skipped_fraction"] = json!(s.skipped_fraction());
+        report["rows_computed_per_token"] = json!(s.rows_computed as f64 / tokens);
         report["ffn_budget_bytes"] = json!(engine.ffn_budget_bytes());
         report["ffn_total_bytes"] = json!(fm.ffn_bytes());
         report["mem_budget"] = json!(a.flash.mem_budget);

@@ -16,6 +16,7 @@ use serde::Serialize;
 
 use crate::error::{Result, SynthError};
 use crate::fit::{Dists, Empirical, Fitted};
+use crate::model::ModelParams;
 
 /// What the engine runs showed.
 #[derive(Clone, Debug, Serialize)]
@@ -25,46 +26,73 @@ pub struct EngineFit {
     pub block: u64,
     /// Latency percentiles (µs) per queue depth, runs at the same depth merged.
     pub latency_us: Vec<(u32, Vec<f64>)>,
-    /// Median compute time per computed neuron in the engine (ns), if the
-    /// runs reported it.
+    /// Median compute time per computed neuron row in the engine (ns), if
+    /// the runs reported it.
     pub ns_per_neuron: Option<f64>,
+    /// Median neuron rows per layer the engine computed besides those it
+    /// read (its neuron cache's), if the runs reported their rows.
+    pub resident_rows: Option<f64>,
     pub runs: Vec<PathBuf>,
 }
 
-/// One `bench --json` report's share of the fit.
-fn read_run(path: &Path, n_ff_layers: f64) -> Result<(Vec<DepthLatency>, Option<f64>)> {
+/// What one run adds to the fit.
+struct Run {
+    latency: Vec<DepthLatency>,
+    ns_per_neuron: Option<f64>,
+    resident_rows: Option<f64>,
+}
+
+/// One `bench --json` report's share of the fit, for a model of
+/// `n_layers × n_ff` neurons.
+fn read_run(path: &Path, n_layers: usize, n_ff: usize) -> Result<Run> {
     let text = std::fs::read_to_string(path).map_err(|e| SynthError::io(path, e))?;
     let v: serde_json::Value = serde_json::from_str(&text).map_err(|e| SynthError::Trace {
         path: path.into(),
         reason: format!("not a bench JSON report: {e}"),
     })?;
-    let lat: Vec<DepthLatency> = serde_json::from_value(v["read_latency"].clone()).map_err(|e| SynthError::Trace {
-        path: path.into(),
-        reason: format!("no `read_latency` (a streaming policy's bench report has one): {e}"),
-    })?;
-    // Computed neurons per token × compute seconds per token.
+    let latency: Vec<DepthLatency> =
+        serde_json::from_value(v["read_latency"].clone()).map_err(|e| SynthError::Trace {
+            path: path.into(),
+            reason: format!("no `read_latency` (a streaming policy's bench report has one): {e}"),
+        })?;
+    // Compute seconds per token over the neuron rows computed per token:
+    // what the engine's controller measures as its compute state (reports
+    // from before that count: the kept neurons instead).
+    let neurons = (n_layers * n_ff) as f64;
     let compute_s = v["time_per_token"]["compute_s"].as_f64();
-    let kept = v["skipped_fraction"].as_f64().map(|s| (1.0 - s) * n_ff_layers);
-    let ns = match (compute_s, kept) {
+    let rows = v["rows_computed_per_token"].as_f64();
+    let per_row = rows.or_else(|| v["skipped_fraction"].as_f64().map(|s| (1.0 - s) * neurons));
+    let ns_per_neuron = match (compute_s, per_row) {
         (Some(c), Some(k)) if c > 0.0 && k > 0.0 => Some(c * 1e9 / k),
         _ => None,
     };
-    Ok((lat, ns))
+    // Rows computed but not read came from the cache.
+    let bundle = v["ffn_total_bytes"].as_f64().map(|b| b / neurons);
+    let resident_rows = match (rows, v["bytes_requested_per_token"].as_f64(), bundle) {
+        (Some(r), Some(req), Some(b)) if b > 0.0 => Some(((r - req / b) / n_layers as f64).max(0.0)),
+        _ => None,
+    };
+    Ok(Run {
+        latency,
+        ns_per_neuron,
+        resident_rows,
+    })
 }
 
 /// Fits `runs` (bench JSON reports of a model with `n_layers × n_ff` neurons).
 pub fn fit_engine(runs: &[PathBuf], n_layers: usize, n_ff: usize) -> Result<EngineFit> {
     let mut by_q: std::collections::BTreeMap<u32, Vec<f64>> = Default::default();
     let (mut bytes, mut reads) = (0.0f64, 0.0f64);
-    let mut ns = Vec::new();
+    let (mut ns, mut resident) = (Vec::new(), Vec::new());
     for p in runs {
-        let (lat, n) = read_run(p, (n_layers * n_ff) as f64)?;
-        for d in lat {
+        let run = read_run(p, n_layers, n_ff)?;
+        for d in run.latency {
             bytes += d.mean_bytes * d.reads as f64;
             reads += d.reads as f64;
             by_q.entry(d.queue_depth).or_default().extend(d.latency_us);
         }
-        ns.extend(n);
+        ns.extend(run.ns_per_neuron);
+        resident.extend(run.resident_rows);
     }
     if reads == 0.0 {
         return Err(SynthError::Settings(format!(
@@ -77,11 +105,15 @@ pub fn fit_engine(runs: &[PathBuf], n_layers: usize, n_ff: usize) -> Result<Engi
         )));
     }
     let block = ((bytes / reads / 4096.0).ceil() as u64).max(1) * 4096;
-    ns.sort_by(f64::total_cmp);
+    let median = |mut v: Vec<f64>| {
+        v.sort_by(f64::total_cmp);
+        v.get(v.len() / 2).copied()
+    };
     Ok(EngineFit {
         block,
         latency_us: by_q.into_iter().collect(),
-        ns_per_neuron: ns.get(ns.len() / 2).copied(),
+        ns_per_neuron: median(ns),
+        resident_rows: median(resident),
         runs: runs.to_vec(),
     })
 }
@@ -129,10 +161,16 @@ impl EngineFit {
         self.block
     }
 
-    /// Applies the fit to both halves of `fitted`; the request size to use.
-    pub fn apply_to(&self, fitted: &mut Fitted) -> u64 {
+    /// Applies the fit to both halves of `fitted` and to the model's
+    /// settings: the engine's request size, a probed reference depth and
+    /// the rows its cache adds to each layer's compute.
+    pub fn apply_to(&self, fitted: &mut Fitted, params: &mut ModelParams) {
         self.apply(&mut fitted.fit);
-        self.apply(&mut fitted.held_out)
+        params.block = self.apply(&mut fitted.held_out);
+        params.ref_qd = self.reference_depth(params.ref_qd);
+        if let Some(r) = self.resident_rows {
+            params.resident_rows = r;
+        }
     }
 }
 
@@ -178,6 +216,42 @@ mod tests {
         assert!((bw16 - 16.0 * 20480.0 / 400e-6).abs() < 1.0, "{bw16}");
         // The profile's spread, moved to the engine's median.
         assert_eq!(d.ns_per_neuron.sorted, vec![15000.0, 30000.0, 45000.0]);
+        std::fs::remove_dir_all(&dir).ok();
+    }
+
+    #[test]
+    fn counted_rows_give_the_compute_per_row_and_the_cache_rows() {
+        let dir = std::env::temp_dir().join(format!("leanstream-engine-fit-rows-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let p = dir.join("q4.json");
+        // 2 layers × 1000 neurons of 100 bytes; 1200 rows computed per
+        // token, 800 of them read: 200 per layer from the cache.
+        let v = serde_json::json!({
+            "read_latency": [{"queue_depth": 4, "reads": 10, "mean_bytes": 8000.0, "latency_us": vec![50.0; 101]}],
+            "time_per_token": {"compute_s": 0.0012},
+            "skipped_fraction": 0.5,
+            "rows_computed_per_token": 1200.0,
+            "bytes_requested_per_token": 80000.0,
+            "ffn_total_bytes": 200000.0,
+        });
+        std::fs::write(&p, v.to_string()).unwrap();
+        let f = fit_engine(std::slice::from_ref(&p), 2, 1000).unwrap();
+        assert!(
+            (f.ns_per_neuron.unwrap() - 1000.0).abs() < 1e-6,
+            "{:?}",
+            f.ns_per_neuron
+        );
+        assert!((f.resident_rows.unwrap() - 200.0).abs() < 1e-9, "{:?}", f.resident_rows);
+        let mut params = ModelParams::default();
+        let mut fitted = Fitted {
+            fit: Dists::default(),
+            held_out: Dists::default(),
+            traces: vec![],
+            device_fingerprint: String::new(),
+            dir: dir.clone(),
+        };
+        f.apply_to(&mut fitted, &mut params);
+        assert_eq!((params.block, params.ref_qd, params.resident_rows), (8192, 4, 200.0));
         std::fs::remove_dir_all(&dir).ok();
     }
 

@@ -48,6 +48,22 @@ impl Empirical {
     pub fn median(&self) -> f64 {
         self.quantile(0.5)
     }
+    /// The fraction of the distribution at or below `x`: the inverse of
+    /// [`Empirical::quantile`] (linear between samples; 0 when empty).
+    pub fn cdf(&self, x: f64) -> f64 {
+        let v = &self.sorted;
+        let n = v.len();
+        if n == 0 || x < v[0] {
+            return 0.0;
+        }
+        if x >= v[n - 1] {
+            return 1.0;
+        }
+        // v[i] <= x < v[i + 1]
+        let i = v.partition_point(|&y| y <= x) - 1;
+        let f = (x - v[i]) / (v[i + 1] - v[i]);
+        (i as f64 + f) / (n - 1) as f64
+    }
     pub fn mean(&self) -> f64 {
         self.sorted.iter().sum::<f64>() / self.sorted.len().max(1) as f64
     }
@@ -325,5 +341,22 @@ fn finish(raw: Raw) -> Dists {
         read_bw,
         ns_per_neuron,
         split_ratio,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::Empirical;
+
+    #[test]
+    fn cdf_inverts_quantile() {
+        let e = Empirical::new(vec![40.0, 10.0, 20.0, 30.0, 50.0]);
+        assert_eq!(e.cdf(5.0), 0.0);
+        assert_eq!(e.cdf(50.0), 1.0);
+        assert_eq!(e.cdf(99.0), 1.0);
+        for u in [0.0, 0.1, 0.25, 0.6, 0.99] {
+            assert!((e.cdf(e.quantile(u)) - u).abs() < 1e-12, "u = {u}");
+        }
+        assert_eq!(Empirical::new(vec![]).cdf(1.0), 0.0);
     }
 }

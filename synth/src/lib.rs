@@ -11,8 +11,10 @@
 //!
 //! **State** (measured by the engine at the start of a layer's FFN; one axis each,
 //! by default 4, 12, 4, 3 and 3 bins in this order, so 1,728 grid states):
-//! - `queued_bytes` Q: bytes of this layer already queued or loaded by the
-//!   previous layer's speculative prefetch;
+//! - `queued_bytes` Q: bytes of this layer already loaded by the previous
+//!   layer's speculative prefetch (the engine counts landed reads only:
+//!   the model treats Q as in memory, and counting reads still in flight
+//!   let it pick deadlines that made them late);
 //! - `missing_bytes` D: bytes the predictor says are active but not cached for
 //!   this layer (assumed persistent over the horizon: the next layers' need is
 //!   predicted to be like this one's);
@@ -29,23 +31,30 @@
 //! - `stages` K: refinement stages of the layer's FFN; the FFN is a two-stage
 //!   pipeline of K chunks (read chunk i+1 while computing chunk i), so the
 //!   layer takes `max(Tr, Tc) + min(Tr, Tc)/K`, and Tc is multiplied by the
-//!   profiled split overhead of K stages (`ffn_split` / `ffn_split K=1`);
-//! - `prefetch_breadth` b: load `L = b·D` bytes from the top of the predicted
+//!   profiled split overhead of K stages (`ffn_split` / `ffn_split K=1`).
+//!   Tc covers every row the layer holds: the bundles loaded (wasted ones
+//!   too: the thresholds select after the gate and up products) and the
+//!   rows the neuron cache adds (`resident_rows`, from the engine's runs);
+//! - `prefetch_breadth` b: load `L = b·D` bytes (at most the layer) from the top of the predicted
 //!   priority list. The activation mass covered is `recall(b)`: the
 //!   predictor's measured mass recall at each breadth on held-out traces
 //!   where tune has measured it ([`eval::breadth_recall`], interpolated),
 //!   else `1 − (1−r₀)^b` (r₀ = recall at breadth 1, a parameter); the rest
 //!   of `L` is wasted reads. Idle I/O time of a layer prefetches up to `b·D`
 //!   bytes of the next layer (that is the next state's Q);
-//! - `deadline_factor` d: neurons not loaded by `d × E[Tc]` are skipped; the
-//!   reads not yet issued are cancelled;
+//! - `deadline_factor` d: reads not landed by `d ×` the expected compute of
+//!   the rows asked for are skipped (the engine's rule). Each read lands at
+//!   its wave's start plus its own latency from the profiled distribution,
+//!   so the latency tail makes reads late even where the mean wave fits
+//!   (with one draw per wave, a deadline that skips reads in one layer of
+//!   fifty looked free);
 //! - `queue_depth` q: reads in flight. `R = max(L − Q, 0)` bytes are read as
 //!   `n = ⌈R/block⌉` requests in `⌈n/m⌉` waves of `m = min(q, n)` reads, each
-//!   wave taking a read latency drawn from the profiled distribution at
+//!   wave taking a read latency (the mean of four draws) from the profiled distribution at
 //!   (block, the deepest profiled depth ≤ m): a deep queue is never charged
 //!   for reads that are not there; where the engine's
 //!   own runs are given ([`engine_fit`]), block is the engine's mean read
-//!   size and the latencies (and compute per neuron) are the engine's.
+//!   size and the latencies (and compute per neuron row) are the engine's.
 //!
 //! **Randomness**: read latencies by (request size, queue depth), compute
 //! time per neuron and split overheads by K, all empirical distributions

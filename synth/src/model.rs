@@ -26,6 +26,10 @@ pub struct ModelParams {
     /// `recall_at_1` curve.
     #[serde(default)]
     pub recall_by_breadth: Vec<(f64, f64)>,
+    /// Neuron rows per layer the engine computes from its cache besides
+    /// those it reads (they add compute, not reads; `engine_fit`).
+    #[serde(default)]
+    pub resident_rows: f64,
     /// Cost weight of one unit of skipped activation mass (the whole
     /// predicted-active mass of a layer), in µs.
     pub w_skip_us: f64,
@@ -45,6 +49,7 @@ impl Default for ModelParams {
             ref_qd: 4,
             recall_at_1: 0.85,
             recall_by_breadth: Vec::new(),
+            resident_rows: 0.0,
             w_skip_us: 2000.0,
             w_waste_us_per_mib: 100.0,
         }
@@ -257,6 +262,10 @@ pub struct Outcome {
     pub wasted_bytes: f64,
     /// Bytes of the next layer prefetched during this layer's idle I/O time.
     pub next_queued: f64,
+    /// Bytes this layer still had to read, and of those the ones that
+    /// missed the deadline.
+    pub read_wanted_bytes: f64,
+    pub late_bytes: f64,
 }
 
 impl ModelParams {
@@ -287,7 +296,8 @@ pub fn step(env: &Env, s: &ControlState, a: &Action, d: &Draw) -> Outcome {
     let ki = env.ks.iter().position(|&k| k == a.stages).unwrap_or(0);
     let big_d = s.missing_bytes.max(0.0);
     let b = a.prefetch_breadth as f64;
-    let load = b * big_d;
+    // The engine asks for at most the whole layer.
+    let load = (b * big_d).min(p.n_ff as f64 * p.bundle_bytes);
     let rec = p.recall(b);
     let useful_frac = if load > 0.0 { (rec * big_d / load).min(1.0) } else { 0.0 };
     // Reads: regime-scaled waves of requests.
@@ -308,25 +318,30 @@ pub fn step(env: &Env, s: &ControlState, a: &Action, d: &Draw) -> Outcome {
         .map_or(qi, |(i, _)| i);
     let waves = (n_req / in_flight).ceil();
     let lat = d.lat_us[qi] / regime;
-    let t_read = waves * d.lat_us[qi_eff] / regime;
-    // Compute of the useful loaded neurons, split into K stages.
-    let neurons = rec * big_d / p.bundle_bytes;
-    let tc_expected = neurons * s.compute_ns_per_neuron * 1e-3;
-    let tc = tc_expected * d.compute_noise * d.split[ki].max(1.0);
-    // Deadline: reads still missing at the deadline are cancelled and skipped.
+    let wave_us = d.lat_us[qi_eff] / regime;
+    let t_read = waves * wave_us;
+    // The engine computes every bundle it holds for the layer (the
+    // thresholds select after the gate and up products), and its deadline
+    // is d × the expected compute of the rows it asked for.
+    let rows_wanted = load / p.bundle_bytes;
+    let tc_expected = rows_wanted * s.compute_ns_per_neuron * 1e-3;
     let deadline = a.deadline_factor as f64 * tc_expected.max(1.0);
-    let (t_read_eff, frac_loaded) = if t_read > deadline {
-        (deadline, deadline / t_read)
-    } else {
-        (t_read, 1.0)
-    };
+    // Reads not landed by the deadline are skipped: each read's own
+    // latency counts, not the wave's mean, so the tail of the latency
+    // distribution makes reads late even when the mean fits.
+    let frac_loaded = landed_fraction(&env.lat[qi_eff], regime, n_req, in_flight, wave_us, deadline);
+    let t_read_eff = t_read.min(deadline);
     let loaded_from_queue = s.queued_bytes.min(load);
     let read_bytes = remaining * frac_loaded;
     let loaded_total = loaded_from_queue + read_bytes;
     let loaded_frac_of_load = if load > 0.0 { loaded_total / load } else { 1.0 };
-    let tc_eff = tc * loaded_frac_of_load;
+    let tc = (loaded_total / p.bundle_bytes + p.resident_rows)
+        * s.compute_ns_per_neuron
+        * 1e-3
+        * d.compute_noise
+        * d.split[ki].max(1.0);
     let k = a.stages as f64;
-    let layer_us = t_read_eff.max(tc_eff) + t_read_eff.min(tc_eff) / k;
+    let layer_us = t_read_eff.max(tc) + t_read_eff.min(tc) / k;
     let skipped_mass = 1.0 - rec * loaded_frac_of_load;
     let wasted_bytes = loaded_total * (1.0 - useful_frac);
     // Idle I/O time prefetches the next layer (nothing after the last layer).
@@ -344,7 +359,40 @@ pub fn step(env: &Env, s: &ControlState, a: &Action, d: &Draw) -> Outcome {
         skipped_mass,
         wasted_bytes,
         next_queued,
+        late_bytes: remaining - read_bytes,
+        read_wanted_bytes: remaining,
     }
+}
+
+/// Expected fraction of `n` reads, issued `m` at a time every `wave_us`,
+/// that land by `deadline_us`: a read of wave w lands at `w × wave_us` plus
+/// its own latency, drawn from `lat` scaled by `regime`.
+fn landed_fraction(lat: &Empirical, regime: f64, n: f64, m: f64, wave_us: f64, deadline_us: f64) -> f64 {
+    if n <= 0.0 || !deadline_us.is_finite() {
+        return 1.0;
+    }
+    let wave_us = wave_us.max(1e-9);
+    let waves = (n / m).ceil() as usize;
+    let slowest = lat.sorted.last().copied().unwrap_or(0.0) / regime;
+    // Waves that start at least one slowest read before the deadline land
+    // whole; only the few after them need the distribution.
+    let whole = if deadline_us >= slowest {
+        (((deadline_us - slowest) / wave_us).floor() as usize)
+            .saturating_add(1)
+            .min(waves)
+    } else {
+        0
+    };
+    let mut landed = (whole as f64 * m).min(n);
+    for w in whole..waves {
+        let start = w as f64 * wave_us;
+        if start >= deadline_us {
+            break;
+        }
+        let reads = (n - w as f64 * m).min(m);
+        landed += reads * lat.cdf((deadline_us - start) * regime);
+    }
+    landed / n
 }
 
 /// Layers left after the one at `position` (inclusive of it).
@@ -356,6 +404,28 @@ pub fn layers_left(p: &ModelParams, position: f64) -> usize {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn reads_in_the_latency_tail_miss_a_deadline_the_mean_meets() {
+        // 90% of reads take 100 µs, 10% take 1000 µs: mean 190 µs.
+        let mut v = vec![100.0; 90];
+        v.extend([1000.0; 10]);
+        let lat = Empirical::new(v);
+        // One wave of 16 reads, deadline 500 µs: the tail's reads are late.
+        let f = landed_fraction(&lat, 1.0, 16.0, 16.0, 190.0, 500.0);
+        assert!(f > 0.85 && f < 0.95, "{f}");
+        // No deadline, or one past the slowest read: all land.
+        assert_eq!(landed_fraction(&lat, 1.0, 16.0, 16.0, 190.0, f64::INFINITY), 1.0);
+        assert_eq!(landed_fraction(&lat, 1.0, 16.0, 16.0, 190.0, 1000.0), 1.0);
+        // Before the fastest read: none land.
+        assert_eq!(landed_fraction(&lat, 1.0, 16.0, 16.0, 190.0, 50.0), 0.0);
+        // Three waves of 4: the third starts at 380 µs, so its reads need
+        // at most 120 µs (90% do); the first two's fast reads are in.
+        let f = landed_fraction(&lat, 1.0, 12.0, 4.0, 190.0, 500.0);
+        assert!((f - 0.9).abs() < 0.02, "{f}");
+        // A regime twice as fast halves every latency: all land.
+        assert_eq!(landed_fraction(&lat, 2.0, 16.0, 16.0, 95.0, 500.0), 1.0);
+    }
 
     #[test]
     fn measured_recall_is_interpolated_and_flat_past_the_last_breadth() {

@@ -23,6 +23,9 @@ pub struct PolicyReport {
     pub skipped_mass: f64,
     /// Mean wasted bytes per layer.
     pub wasted_bytes: f64,
+    /// Of the bytes the layers still had to read, the fraction that missed
+    /// the deadline (the engine's `late_skipped` over its requested bundles).
+    pub late_fraction: f64,
     /// Mean decision time per layer, µs (lookup or solve).
     pub decide_us: f64,
 }
@@ -73,6 +76,8 @@ struct Layer {
     layer_us: f64,
     skipped: f64,
     wasted: f64,
+    late: f64,
+    wanted: f64,
     decide_us: f64,
 }
 
@@ -125,6 +130,8 @@ fn run_episode(
             layer_us: o.layer_us,
             skipped: o.skipped_mass,
             wasted: o.wasted_bytes,
+            late: o.late_bytes,
+            wanted: o.read_wanted_bytes,
             decide_us,
         });
     }
@@ -146,6 +153,8 @@ fn report(name: String, layers: &[Layer]) -> PolicyReport {
         p99_layer_us: p99,
         skipped_mass: layers.iter().map(|l| l.skipped).sum::<f64>() / n,
         wasted_bytes: layers.iter().map(|l| l.wasted).sum::<f64>() / n,
+        late_fraction: layers.iter().map(|l| l.late).sum::<f64>()
+            / layers.iter().map(|l| l.wanted).sum::<f64>().max(1.0),
         decide_us: layers.iter().map(|l| l.decide_us).sum::<f64>() / n,
     }
 }

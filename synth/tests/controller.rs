@@ -201,12 +201,13 @@ fn measured_recall_and_engine_latencies_change_what_the_table_chooses() {
             .map(|&q| (q, vec![900.0 + per_read * (q - 1) as f64; 101]))
             .collect(),
         ns_per_neuron: None,
+        resident_rows: None,
         runs: vec![],
     };
     let table_for = |per_read: f64| {
         let mut f = fitted();
         let mut c = cfg.clone();
-        c.params.block = engine(per_read).apply_to(&mut f);
+        engine(per_read).apply_to(&mut f, &mut c.params);
         synthesize(&c, &f, false).unwrap()
     };
     let deep = |a: &leanstream_runtime::control::Action| a.queue_depth == 16;

@@ -217,6 +217,8 @@ impl Provenance {
 /// The engine's measured state, in the units of the axes.
 #[derive(Clone, Copy, Debug, Default, PartialEq)]
 pub struct ControlState {
+    /// Bytes of the layer's bundles already landed by the previous layer's
+    /// speculative prefetch (the axis keeps its file name, `queued_bytes`).
     pub queued_bytes: f64,
     pub missing_bytes: f64,
     pub read_bw_bytes_s: f64,

@@ -434,6 +434,9 @@ pub struct EngineStats {
     /// Neurons computed / neurons the layers have, over all rows.
     pub kept: u64,
     pub considered: u64,
+    /// Neuron rows computed (gate and up products), over all rows: what
+    /// the controller's compute time per neuron is measured against.
+    pub rows_computed: u64,
     /// Wall time inside FFN calls, and of that the time compute was blocked
     /// waiting for bundles to land.
     pub ffn_seconds: f64,
@@ -504,6 +507,7 @@ impl FlashEngine {
         s.tokens = self.tokens;
         s.kept = self.tail.kept;
         s.considered = self.tail.considered;
+        s.rows_computed = self.tail.stage1_rows;
         s.ffn_seconds = self.tail.seconds;
         s
     }

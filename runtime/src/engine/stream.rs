@@ -878,17 +878,15 @@ impl Streamer {
         n
     }
 
-    /// Bundle bytes the queued stage of layer `l` has asked to read (cancelled reads excluded).
-    pub fn queued_bytes(&self, l: usize) -> u64 {
+    /// Bundle bytes of layer `l`'s queued stage that have landed (taken by
+    /// compute or not): what a layer starts with, as the control model's
+    /// `queued_bytes` state means it (reads still in flight are missing).
+    pub fn landed_bytes(&self, l: usize) -> u64 {
         let Some(k) = self.stage_of(l) else { return 0 };
         let s = &self.stages[k];
+        let log = &self.landings.stages[k].log;
         let bb = self.bundle_bytes[l] as u64;
-        s.runs
-            .iter()
-            .zip(&s.run_state)
-            .filter(|(_, &st)| st != RUN_CANCELLED)
-            .map(|(&(_, n), _)| n as u64 * bb)
-            .sum()
+        (0..log.len()).map(|i| s.runs[log.get(i) as usize].1 as u64 * bb).sum()
     }
 
     /// Whether neuron `i` of layer `l` is wanted by its queued stage.

@@ -207,8 +207,8 @@ pub struct Tail {
     pub last: CallCost,
     pub kept: u64,
     pub considered: u64,
-    /// Neuron rows stage 1 ran on.
-    stage1_rows: u64,
+    /// Neuron rows whose gate and up products ran (stage 1), over every call.
+    pub stage1_rows: u64,
     /// Wall time inside FFN calls (waits for bundles included).
     pub seconds: f64,
 }

@@ -13,7 +13,7 @@ use leanstream_synth::fit::fit_traces;
 use leanstream_synth::inspect::{describe, heatmap_svg};
 use leanstream_synth::model::{GridSpec, ModelParams};
 use leanstream_synth::predictor::{train as train_predictors, LayerLoss, TrainOptions};
-use leanstream_synth::sim::{compare, SimConfig};
+use leanstream_synth::sim::{compare, simulate_policy, Policy, SimConfig};
 use leanstream_synth::solve::SolverSettings;
 use leanstream_synth::synth::{synthesize, SynthConfig};
 
@@ -25,6 +25,30 @@ use leanstream_synth::synth::{synthesize, SynthConfig};
 struct Cli {
     #[command(subcommand)]
     cmd: Cmd,
+}
+
+#[derive(clap::Args, Clone)]
+struct EngineArgs {
+    /// `leanstream bench --json` reports of `speculate` with one action
+    /// pinned per codebook queue depth (what tune's engine-probe step
+    /// writes to work/engine/): the model takes the engine's read size,
+    /// read latencies and compute speed from them instead of the profile's.
+    #[arg(long, num_args = 1..)]
+    engine_runs: Vec<PathBuf>,
+}
+
+impl EngineArgs {
+    /// The traces fitted, and the engine's runs put in place where given
+    /// (which sets the model's request size and reference depth in `cfg`).
+    fn fit(&self, traces: &Path, cfg: &mut SynthConfig) -> Result<leanstream_synth::fit::Fitted> {
+        let mut fitted = fit_traces(traces)?;
+        if !self.engine_runs.is_empty() {
+            let engine =
+                leanstream_synth::engine_fit::fit_engine(&self.engine_runs, cfg.params.n_layers, cfg.params.n_ff)?;
+            engine.apply_to(&mut fitted, &mut cfg.params);
+        }
+        Ok(fitted)
+    }
 }
 
 #[derive(clap::Args, Clone)]
@@ -247,12 +271,8 @@ enum Cmd {
         traces: PathBuf,
         #[arg(short, long)]
         out: PathBuf,
-        /// `leanstream bench --json` reports of `speculate` with one action
-        /// pinned per codebook queue depth (what tune's engine-probe step
-        /// writes to work/engine/): the model takes the engine's read size,
-        /// read latencies and compute speed from them instead of the profile's.
-        #[arg(long, num_args = 1..)]
-        engine_runs: Vec<PathBuf>,
+        #[command(flatten)]
+        engine: EngineArgs,
         #[command(flatten)]
         model: ModelArgs,
         #[arg(long)]
@@ -271,10 +291,16 @@ enum Cmd {
         #[arg(long)]
         traces: PathBuf,
         #[command(flatten)]
+        engine: EngineArgs,
+        #[command(flatten)]
         model: ModelArgs,
         /// Simulated tokens (each one pass over the layers).
         #[arg(long, default_value_t = 40)]
         tokens: usize,
+        /// Codebook actions to report besides the best fixed one, as
+        /// `leanstream --controller` writes them (`fixed:K=2,b=2.5,d=2,q=16`).
+        #[arg(long, num_args = 1..)]
+        fixed: Vec<String>,
         /// Skip online MPC (slow).
         #[arg(long)]
         no_mpc: bool,
@@ -625,19 +651,13 @@ fn main() -> Result<()> {
         Cmd::Controller {
             traces,
             out,
-            engine_runs,
+            engine,
             model,
             quiet,
         } => {
             let mut cfg = model.config()?;
             let t0 = Instant::now();
-            let mut fitted = fit_traces(&traces)?;
-            if !engine_runs.is_empty() {
-                let engine =
-                    leanstream_synth::engine_fit::fit_engine(&engine_runs, cfg.params.n_layers, cfg.params.n_ff)?;
-                cfg.params.block = engine.apply_to(&mut fitted);
-                cfg.params.ref_qd = engine.reference_depth(cfg.params.ref_qd);
-            }
+            let fitted = engine.fit(&traces, &mut cfg)?;
             let t_fit = t0.elapsed().as_secs_f64();
             let table = synthesize(&cfg, &fitted, !quiet)?;
             let t_all = t0.elapsed().as_secs_f64();
@@ -666,31 +686,47 @@ fn main() -> Result<()> {
         Cmd::Simulate {
             table,
             traces,
+            engine,
             model,
             tokens,
+            fixed,
             no_mpc,
             json,
         } => {
             let (t, _) = load(&table)?;
-            let cfg = model.config()?;
-            let fitted = fit_traces(&traces)?;
+            let mut cfg = model.config()?;
+            let fitted = engine.fit(&traces, &mut cfg)?;
             let sim = SimConfig { tokens, seed: cfg.seed };
-            let rows = compare(&t, &cfg, &fitted, &sim, !no_mpc)?;
+            let mut rows = compare(&t, &cfg, &fitted, &sim, !no_mpc)?;
+            for spec in &fixed {
+                let action = leanstream_runtime::engine::controller::Controller::parse_fixed(spec)?.codebook()[0];
+                let Some(i) = t.codebook.iter().position(|a| *a == action) else {
+                    bail!("--fixed {spec}: not an action of the table's codebook");
+                };
+                rows.push(simulate_policy(
+                    &format!("fixed ({})", t.codebook[i]),
+                    &Policy::Fixed(i),
+                    &cfg,
+                    &fitted,
+                    &sim,
+                )?);
+            }
             if json {
                 out(&format!("{}\n", serde_json::to_string_pretty(&rows)?))?;
             } else {
                 let mut s = format!(
-                    "{:<60} {:>10} {:>10} {:>10} {:>8} {:>12} {:>10}\n",
-                    "policy", "mean_cost", "layer_us", "p99_us", "skipped", "wasted_B", "decide_us"
+                    "{:<60} {:>10} {:>10} {:>10} {:>8} {:>8} {:>12} {:>10}\n",
+                    "policy", "mean_cost", "layer_us", "p99_us", "skipped", "late", "wasted_B", "decide_us"
                 );
                 for r in &rows {
                     s += &format!(
-                        "{:<60} {:>10.1} {:>10.1} {:>10.1} {:>8.4} {:>12.0} {:>10.2}\n",
+                        "{:<60} {:>10.1} {:>10.1} {:>10.1} {:>8.4} {:>8.4} {:>12.0} {:>10.2}\n",
                         r.policy,
                         r.mean_cost,
                         r.mean_layer_us,
                         r.p99_layer_us,
                         r.skipped_mass,
+                        r.late_fraction,
                         r.wasted_bytes,
                         r.decide_us
                     );

@@ -156,7 +156,8 @@ impl Speculate {
         // `bits` holds the breadth-1 set: the predicted need; D is its uncached part.
         let missing = s.uncached_count(layer, &r.ranking.bits) as f64 * self.bundle_bytes[layer] as f64;
         let state = ControlState {
-            queued_bytes: s.queued_bytes(layer) as f64,
+            // The model counts these bytes as loaded: in-flight reads are not.
+            queued_bytes: s.landed_bytes(layer) as f64,
             missing_bytes: missing,
             read_bw_bytes_s: self.meter.read_bw(),
             compute_ns_per_neuron: self.meter.ns_per_neuron().unwrap_or(f64::NAN),
