@@ -1,7 +1,10 @@
 //! `--device cuda[:N]`: generation (`run`) and speed (`bench`) with the dense
-//! engine on a CUDA device (`leanstream-cuda`), sampling on the host from its logits.
+//! engine on a CUDA device (`leanstream-cuda`), sampling on the host from its
+//! logits in the runtime's generation loop (`serve` and `chat` run it in
+//! `leanstream-server`).
 
 use std::io::Write;
+use std::ops::ControlFlow;
 use std::path::Path;
 use std::time::Instant;
 
@@ -9,8 +12,10 @@ use anyhow::{bail, Context, Result};
 use leanstream_cuda::device::Gpu;
 use leanstream_cuda::engine::GpuModel;
 use leanstream_runtime::fetch::resolve_model;
+use leanstream_runtime::generate::decode_until;
 use leanstream_runtime::model::Model;
 use leanstream_runtime::tokenizer::StreamDecoder;
+use leanstream_runtime::RuntimeError;
 
 use crate::{load_path, prompt_ids, FlashArgs, Generation};
 
@@ -63,44 +68,27 @@ pub(crate) fn run(
     let (mut g, device) = open(ordinal, &model, ctx, ids.len())?;
     let load_s = t0.elapsed().as_secs_f64();
 
-    let t = Instant::now();
-    let mut pos = 0;
-    for chunk in ids.chunks(g.max_batch) {
-        g.forward(chunk, pos)?;
-        pos += chunk.len();
-    }
-    let mut logits = g.logits()?;
-    let prompt_s = t.elapsed().as_secs_f64();
-
     let mut sampler = gen.sampler(&model);
     let mut decoder = StreamDecoder::new();
     let stdout = std::io::stdout();
     let mut out = stdout.lock();
-    let t = Instant::now();
-    let mut generated = 0;
-    while generated < gen.n && pos < ctx {
-        let tok = sampler.sample(&logits);
-        if model.tokenizer.is_end_of_generation(tok) {
-            break;
-        }
-        generated += 1;
+    let stats = decode_until(&mut g, &model.tokenizer, &ids, 0, gen.n, &mut sampler, |tok| {
         out.write_all(decoder.push(&model.tokenizer, tok).as_bytes())
             .and_then(|_| out.flush())
-            .context("writing to stdout")?;
-        if generated < gen.n && pos < ctx {
-            g.forward(&[tok], pos)?;
-            logits = g.logits()?;
-            pos += 1;
-        }
-    }
+            .map_err(|source| RuntimeError::Io {
+                path: "stdout".into(),
+                source,
+            })?;
+        Ok(ControlFlow::Continue(()))
+    })?;
     out.write_all(decoder.finish().as_bytes())?;
     out.flush()?;
-    let decode_s = t.elapsed().as_secs_f64();
     eprintln!(
-        "\n{device} | load {load_s:.2} s | prompt {} tokens, {:.1} tok/s | decode {generated} tokens, {:.1} tok/s",
-        ids.len(),
-        ids.len() as f64 / prompt_s.max(1e-9),
-        generated as f64 / decode_s.max(1e-9),
+        "\n{device} | load {load_s:.2} s | prompt {} tokens, {:.1} tok/s | decode {} tokens, {:.1} tok/s",
+        stats.prompt_tokens,
+        stats.prompt_tok_s(),
+        stats.generated_tokens,
+        stats.decode_tok_s(),
     );
     Ok(())
 }

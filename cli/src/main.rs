@@ -278,6 +278,11 @@ struct EngineArgs {
     /// would exceed).
     #[arg(long)]
     prompt_cache_mib: Option<usize>,
+    /// Where the model runs: cpu, or cuda[:N] (the dense engine of a GGUF
+    /// model on CUDA device N, without prompt reuse; an error naming why
+    /// where there is none).
+    #[arg(long, default_value = "cpu")]
+    device: String,
     #[command(flatten)]
     flash: FlashArgs,
 }
@@ -285,12 +290,18 @@ struct EngineArgs {
 impl EngineArgs {
     /// Opens the engine with room for `queue` waiting requests.
     fn start(&self, queue: usize) -> Result<Engine> {
+        let model = resolve_model(&self.model)?;
+        let device = gpu::ordinal(&self.device)?;
+        if device.is_some() {
+            gpu::check_dense_gguf(&model, &self.flash)?;
+        }
         Ok(Engine::start(EngineOptions {
-            model: resolve_model(&self.model)?,
+            model,
             settings: self.flash.settings()?,
             ctx: self.ctx,
             queue,
             threads: rayon::current_num_threads().into(),
+            device,
             prompt_cache: !self.no_prompt_cache,
             prompt_cache_bytes: self.prompt_cache_mib.map(|mib| mib << 20),
         })?)

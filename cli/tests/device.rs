@@ -1,7 +1,7 @@
-//! `run --device`: a bad device name and options the device engine lacks
-//! are errors naming them; `cuda` on a machine without CUDA is an ordinary
-//! error ("no CUDA device"), never a panic, and where a device is present
-//! it generates.
+//! `run`, `bench`, `serve` and `chat --device`: a bad device name and
+//! options the device engine lacks are errors naming them; `cuda` on a
+//! machine without CUDA is an ordinary error ("no CUDA device"), never a
+//! panic, and where a device is present it generates.
 
 use std::path::PathBuf;
 use std::process::{Command, Output};
@@ -106,4 +106,38 @@ fn bench_refuses_what_the_device_engine_does_not_run() {
     assert_refused(&o, "--ffn-budget is an option of the CPU streaming engine");
     let o = bench(&["--device", "gpu"]);
     assert_refused(&o, "expected cpu, cuda or cuda:N");
+}
+
+/// `chat` opens the same engine as `serve` (`leanstream-server`).
+#[test]
+fn chat_on_cuda_answers_or_says_there_is_no_device() {
+    use std::io::Write;
+    let mut child = Command::new(env!("CARGO_BIN_EXE_leanstream"))
+        .args(["chat", "--model"])
+        .arg(model())
+        .args(["--device", "cuda", "-n", "4", "--temp", "0"])
+        .stdin(std::process::Stdio::piped())
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    // A machine without CUDA may have refused before reading anything.
+    let _ = child.stdin.take().unwrap().write_all(b"a b\n");
+    let o = child.wait_with_output().unwrap();
+    let err = stderr(&o);
+    assert!(!err.contains("panicked"), "{err}");
+    if o.status.success() {
+        assert!(!o.stdout.is_empty(), "no reply: {err}");
+    } else {
+        assert!(err.contains("no CUDA device"), "{err}");
+    }
+}
+
+#[test]
+fn serve_refuses_what_the_device_engine_does_not_run() {
+    let serve = |args: &[&str]| leanstream("serve", &["--port", "0"], args);
+    let o = serve(&["--device", "cuda", "--policy", "dense"]);
+    assert_refused(&o, "--policy is an option of the CPU streaming engine");
+    let o = serve(&["--device", "npu"]);
+    assert_refused(&o, "--device \"npu\": expected cpu, cuda or cuda:N");
 }

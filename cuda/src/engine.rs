@@ -8,7 +8,9 @@
 use cudarc::driver::CudaSlice;
 use leanstream_kernels::ops::RopeStyle;
 use leanstream_kernels::GgmlType;
+use leanstream_runtime::generate::Decoder;
 use leanstream_runtime::model::{Config, FfnActivation, MatRef, Model};
+use leanstream_runtime::RuntimeError;
 
 use crate::device::{DevPtr, Gpu};
 use crate::{CudaError, Result};
@@ -71,6 +73,8 @@ pub struct GpuModel<'m> {
     /// GGML's GELU of every f16 value (what the GeGLU kernel looks up).
     gelu: CudaSlice<f32>,
     buf: Buffers,
+    /// The last logits on the host, for the generation loop ([`Decoder`]).
+    host_logits: Vec<f32>,
     pub ctx: usize,
     pub max_batch: usize,
 }
@@ -158,6 +162,7 @@ impl<'m> GpuModel<'m> {
             gelu: gpu.upload(&gelu)?,
             layers,
             buf,
+            host_logits: Vec::new(),
             gpu,
             model,
             ctx,
@@ -353,27 +358,47 @@ impl<'m> GpuModel<'m> {
         self.gpu.download(&self.buf.logits)
     }
 
+    /// Runs `tokens` at positions `pos0..` in batches of `max_batch`.
+    pub fn ingest(&mut self, tokens: &[u32], pos0: usize) -> Result<()> {
+        let mut pos = pos0;
+        for chunk in tokens.chunks(self.max_batch) {
+            self.forward(chunk, pos)?;
+            pos += chunk.len();
+        }
+        Ok(())
+    }
+
     /// Greedy continuation of `prompt` by `n` tokens (the prompt in batches
     /// of `max_batch`, then one token at a time).
     pub fn greedy(&mut self, prompt: &[u32], n: usize) -> Result<Vec<u32>> {
         if prompt.is_empty() {
             return Err(CudaError::Invalid("empty prompt".into()));
         }
-        let mut pos = 0;
-        for chunk in prompt.chunks(self.max_batch) {
-            self.forward(chunk, pos)?;
-            pos += chunk.len();
-        }
+        self.ingest(prompt, 0)?;
         let mut out = Vec::with_capacity(n);
-        for _ in 0..n {
-            let next = leanstream_runtime::generate::sampler::argmax(&self.logits()?);
+        for pos in (prompt.len()..).take(n) {
+            let next = leanstream_runtime::generate::sampler::argmax(&GpuModel::logits(self)?);
             out.push(next);
             if out.len() == n {
                 break;
             }
             self.forward(&[next], pos)?;
-            pos += 1;
         }
         Ok(out)
+    }
+}
+
+/// The device engine in the runtime's generation loop (`run`, `serve` and
+/// `chat` with `--device cuda`): its errors keep their wording.
+impl Decoder for GpuModel<'_> {
+    fn ctx(&self) -> usize {
+        self.ctx
+    }
+    fn ingest(&mut self, tokens: &[u32], pos0: usize) -> std::result::Result<(), RuntimeError> {
+        GpuModel::ingest(self, tokens, pos0).map_err(|e| RuntimeError::Device(e.to_string()))
+    }
+    fn logits(&mut self) -> std::result::Result<&[f32], RuntimeError> {
+        self.host_logits = GpuModel::logits(self).map_err(|e| RuntimeError::Device(e.to_string()))?;
+        Ok(&self.host_logits)
     }
 }

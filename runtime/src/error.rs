@@ -40,6 +40,9 @@ pub enum RuntimeError {
     Fetch(String),
     #[error("{0}")]
     Invalid(String),
+    /// A device backend's error (`leanstream-cuda`), as it worded it.
+    #[error("{0}")]
+    Device(String),
     #[error(transparent)]
     Kernel(#[from] KernelError),
 }

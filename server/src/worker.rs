@@ -1,8 +1,9 @@
 //! The one engine: a thread that owns the model (and its flash engine and
-//! memory budget), takes generation jobs from a bounded queue one at a time
-//! and streams each job's text back over its own channel. A job whose
-//! channel is closed (its client went away) is skipped or stopped after the
-//! token in progress, so the engine is free again at once.
+//! memory budget, or its copy on a CUDA device), takes generation jobs from
+//! a bounded queue one at a time and streams each job's text back over its
+//! own channel. A job whose channel is closed (its client went away) is
+//! skipped or stopped after the token in progress, so the engine is free
+//! again at once.
 
 use std::ops::ControlFlow;
 use std::path::PathBuf;
@@ -10,11 +11,14 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::mpsc::{sync_channel, Receiver, SyncSender, TrySendError};
 use std::sync::Arc;
 
+use leanstream_cuda::device::Gpu;
+use leanstream_cuda::engine::GpuModel;
 use leanstream_runtime::engine::Policy;
-use leanstream_runtime::generate::{generate_until, ChatTemplate, Sampler, SamplerConfig};
-use leanstream_runtime::model::RunState;
+use leanstream_runtime::generate::{decode_until, ChatTemplate, CpuDecoder, Decoder, Sampler, SamplerConfig};
+use leanstream_runtime::model::{KvCache, Model, RunState};
 use leanstream_runtime::session::{Session, StreamSettings};
 use leanstream_runtime::tokenizer::StreamDecoder;
+use leanstream_runtime::RuntimeError;
 use tokio::sync::mpsc;
 
 use crate::metrics::{EngineSnapshot, Metrics};
@@ -33,6 +37,9 @@ pub struct EngineOptions {
     pub queue: usize,
     /// Compute threads (default: one per core).
     pub threads: Option<usize>,
+    /// CUDA device ordinal: the dense engine of a GGUF model on that device
+    /// (no prompt reuse: its KV cache lives on the device). `None`: the CPU.
+    pub device: Option<usize>,
     /// Reuse the KV cache of the longest prompt prefix a request shares with
     /// the tokens of the one before (as llama-server does): a conversation's
     /// next turn and a shared system prompt are not run again. The reused
@@ -48,6 +55,7 @@ pub struct EngineOptions {
 impl EngineOptions {
     fn prompt_cache_bytes(&self) -> usize {
         match (self.prompt_cache, self.prompt_cache_bytes, self.settings.mem_budget) {
+            _ if self.device.is_some() => 0,
             (false, _, _) => 0,
             (true, Some(b), _) => b,
             (true, None, Some(_)) => 0,
@@ -172,14 +180,28 @@ impl Engine {
                         return;
                     }
                 };
-                pool.install(|| match open(&opts) {
-                    Ok((session, st, info)) => {
-                        let _ = ready_tx.send(Ok(info));
-                        let cache = PromptCache::new(opts.prompt_cache_bytes());
-                        serve_jobs(session, st, rx, &q, &m, opts.prompt_cache, cache);
-                    }
-                    Err(e) => {
-                        let _ = ready_tx.send(Err(e));
+                pool.install(|| {
+                    // Loaded here, before the backend that borrows it.
+                    let model;
+                    let backend = match opts.device {
+                        None => open(&opts),
+                        Some(n) => match Model::load(&opts.model) {
+                            Ok(m) => {
+                                model = m;
+                                open_device(&opts, n, &model)
+                            }
+                            Err(e) => Err(e.into()),
+                        },
+                    };
+                    match backend.and_then(|b| Ok((model_info(&opts, b.model(), b.ctx())?, b))) {
+                        Ok((info, backend)) => {
+                            let _ = ready_tx.send(Ok(info));
+                            let cache = PromptCache::new(opts.prompt_cache_bytes());
+                            serve_jobs(backend, rx, &q, &m, opts.prompt_cache, cache);
+                        }
+                        Err(e) => {
+                            let _ = ready_tx.send(Err(e));
+                        }
                     }
                 })
             })?;
@@ -243,12 +265,73 @@ impl Drop for Engine {
     }
 }
 
-fn open(opts: &EngineOptions) -> Result<(Session, RunState, ModelInfo), ServerError> {
+/// Where generation runs: the CPU session (a GGUF model, or a `.lsflash`
+/// one streaming its FFN) with its run state, or a CUDA device's dense engine.
+// One per server, on the engine thread's stack: the variants' sizes do not matter.
+#[allow(clippy::large_enum_variant)]
+enum Backend<'m> {
+    Cpu { session: Session, st: RunState },
+    Cuda { model: &'m Model, gpu: GpuModel<'m> },
+}
+
+impl<'m> Backend<'m> {
+    fn model(&self) -> &Model {
+        match self {
+            Self::Cpu { session, .. } => session.model(),
+            Self::Cuda { model, .. } => model,
+        }
+    }
+
+    fn ctx(&self) -> usize {
+        match self {
+            Self::Cpu { st, .. } => st.ctx,
+            Self::Cuda { gpu, .. } => gpu.ctx,
+        }
+    }
+
+    /// The KV cache a prompt's shared prefix can be reused from (the CPU's).
+    fn reusable_kv(&mut self) -> Option<&mut KvCache> {
+        match self {
+            Self::Cpu { st, .. } => Some(&mut st.kv),
+            Self::Cuda { .. } => None,
+        }
+    }
+
+    /// The model and the generation loop's decoder over it.
+    fn decoder(&mut self) -> Result<(&Model, Box<dyn Decoder + '_>), ServerError> {
+        match self {
+            Self::Cpu { session, st } => {
+                let (model, hook) = session.parts()?;
+                Ok((model, Box::new(CpuDecoder { model, st, hook })))
+            }
+            Self::Cuda { model, gpu } => Ok((*model, Box::new(gpu))),
+        }
+    }
+}
+
+fn open(opts: &EngineOptions) -> Result<Backend<'static>, ServerError> {
     let (session, st) = Session::open(&opts.model, &opts.settings, |model| {
-        let ctx = opts.ctx.unwrap_or(2048).clamp(2, model.config.context_length.max(2));
+        let ctx = context(opts, model);
         Ok(model.new_state(ctx, ctx.min(512), 1))
     })?;
-    let model = session.model();
+    Ok(Backend::Cpu { session, st })
+}
+
+/// `model` on CUDA device `ordinal`; "no CUDA device" where there is none.
+fn open_device<'m>(opts: &EngineOptions, ordinal: usize, model: &'m Model) -> Result<Backend<'m>, ServerError> {
+    let device = |e: leanstream_cuda::CudaError| ServerError::from(RuntimeError::Device(e.to_string()));
+    let ctx = context(opts, model);
+    let gpu = Gpu::open(ordinal).map_err(device)?;
+    let gpu = GpuModel::new(gpu, model, ctx, ctx.min(512)).map_err(device)?;
+    Ok(Backend::Cuda { model, gpu })
+}
+
+/// The context: `--ctx` (default 2048), at most the model's.
+fn context(opts: &EngineOptions, model: &Model) -> usize {
+    opts.ctx.unwrap_or(2048).clamp(2, model.config.context_length.max(2))
+}
+
+fn model_info(opts: &EngineOptions, model: &Model, ctx: usize) -> Result<ModelInfo, ServerError> {
     let tok = &model.tokenizer;
     let text_of = |id: Option<u32>| id.and_then(|i| tok.token_text(i)).map(str::to_string);
     let chat_template = model.gguf.get_str("tokenizer.chat_template")?.map(str::to_string);
@@ -256,9 +339,9 @@ fn open(opts: &EngineOptions) -> Result<(Session, RunState, ModelInfo), ServerEr
         .model
         .file_stem()
         .map_or_else(|| "model".to_string(), |s| s.to_string_lossy().into_owned());
-    let info = ModelInfo {
+    Ok(ModelInfo {
         name,
-        ctx: st.ctx,
+        ctx,
         family: ChatTemplate::detect(chat_template.as_deref(), model.config.arch),
         chat_template,
         bos_text: text_of(tok.bos()),
@@ -267,13 +350,11 @@ fn open(opts: &EngineOptions) -> Result<(Session, RunState, ModelInfo), ServerEr
         created: std::time::SystemTime::now()
             .duration_since(std::time::UNIX_EPOCH)
             .map_or(0, |d| d.as_secs()),
-    };
-    Ok((session, st, info))
+    })
 }
 
 fn serve_jobs(
-    mut session: Session,
-    mut st: RunState,
+    mut backend: Backend<'_>,
     rx: Receiver<Job>,
     queued: &AtomicUsize,
     metrics: &Metrics,
@@ -291,42 +372,33 @@ fn serve_jobs(
             metrics.set_busy(false);
             continue;
         }
-        run_job(&mut session, &mut st, job, metrics, &mut cached, &mut cache);
+        run_job(&mut backend, job, metrics, &mut cached, &mut cache);
         if !prompt_cache {
             cached.clear();
         }
         metrics.set_prompt_cache_bytes(cache.bytes());
-        if let Some((fm, engine)) = session.flash() {
-            metrics.set_engine(EngineSnapshot {
-                policy: engine.policy().to_string(),
-                stats: engine.stats(),
-                memory: fm.memory(&st, engine),
-            });
+        if let Backend::Cpu { session, st } = &backend {
+            if let Some((fm, engine)) = session.flash() {
+                metrics.set_engine(EngineSnapshot {
+                    policy: engine.policy().to_string(),
+                    stats: engine.stats(),
+                    memory: fm.memory(st, engine),
+                });
+            }
         }
         metrics.set_busy(false);
     }
 }
 
 /// Runs `job`; `cached` is what the state's KV cache holds before and after.
-fn run_job(
-    session: &mut Session,
-    st: &mut RunState,
-    job: Job,
-    metrics: &Metrics,
-    cached: &mut Vec<u32>,
-    cache: &mut PromptCache,
-) {
+fn run_job(backend: &mut Backend<'_>, job: Job, metrics: &Metrics, cached: &mut Vec<u32>, cache: &mut PromptCache) {
     let Job { request, events } = job;
     let fail = |e: ServerError| {
         metrics.count_failed(&e);
         let _ = events.blocking_send(Event::Failed(e));
     };
-    let (model, hook) = match session.parts() {
-        Ok(p) => p,
-        Err(e) => return fail(e.into()),
-    };
-    let ids = model.tokenizer.encode(&request.prompt, true, true);
-    let ctx = st.ctx;
+    let ids = backend.model().tokenizer.encode(&request.prompt, true, true);
+    let ctx = backend.ctx();
     if ids.len() >= ctx {
         return fail(ServerError::BadRequest {
             message: format!(
@@ -361,41 +433,58 @@ fn run_job(
         metrics.count_cancelled();
         return;
     }
-    let mut sampler = Sampler::new(request.sampling, model.config.n_vocab);
     let mut decoder = StreamDecoder::new();
     let mut stops = StopScan::new(request.stop);
     let (mut cancelled, mut stopped) = (false, false);
-    let mut reused = shared(cached, &ids);
-    if !st.kv.resumable(reused) {
-        // A sliding-window ring that wrapped no longer holds what the shared
-        // prefix's successors would see: run the prompt whole.
-        reused = 0;
-    }
-    // An earlier prompt that shares more than the state does is put back
-    // (a restore that fails has written nothing: the state stays as it was).
-    if let Some((i, n)) = cache.best(&ids).filter(|&(_, n)| n > reused) {
-        if let Ok(tokens) = cache.restore(i, &mut st.kv) {
-            *cached = tokens;
-            reused = n;
+    let mut reused = 0;
+    if let Some(kv) = backend.reusable_kv() {
+        reused = shared(cached, &ids);
+        if !kv.resumable(reused) {
+            // A sliding-window ring that wrapped no longer holds what the shared
+            // prefix's successors would see: run the prompt whole.
+            reused = 0;
+        }
+        // An earlier prompt that shares more than the state does is put back
+        // (a restore that fails has written nothing: the state stays as it was).
+        if let Some((i, n)) = cache.best(&ids).filter(|&(_, n)| n > reused) {
+            if let Ok(tokens) = cache.restore(i, kv) {
+                *cached = tokens;
+                reused = n;
+            }
         }
     }
     // Until it ends well, the state holds this prompt's prefix at most.
     cached.truncate(reused);
+    let (model, mut dec) = match backend.decoder() {
+        Ok(p) => p,
+        Err(e) => return fail(e),
+    };
+    let mut sampler = Sampler::new(request.sampling, model.config.n_vocab);
     let mut generated = Vec::new();
-    let result = generate_until(model, st, &ids, reused, max_tokens, &mut sampler, hook, |tok| {
-        generated.push(tok);
-        let (text, hit) = stops.push(&decoder.push(&model.tokenizer, tok));
-        if (!text.is_empty() && events.blocking_send(Event::Text(text)).is_err()) || events.is_closed() {
-            cancelled = true;
-            return Ok(ControlFlow::Break(()));
-        }
-        stopped = hit;
-        Ok(if hit {
-            ControlFlow::Break(())
-        } else {
-            ControlFlow::Continue(())
-        })
-    });
+    let result = decode_until(
+        &mut *dec,
+        &model.tokenizer,
+        &ids,
+        reused,
+        max_tokens,
+        &mut sampler,
+        |tok| {
+            generated.push(tok);
+            let (text, hit) = stops.push(&decoder.push(&model.tokenizer, tok));
+            if (!text.is_empty() && events.blocking_send(Event::Text(text)).is_err()) || events.is_closed() {
+                cancelled = true;
+                return Ok(ControlFlow::Break(()));
+            }
+            stopped = hit;
+            Ok(if hit {
+                ControlFlow::Break(())
+            } else {
+                ControlFlow::Continue(())
+            })
+        },
+    );
+    // The decoder holds the backend; the KV cache is needed below.
+    drop(dec);
     let stats = match result {
         Ok(s) => s,
         Err(e) => {
@@ -407,7 +496,9 @@ fn run_job(
     generated.pop();
     *cached = ids.clone();
     cached.extend_from_slice(&generated);
-    cache.insert(cached, &st.kv);
+    if let Some(kv) = backend.reusable_kv() {
+        cache.insert(cached, kv);
+    }
     metrics.count_tokens(&stats);
     if cancelled {
         metrics.count_cancelled();

@@ -11,6 +11,7 @@ pub use chat::{ChatMessage, ChatTemplate};
 pub use sampler::{argmax, Sampler, SamplerConfig};
 
 use crate::model::{DenseFfn, LayerHook, Model, RunState};
+use crate::tokenizer::Tokenizer;
 use crate::{Result, RuntimeError};
 
 #[derive(Debug, Clone, Default)]
@@ -88,6 +89,49 @@ pub fn generate_with(
     })
 }
 
+/// What the generation loop needs of an engine: the CPU model with its run
+/// state and FFN hook ([`CpuDecoder`]), or a device's (`leanstream-cuda`).
+pub trait Decoder {
+    /// Tokens the context holds.
+    fn ctx(&self) -> usize;
+    /// Runs `tokens` (any number: the decoder batches them) at positions
+    /// `pos0..`, leaving the last one's logits.
+    fn ingest(&mut self, tokens: &[u32], pos0: usize) -> Result<()>;
+    /// The logits of the last token run.
+    fn logits(&mut self) -> Result<&[f32]>;
+}
+
+impl<D: Decoder + ?Sized> Decoder for &mut D {
+    fn ctx(&self) -> usize {
+        (**self).ctx()
+    }
+    fn ingest(&mut self, tokens: &[u32], pos0: usize) -> Result<()> {
+        (**self).ingest(tokens, pos0)
+    }
+    fn logits(&mut self) -> Result<&[f32]> {
+        (**self).logits()
+    }
+}
+
+/// The CPU engine as a [`Decoder`].
+pub struct CpuDecoder<'a> {
+    pub model: &'a Model,
+    pub st: &'a mut RunState,
+    pub hook: &'a mut dyn LayerHook,
+}
+
+impl Decoder for CpuDecoder<'_> {
+    fn ctx(&self) -> usize {
+        self.st.ctx
+    }
+    fn ingest(&mut self, tokens: &[u32], pos0: usize) -> Result<()> {
+        ingest_with(self.model, self.st, tokens, pos0, self.hook)
+    }
+    fn logits(&mut self) -> Result<&[f32]> {
+        self.model.logits(self.st, 0, 1)
+    }
+}
+
 /// `generate_with` whose caller may end the generation after any token
 /// (a stop string seen, a client gone) by answering `ControlFlow::Break`;
 /// no forward pass runs after it. The first `reused` prompt tokens are
@@ -102,16 +146,33 @@ pub fn generate_until(
     n_predict: usize,
     sampler: &mut Sampler,
     hook: &mut dyn LayerHook,
+    on_token: impl FnMut(u32) -> Result<ControlFlow<()>>,
+) -> Result<GenerationStats> {
+    let mut dec = CpuDecoder { model, st, hook };
+    decode_until(&mut dec, &model.tokenizer, prompt, reused, n_predict, sampler, on_token)
+}
+
+/// [`generate_until`] on any [`Decoder`]: the prompt from token `reused`
+/// on, then up to `n_predict` tokens, each passed to `on_token`, ending
+/// early on an end-of-generation token (not passed on), a full context or
+/// the caller's `ControlFlow::Break`.
+pub fn decode_until(
+    dec: &mut dyn Decoder,
+    tokenizer: &Tokenizer,
+    prompt: &[u32],
+    reused: usize,
+    n_predict: usize,
+    sampler: &mut Sampler,
     mut on_token: impl FnMut(u32) -> Result<ControlFlow<()>>,
 ) -> Result<GenerationStats> {
+    let ctx = dec.ctx();
     if prompt.is_empty() {
         return Err(RuntimeError::Invalid("empty prompt: nothing to continue".into()));
     }
-    if prompt.len() >= st.ctx {
+    if prompt.len() >= ctx {
         return Err(RuntimeError::Invalid(format!(
-            "prompt of {} tokens does not fit a context of {}",
+            "prompt of {} tokens does not fit a context of {ctx}",
             prompt.len(),
-            st.ctx
         )));
     }
     let mut stats = GenerationStats {
@@ -120,14 +181,13 @@ pub fn generate_until(
     };
     let t0 = Instant::now();
     stats.reused_tokens = reused.min(prompt.len() - 1);
-    ingest_with(model, st, &prompt[stats.reused_tokens..], stats.reused_tokens, hook)?;
+    dec.ingest(&prompt[stats.reused_tokens..], stats.reused_tokens)?;
     stats.prompt_time = t0.elapsed();
 
     let t1 = Instant::now();
     for (i, pos) in (prompt.len()..).take(n_predict).enumerate() {
-        let logits = model.logits(st, 0, 1)?;
-        let tok = sampler.sample(logits);
-        if model.tokenizer.is_end_of_generation(tok) {
+        let tok = sampler.sample(dec.logits()?);
+        if tokenizer.is_end_of_generation(tok) {
             stats.stopped_on_eog = true;
             break;
         }
@@ -138,10 +198,10 @@ pub fn generate_until(
             break;
         }
         // The last token needs no forward pass: nothing will read its logits.
-        if i + 1 == n_predict || pos >= st.ctx {
+        if i + 1 == n_predict || pos >= ctx {
             break;
         }
-        model.forward_with(st, &[tok], pos, 0..1, hook)?;
+        dec.ingest(&[tok], pos)?;
     }
     stats.decode_time = t1.elapsed();
     Ok(stats)
