@@ -136,3 +136,47 @@ pub fn outputs_intact(dir: &Path, rec: &StepRecord) -> bool {
             && leanstream_runtime::fetch::sha256_file(&full).is_ok_and(|s| s == o.sha256)
     })
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A resumed run reads the manifest and writes it again: every number
+    /// must come back bit for bit (without serde_json's `float_roundtrip`,
+    /// -7.4940054162198085e-19 came back as -7.494005416219808e-19).
+    #[test]
+    fn a_saved_manifest_loads_back_bit_for_bit() {
+        let dir = std::env::temp_dir().join(format!("leanstream-manifest-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let mut m = Manifest::new(Path::new("m.gguf"), "00", "dev", 60.0);
+        let values: [f64; 5] = [
+            -7.4940054162198085e-19,
+            0.1 + 0.2,
+            1.0 / 3.0,
+            2.2250738585072014e-308,
+            1e300 / 7.0,
+        ];
+        m.steps.insert(
+            "controller".into(),
+            StepRecord {
+                inputs_key: "k".into(),
+                inputs: serde_json::json!({}),
+                outputs: vec![],
+                seconds: 0.1 + 0.7,
+                budget_s: 60.0,
+                sessions: 1,
+                finished_unix: 0,
+                summary: serde_json::json!({ "values": values }),
+            },
+        );
+        m.save(&dir).unwrap();
+        let back = Manifest::load(&dir).unwrap().unwrap();
+        assert_eq!(back, m);
+        let got: Vec<f64> = serde_json::from_value(back.steps["controller"].summary["values"].clone()).unwrap();
+        assert!(
+            got.iter().zip(&values).all(|(a, b)| a.to_bits() == b.to_bits()),
+            "{got:?}"
+        );
+        std::fs::remove_dir_all(&dir).ok();
+    }
+}
