@@ -13,7 +13,10 @@
 //! 3. optionally, 2-opt on that chain minimising the summed Hamming distance
 //!    of adjacent neurons' activation patterns on (a sample of) the training
 //!    tokens: with no merge gap, a token's read count is half the number of
-//!    needed/unneeded boundaries along the layer, which is exactly that sum.
+//!    needed/unneeded boundaries along the layer, which is exactly that sum
+//!    (layers wider than 4,096 neurons try reversals of up to 256 positions
+//!    and compute distances as needed: a full table and full passes cost
+//!    the 7B shape 822 MB and 10^8 moves a layer and pass).
 //!
 //! [`evaluate`] replays a split through the streamer's run-merging rule
 //! ([`leanstream_runtime::flash::runs::RunRule`]) to count reads and bytes.
@@ -343,50 +346,96 @@ fn chain(emb: &[f32], n: usize, dim: usize, start: usize) -> Vec<u32> {
     order
 }
 
-/// Pairwise Hamming distances of the neurons' activation patterns over
-/// (at most) `max_tokens` evenly spaced tokens, `[n][n]`.
-fn hamming(act: &Active, n: usize, max_tokens: usize) -> Vec<u32> {
-    let t_all = act.tokens();
-    let picked: Vec<usize> = if t_all <= max_tokens {
-        (0..t_all).collect()
-    } else {
-        (0..max_tokens).map(|k| k * t_all / max_tokens).collect()
-    };
-    let words = picked.len().div_ceil(64).max(1);
-    let mut bits = vec![0u64; n * words];
-    for (w, &t) in picked.iter().enumerate() {
-        for &i in act.token(t) {
-            bits[i as usize * words + w / 64] |= 1 << (w % 64);
-        }
-    }
-    let mut d = vec![0u32; n * n];
-    for a in 0..n {
-        for b in a + 1..n {
-            let x = &bits[a * words..(a + 1) * words];
-            let y = &bits[b * words..(b + 1) * words];
-            let h: u32 = x.iter().zip(y).map(|(p, q)| (p ^ q).count_ones()).sum();
-            d[a * n + b] = h;
-            d[b * n + a] = h;
-        }
-    }
-    d
+/// Layers up to this many neurons get a full distance table (64 MiB at
+/// 4,096) and full 2-opt; wider ones (the 7B shape's 14,336: an 822 MB
+/// table, and passes of 10^8 moves) compute distances when asked and try
+/// reversals of at most [`WIDE_WINDOW`] positions.
+const FULL_TABLE_MAX: usize = 4096;
+const WIDE_WINDOW: usize = 256;
+
+/// Co-activation distances between a layer's neurons: the Hamming distance
+/// of their activation patterns over up to `max_tokens` evenly spaced
+/// training tokens.
+struct Distances {
+    n: usize,
+    words: usize,
+    bits: Vec<u64>,
+    table: Option<Vec<u32>>,
 }
 
-fn path_cost(order: &[u32], d: &[u32], n: usize) -> u64 {
-    order
-        .windows(2)
-        .map(|w| d[w[0] as usize * n + w[1] as usize] as u64)
-        .sum()
+impl Distances {
+    fn new(act: &Active, n: usize, max_tokens: usize) -> Self {
+        let t_all = act.tokens();
+        let picked: Vec<usize> = if t_all <= max_tokens {
+            (0..t_all).collect()
+        } else {
+            (0..max_tokens).map(|k| k * t_all / max_tokens).collect()
+        };
+        let words = picked.len().div_ceil(64).max(1);
+        let mut bits = vec![0u64; n * words];
+        for (w, &t) in picked.iter().enumerate() {
+            for &i in act.token(t) {
+                bits[i as usize * words + w / 64] |= 1 << (w % 64);
+            }
+        }
+        let mut d = Self {
+            n,
+            words,
+            bits,
+            table: None,
+        };
+        if n <= FULL_TABLE_MAX {
+            let mut t = vec![0u32; n * n];
+            for a in 0..n {
+                for b in a + 1..n {
+                    let h = d.compute(a, b);
+                    t[a * n + b] = h;
+                    t[b * n + a] = h;
+                }
+            }
+            d.table = Some(t);
+        }
+        d
+    }
+
+    fn compute(&self, a: usize, b: usize) -> u32 {
+        let x = &self.bits[a * self.words..(a + 1) * self.words];
+        let y = &self.bits[b * self.words..(b + 1) * self.words];
+        x.iter().zip(y).map(|(p, q)| (p ^ q).count_ones()).sum()
+    }
+
+    #[inline]
+    fn get(&self, a: u32, b: u32) -> u32 {
+        match &self.table {
+            Some(t) => t[a as usize * self.n + b as usize],
+            None => self.compute(a as usize, b as usize),
+        }
+    }
+
+    /// Longest reversal 2-opt tries: all of a narrow layer.
+    fn window(&self) -> usize {
+        if self.table.is_some() {
+            self.n
+        } else {
+            WIDE_WINDOW
+        }
+    }
 }
 
-/// 2-opt on an open path: reverse `order[i+1..=j]` while that shortens it.
-fn two_opt(order: &mut [u32], d: &[u32], n: usize, max_passes: usize) {
+fn path_cost(order: &[u32], d: &Distances) -> u64 {
+    order.windows(2).map(|w| d.get(w[0], w[1]) as u64).sum()
+}
+
+/// 2-opt on an open path: reverse `order[i+1..=j]` while that shortens it
+/// (`j - i` at most `d.window()`).
+fn two_opt(order: &mut [u32], d: &Distances, max_passes: usize) {
     let len = order.len();
-    let dist = |a: u32, b: u32| d[a as usize * n + b as usize] as i64;
+    let dist = |a: u32, b: u32| d.get(a, b) as i64;
+    let window = d.window();
     for _ in 0..max_passes {
         let mut improved = false;
         for i in 0..len.saturating_sub(2) {
-            for j in i + 2..len {
+            for j in i + 2..len.min(i + 1 + window) {
                 let (a, b, c) = (order[i], order[i + 1], order[j]);
                 let old_next = if j + 1 < len { dist(c, order[j + 1]) } else { 0 };
                 let new_next = if j + 1 < len { dist(b, order[j + 1]) } else { 0 };
@@ -459,16 +508,16 @@ pub fn learn(trace: &Trace, opts: &PlacementOptions) -> Result<Placement> {
                 .max_by(|&a, &b| count[a].cmp(&count[b]).then(b.cmp(&a)))
                 .unwrap_or(0);
             let mut order = chain(&emb, n, opts.dim, start);
-            let d = hamming(&act, n, opts.refine_tokens.max(1));
-            let chain_cost = path_cost(&order, &d, n);
+            let d = Distances::new(&act, n, opts.refine_tokens.max(1));
+            let chain_cost = path_cost(&order, &d);
             if opts.refine {
-                two_opt(&mut order, &d, n, 50);
+                two_opt(&mut order, &d, 50);
             }
             let stats = LayerStats {
                 loss,
-                frequency_cost: path_cost(&freq_order[l], &d, n),
+                frequency_cost: path_cost(&freq_order[l], &d),
                 chain_cost,
-                final_cost: path_cost(&order, &d, n),
+                final_cost: path_cost(&order, &d),
             };
             pb.inc(1);
             Ok((order, stats))
@@ -653,4 +702,53 @@ pub fn compare(trace: &Trace, learned: &[Vec<u32>], sparsity: f32, progress: boo
         ),
     };
     evaluate(trace, "heldout", &orders, &settings, progress)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Neuron i is active in token t when bit i of a per-token pseudo-random word is set.
+    fn active(n: usize, tokens: usize) -> Active {
+        let (mut offsets, mut ids) = (vec![0], Vec::new());
+        let mut rng = Rng::new(7);
+        for _ in 0..tokens {
+            for i in 0..n {
+                if rng.uniform() < 0.5 {
+                    ids.push(i as u16);
+                }
+            }
+            offsets.push(ids.len());
+        }
+        Active::from_parts(offsets, ids)
+    }
+
+    #[test]
+    fn wide_layers_compute_the_distances_a_table_would_hold() {
+        let act = active(FULL_TABLE_MAX + 8, 70);
+        let wide = Distances::new(&act, FULL_TABLE_MAX + 8, 64);
+        assert!(wide.table.is_none() && wide.window() == WIDE_WINDOW);
+        let narrow_act = active(300, 70);
+        let narrow = Distances::new(&narrow_act, 300, 64);
+        assert_eq!(narrow.window(), 300);
+        for (a, b) in [(0u32, 1u32), (5, 299), (120, 7)] {
+            assert_eq!(narrow.get(a, b), narrow.compute(a as usize, b as usize));
+            assert_eq!(narrow.get(a, b), narrow.get(b, a));
+        }
+        assert_eq!(wide.get(3, 4000), wide.compute(4000, 3));
+    }
+
+    #[test]
+    fn windowed_two_opt_keeps_a_permutation_and_never_lengthens_the_path() {
+        let n = FULL_TABLE_MAX + 500;
+        let d = Distances::new(&active(n, 64), n, 64);
+        let mut order: Vec<u32> = (0..n as u32).collect();
+        let before = path_cost(&order, &d);
+        two_opt(&mut order, &d, 2);
+        let after = path_cost(&order, &d);
+        assert!(after < before, "{after} >= {before}");
+        let mut sorted = order.clone();
+        sorted.sort_unstable();
+        assert!(sorted.iter().enumerate().all(|(i, &v)| v == i as u32));
+    }
 }
