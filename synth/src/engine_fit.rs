@@ -178,6 +178,13 @@ impl EngineFit {
 mod tests {
     use super::*;
 
+    /// A fresh directory of this test process for the test `name`.
+    fn scratch(name: &str) -> PathBuf {
+        let dir = std::env::temp_dir().join(format!("leanstream-engine-fit-{name}-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        dir
+    }
+
     fn report(dir: &Path, name: &str, q: u32, lat: f64, bytes: f64, compute_s: f64) -> PathBuf {
         let p = dir.join(name);
         let v = serde_json::json!({
@@ -192,8 +199,7 @@ mod tests {
 
     #[test]
     fn engine_latencies_replace_the_profile_at_the_engine_request_size() {
-        let dir = std::env::temp_dir().join(format!("leanstream-engine-fit-{}", std::process::id()));
-        std::fs::create_dir_all(&dir).unwrap();
+        let dir = scratch("latencies");
         let runs = vec![
             report(&dir, "q1.json", 1, 100.0, 20000.0, 0.010),
             report(&dir, "q16.json", 16, 400.0, 20000.0, 0.030),
@@ -221,8 +227,7 @@ mod tests {
 
     #[test]
     fn counted_rows_give_the_compute_per_row_and_the_cache_rows() {
-        let dir = std::env::temp_dir().join(format!("leanstream-engine-fit-rows-{}", std::process::id()));
-        std::fs::create_dir_all(&dir).unwrap();
+        let dir = scratch("rows");
         let p = dir.join("q4.json");
         // 2 layers × 1000 neurons of 100 bytes; 1200 rows computed per
         // token, 800 of them read: 200 per layer from the cache.
@@ -257,8 +262,7 @@ mod tests {
 
     #[test]
     fn a_report_without_latencies_is_refused_by_name() {
-        let dir = std::env::temp_dir().join(format!("leanstream-engine-fit-bad-{}", std::process::id()));
-        std::fs::create_dir_all(&dir).unwrap();
+        let dir = scratch("bad");
         let p = dir.join("dense.json");
         std::fs::write(&p, r#"{"decode_tok_s": 10}"#).unwrap();
         let e = fit_engine(std::slice::from_ref(&p), 2, 10).unwrap_err().to_string();
