@@ -21,6 +21,16 @@ fn cell(v: &Value, digits: usize) -> String {
     v.as_f64().map_or("–".into(), |x| format!("{x:.digits$}"))
 }
 
+/// `x` to three significant digits: 0.501 on a 7B model, 19.3 on SmolLM2.
+fn three_digits(x: f64) -> String {
+    let digits = if x.is_finite() && x > 0.0 {
+        (2 - x.log10().floor() as i32).clamp(0, 6) as usize
+    } else {
+        1
+    };
+    format!("{x:.digits$}")
+}
+
 fn save(ctx: &Ctx, name: &str, svg: &str, files: &mut Vec<String>) -> Result<String> {
     let rel = format!("{PLOTS}/{name}");
     let path = ctx.out.join(&rel);
@@ -109,6 +119,13 @@ pub(super) fn write(ctx: &Ctx) -> Result<(Vec<String>, Value)> {
          {} tokens after one warm-up, each run its own process.\n",
         ctx.opts.sparsity, verify["plan"]["gen_tokens"]
     );
+    if verify["plan"]["quality_chunks"].as_u64() == Some(0) {
+        let _ = writeln!(
+            r,
+            "Quality was not measured: at the engine probe's speed one perplexity chunk takes longer than the \
+             step's share of the budget (a larger `--budget` measures it).\n"
+        );
+    }
     let _ = writeln!(
         r,
         "| run | FFN budget | memory (MiB) | decode tok/s | MiB read/token | skipped | ppl ratio | top-1 |\n|---|---|---|---|---|---|---|---|"
@@ -117,11 +134,11 @@ pub(super) fn write(ctx: &Ctx) -> Result<(Vec<String>, Value)> {
     for v in &runs {
         let _ = writeln!(
             r,
-            "| {} | {} | {:.1} | {:.1} | {:.2} | {:.3} | {} | {} |",
+            "| {} | {} | {:.1} | {} | {:.2} | {:.3} | {} | {} |",
             v["label"].as_str().unwrap_or("?"),
             v["budget"].as_str().unwrap_or("?"),
             mib(&v["memory"]["total"]),
-            f(&v["decode_tok_s"]),
+            three_digits(f(&v["decode_tok_s"])),
             mib(&v["bytes_read_per_token"]),
             f(&v["skipped_fraction"]),
             cell(&v["quality"]["ppl_ratio"], 3),

@@ -86,6 +86,17 @@ const CALIB_TOK_S: f64 = 400.0;
 /// Held-out tokens/s of the eviction step's replay (every policy, Belady's bound among them).
 const REPLAY_TOK_S: f64 = 50.0;
 const TRAIN_S_PER_UNIT: f64 = 80e-9;
+/// Decode tokens/s of `speculate` on SmolLM2 at the 25% FFN budget and
+/// sparsity 0.5 with 2 threads (17.7 to 19.1 measured): the engine probe's
+/// sizing before it has measured anything. Reads and compute both scale with
+/// the FFN, so `speed` carries it to other models (on the Mistral-7B shape
+/// it predicts 0.27 tok/s; the probe measured 0.38 to 0.53).
+const ENGINE_TOK_S: f64 = 18.0;
+/// Bytes/s of opening a packed file and filling its cache (the Mistral-7B
+/// shape's 5.0 GB file loaded in 8.4 s).
+const LOAD_BYTES_S: f64 = 500e6;
+/// Decoded tokens of an engine probe run, fewest and most.
+const PROBE_TOKENS: (usize, usize) = (4, 48);
 /// The adaptive profile takes this fraction of the uniform profiles' shares
 /// (`scripts/bench_adaptive_profile.sh` compared tables at that ratio)...
 const ADAPTIVE_FRACTION: f64 = 1.0 / 45.0;
@@ -121,6 +132,93 @@ pub struct VerifyPlan {
     pub quality_chunks: usize,
     /// Deadline factors of the speed-quality curve (empty: none).
     pub deadlines: Vec<String>,
+}
+
+/// Decoded tokens of each of `runs` engine probe runs sharing `share_s`:
+/// what fits at `tok_s` after each run's `load_s` (a run decodes them twice,
+/// warm-up and measured), never fewer than the fit needs (a token is
+/// thousands of reads) nor more than it uses.
+fn probe_tokens_for(share_s: f64, runs: usize, load_s: f64, tok_s: f64) -> usize {
+    let per_run = share_s / runs.max(1) as f64 - load_s;
+    let tokens = (per_run * tok_s / 2.0).floor().max(0.0) as usize;
+    tokens.clamp(PROBE_TOKENS.0, PROBE_TOKENS.1)
+}
+
+impl VerifyPlan {
+    /// Plans from the largest to the smallest, `op` the operating FFN budget.
+    fn ladder(op: &str) -> [VerifyPlan; 4] {
+        let strings = |v: &[&str]| v.iter().map(|s| s.to_string()).collect::<Vec<_>>();
+        [
+            VerifyPlan {
+                budgets: strings(&["10%", "25%", "50%", "100%"]),
+                gen_tokens: 32,
+                reps: 1,
+                quality_ctx: 256,
+                quality_chunks: 1,
+                deadlines: strings(&["2", "8", "inf"]),
+            },
+            VerifyPlan {
+                budgets: if op == "100%" {
+                    strings(&[op])
+                } else {
+                    strings(&[op, "100%"])
+                },
+                gen_tokens: 16,
+                reps: 1,
+                quality_ctx: 128,
+                quality_chunks: 1,
+                deadlines: strings(&["2", "inf"]),
+            },
+            VerifyPlan {
+                budgets: strings(&[op]),
+                gen_tokens: 8,
+                reps: 1,
+                quality_ctx: 64,
+                quality_chunks: 1,
+                deadlines: Vec::new(),
+            },
+            // Speed only: on a 7B model at well under a token a second, one
+            // perplexity chunk costs more than the step's whole share.
+            VerifyPlan {
+                budgets: strings(&[op]),
+                gen_tokens: 4,
+                reps: 1,
+                quality_ctx: 0,
+                quality_chunks: 0,
+                deadlines: Vec::new(),
+            },
+        ]
+    }
+
+    /// The largest plan whose estimate fits `share_s`; the smallest if none does.
+    fn pick(op: &str, share_s: f64, tok_s: f64, load_s: f64) -> VerifyPlan {
+        let [a, b, c, d] = Self::ladder(op);
+        [a, b, c]
+            .into_iter()
+            .find(|p| p.seconds(tok_s, load_s) <= share_s)
+            .unwrap_or(d)
+    }
+
+    /// Whether the runs at the operating budget measure quality.
+    pub fn measures_quality(&self) -> bool {
+        self.quality_ctx > 0 && self.quality_chunks > 0
+    }
+
+    /// Estimated seconds: each run loads, then decodes its tokens reps + 1
+    /// times (the first warms up); a quality run (the operating budget's two
+    /// and each deadline's) decodes its chunks token by token and streams
+    /// the dense reference, counted as about as much again.
+    fn seconds(&self, tok_s: f64, load_s: f64) -> f64 {
+        let runs = (2 * self.budgets.len() + self.deadlines.len()) as f64;
+        let decode = ((self.reps + 1) * self.gen_tokens) as f64 / tok_s;
+        let quality_runs = if self.measures_quality() {
+            2 + self.deadlines.len()
+        } else {
+            0
+        };
+        let quality = quality_runs as f64 * 2.0 * (self.quality_ctx * self.quality_chunks) as f64 / tok_s;
+        runs * (load_s + decode) + quality
+    }
 }
 
 impl Step {
@@ -271,35 +369,54 @@ impl Step {
         round_to(ctx.budget_of(Step::Predictor) / unit, 256, 256, Self::trace_tokens(ctx))
     }
 
-    /// Decoded tokens of each engine probe run.
-    pub fn probe_tokens(ctx: &Ctx) -> usize {
-        if ctx.budget_of(Step::EngineProbe) >= 30.0 {
-            48
-        } else {
-            8
-        }
+    /// Decode tokens/s of `speculate` on this model, estimated from its shape.
+    fn estimated_tok_s(ctx: &Ctx) -> f64 {
+        ENGINE_TOK_S * Self::speed(ctx)
     }
 
-    pub fn verify_plan(ctx: &Ctx) -> VerifyPlan {
-        if ctx.budget_of(Step::Verify) >= 120.0 {
-            VerifyPlan {
-                budgets: ["10%", "25%", "50%", "100%"].map(String::from).to_vec(),
-                gen_tokens: 32,
-                reps: 1,
-                quality_ctx: 256,
-                quality_chunks: 1,
-                deadlines: ["2", "8", "inf"].map(String::from).to_vec(),
-            }
-        } else {
-            VerifyPlan {
-                budgets: vec![ctx.opts.ffn_budget.clone()],
-                gen_tokens: 8,
-                reps: 1,
-                quality_ctx: 64,
-                quality_chunks: 1,
-                deadlines: Vec::new(),
-            }
-        }
+    /// Decode tokens/s of `speculate` as the engine probe measured it (its
+    /// slowest queue depth), else the estimate. Only for steps after the
+    /// probe: the probe's own inputs must not change once it has run.
+    fn measured_tok_s(ctx: &Ctx) -> f64 {
+        let measured = ctx.summary_of(Step::EngineProbe).and_then(|s| {
+            s["runs"]
+                .as_array()?
+                .iter()
+                .filter_map(|r| r["decode_tok_s"].as_f64())
+                .filter(|v| v.is_finite() && *v > 0.0)
+                .min_by(f64::total_cmp)
+        });
+        measured.unwrap_or_else(|| Self::estimated_tok_s(ctx))
+    }
+
+    /// Seconds one `leanstream bench` process spends before it decodes:
+    /// opening the packed file and filling its cache.
+    fn load_s(ctx: &Ctx) -> Result<f64> {
+        let path = ctx.out.join(MODEL);
+        let bytes = std::fs::metadata(&path).map_err(|e| SynthError::io(&path, e))?.len();
+        Ok(bytes as f64 / LOAD_BYTES_S)
+    }
+
+    /// Decoded tokens of each engine probe run (see [`probe_tokens_for`]).
+    pub fn probe_tokens(ctx: &Ctx) -> Result<usize> {
+        let runs = crate::model::ActionSpace::default().queue_depths.len();
+        Ok(probe_tokens_for(
+            ctx.budget_of(Step::EngineProbe),
+            runs,
+            Self::load_s(ctx)?,
+            Self::estimated_tok_s(ctx),
+        ))
+    }
+
+    /// The largest verification plan that fits the step's share at the
+    /// engine probe's measured speed (see [`VerifyPlan::pick`]).
+    pub fn verify_plan(ctx: &Ctx) -> Result<VerifyPlan> {
+        Ok(VerifyPlan::pick(
+            &ctx.opts.ffn_budget,
+            ctx.budget_of(Step::Verify),
+            Self::measured_tok_s(ctx),
+            Self::load_s(ctx)?,
+        ))
     }
 
     /// The packed file's request sizes: one bundle (in 4 KiB pages), the
@@ -444,7 +561,7 @@ impl Step {
                 "sparsity": o.sparsity,
                 "ffn_budget": o.ffn_budget,
                 "queue_depths": crate::model::ActionSpace::default().queue_depths,
-                "gen_tokens": Self::probe_tokens(ctx),
+                "gen_tokens": Self::probe_tokens(ctx)?,
             }),
             Step::Controller => match o.profiling {
                 Profiling::Uniform => json!({
@@ -483,7 +600,7 @@ impl Step {
                 "eviction": ctx.hash_of(EVICTION)?,
                 "heldout": ctx.hash_of(HELDOUT_TEXT)?,
                 "sparsity": o.sparsity,
-                "plan": Self::verify_plan(ctx),
+                "plan": Self::verify_plan(ctx)?,
             }),
             Step::Report => {
                 let pipeline = Self::pipeline(o.profiling);
@@ -826,4 +943,42 @@ fn eviction(ctx: &Ctx) -> Result<(Vec<String>, Value)> {
         vec![EVICTION.into()],
         json!({"table4": rows, "budget_share": 0.25, "replay_tokens": replay}),
     ))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn probe_tokens_fit_the_share() {
+        // SmolLM2 at a 30-minute budget: 54 s for 3 runs at ~18 tok/s, capped.
+        assert_eq!(probe_tokens_for(54.0, 3, 0.2, 18.0), PROBE_TOKENS.1);
+        // 2 s at 18 tok/s: 5 tokens decoded twice.
+        assert_eq!(probe_tokens_for(3.0 * 0.7, 3, 0.2, 18.0), 4);
+        assert_eq!(probe_tokens_for(3.0 * 1.5, 3, 0.2, 18.0), 11);
+        // The Mistral-7B shape at a 25-minute budget: 45 s, 10 s to load, 0.27 tok/s.
+        assert_eq!(probe_tokens_for(45.0, 3, 10.0, 0.27), PROBE_TOKENS.0);
+    }
+
+    #[test]
+    fn the_verify_plan_shrinks_with_the_speed() {
+        let full = VerifyPlan::pick("25%", 270.0, 18.0, 0.2);
+        assert_eq!(full.budgets.len(), 4);
+        assert!(full.measures_quality() && full.deadlines.len() == 3);
+        assert!(full.seconds(18.0, 0.2) <= 270.0);
+        // A 12-minute budget's 108 s: the operating budget and 100%, a shorter curve.
+        let mid = VerifyPlan::pick("25%", 108.0, 18.0, 0.2);
+        assert_eq!(mid.budgets, ["25%", "100%"]);
+        assert!(mid.seconds(18.0, 0.2) <= 108.0);
+        // The Mistral-7B shape (0.38 tok/s measured, 10 s to load): speed only.
+        let slow = VerifyPlan::pick("25%", 225.0, 0.38, 10.0);
+        assert!(!slow.measures_quality());
+        assert_eq!((slow.budgets.len(), slow.gen_tokens), (1, 4));
+        assert!(slow.seconds(0.38, 10.0) <= 225.0);
+        // Every rung costs less than the one above it.
+        let ladder = VerifyPlan::ladder("25%");
+        for w in ladder.windows(2) {
+            assert!(w[1].seconds(1.0, 1.0) < w[0].seconds(1.0, 1.0));
+        }
+    }
 }

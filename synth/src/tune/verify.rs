@@ -23,10 +23,10 @@ struct Run {
 
 pub(super) fn verify(ctx: &Ctx) -> Result<(Vec<String>, Value)> {
     let bin = super::leanstream_bin(ctx.opts)?;
-    let plan = Step::verify_plan(ctx);
+    let plan = Step::verify_plan(ctx)?;
     let mut runs = Vec::new();
     for b in &plan.budgets {
-        let at_op = *b == ctx.opts.ffn_budget || plan.budgets.len() == 1;
+        let at_op = plan.measures_quality() && (*b == ctx.opts.ffn_budget || plan.budgets.len() == 1);
         for (config, policy) in [("tuned", "speculate"), ("default", "dense-stream")] {
             runs.push(Run {
                 label: format!("{config} {b}"),
@@ -49,7 +49,7 @@ pub(super) fn verify(ctx: &Ctx) -> Result<(Vec<String>, Value)> {
                 "--controller".into(),
                 format!("fixed:K=2,b=1.5,d={d},q=16"),
             ],
-            quality: true,
+            quality: plan.measures_quality(),
         });
     }
     let heldout = ctx.out.join(HELDOUT_TEXT);
@@ -157,7 +157,7 @@ pub(super) fn engine_probe(ctx: &Ctx) -> Result<(Vec<String>, Value)> {
             &bin,
             &action,
             &ctx.opts.ffn_budget,
-            Step::probe_tokens(ctx),
+            Step::probe_tokens(ctx)?,
             1,
             &args,
         )?;
