@@ -12,7 +12,8 @@
 //! The evaluation replays the held-out split's true active sets, token by
 //! token and layer by layer, through the runtime's own [`NeuronCache`] with
 //! each policy: a layer's hits are pinned while its misses are inserted, as
-//! the engine does.
+//! the engine does. Two bounds frame them: the learned priorities with free
+//! reloads (the best their ranking allows) and Belady's offline optimum.
 
 use std::sync::Arc;
 
@@ -262,8 +263,64 @@ pub fn table4(
             })
         })
         .collect::<Result<Vec<_>>>()?;
+    rows.push(learned_free_choice(
+        &active,
+        &trained.table,
+        n_ff,
+        tokens,
+        slots as usize,
+    ));
     rows.push(belady(&active, n_ff, tokens, slots as usize));
     Ok(rows)
+}
+
+/// The learned priorities' own ceiling: before each token the cache holds
+/// the `slots` neurons they rank highest, as if it could load any neuron
+/// for free between tokens. A cache that admits and evicts by these
+/// priorities cannot miss less; the gap from here to Belady's bound is
+/// what a neuron's history does not tell about the next token.
+fn learned_free_choice(active: &[Active], table: &RetentionTable, n_ff: usize, tokens: usize, slots: usize) -> MissRow {
+    let n = active.len() * n_ff;
+    let mut last = vec![u64::MAX; n];
+    let mut ranked: Vec<(u16, u32)> = Vec::with_capacity(n);
+    let mut resident = vec![false; n];
+    let (mut lookups, mut misses) = (0u64, 0u64);
+    for t in 0..tokens as u64 {
+        // Ranked on what is known after token t - 1, as `layer_counts` trained it.
+        ranked.clear();
+        ranked.extend((0..n).map(|k| {
+            let age = match last[k] {
+                u64::MAX => u64::MAX,
+                seen => t - 1 - seen,
+            };
+            (u16::MAX - table.priority(k / n_ff, k % n_ff, age), k as u32)
+        }));
+        resident.fill(false);
+        let keep = slots.min(n);
+        if keep > 0 {
+            if keep < n {
+                ranked.select_nth_unstable(keep - 1);
+            }
+            for &(_, k) in &ranked[..keep] {
+                resident[k as usize] = true;
+            }
+        }
+        for (l, a) in active.iter().enumerate() {
+            for &i in a.token(t as usize) {
+                let k = l * n_ff + i as usize;
+                lookups += 1;
+                misses += !resident[k] as u64;
+                last[k] = t;
+            }
+        }
+    }
+    MissRow {
+        policy: "learned, free reloads (its ceiling)".into(),
+        lookups,
+        misses,
+        miss_ratio: misses as f64 / lookups.max(1) as f64,
+        rejections: 0,
+    }
 }
 
 /// Belady's MIN on the same accesses: on a miss with the cache full, the
@@ -352,5 +409,32 @@ mod tests {
         assert_eq!((seen[N_BUCKETS + 1], used[N_BUCKETS + 1]), (2, 2));
         // Neuron 2 is never seen.
         assert!(seen[2 * N_BUCKETS..].iter().all(|&s| s == 0));
+    }
+
+    /// One slot; neuron 0 used every token, neuron 1 every other. Priorities
+    /// that rank the steady neuron first miss only the other's uses; ranking
+    /// it last misses all of its six.
+    #[test]
+    fn the_free_choice_ceiling_follows_the_priorities() {
+        let tokens = 6;
+        let mut offsets = vec![0];
+        let mut ids = Vec::new();
+        for t in 0..tokens {
+            ids.push(0u16);
+            if t % 2 == 0 {
+                ids.push(1);
+            }
+            offsets.push(ids.len());
+        }
+        let active = [Active::from_parts(offsets, ids)];
+        let table = |p0: f32, p1: f32| {
+            let mut p = vec![p0; N_BUCKETS];
+            p.extend(vec![p1; N_BUCKETS]);
+            RetentionTable::from_probabilities(String::new(), 1, 2, &p)
+        };
+        let row = learned_free_choice(&active, &table(0.9, 0.1), 2, tokens, 1);
+        assert_eq!((row.lookups, row.misses), (9, 3));
+        let row = learned_free_choice(&active, &table(0.1, 0.9), 2, tokens, 1);
+        assert_eq!((row.lookups, row.misses), (9, 6));
     }
 }
