@@ -519,6 +519,22 @@ fn blocked_kernels_equal_per_neuron_stages_and_their_scalar_twins() {
                     run_activations_split(&f, &rows, act, gates.as_ref(), ups.as_ref(), &mut split, &mut scratch)
                         .unwrap();
                     assert_eq!(bits(&split), bits(&fast), "{gate_ty}/{up_ty} n={n}: split rows");
+                    // The same bundles in slots wider than a bundle (the cache's stride): the same bits.
+                    let stride = (bb + 1).next_multiple_of(64);
+                    let mut slots = vec![0xA5u8; (N_FF - 1) * stride + bb];
+                    for (i, b) in all.chunks_exact(bb).enumerate() {
+                        slots[i * stride..i * stride + bb].copy_from_slice(b);
+                    }
+                    let slots = Aligned::from_bytes(&slots);
+                    let mut strided = vec![0.0f32; N_FF * n];
+                    run_activations_strided(&f, &rows, act, slots.as_ref(), stride, N_FF, &mut strided, &mut scratch)
+                        .unwrap();
+                    assert_eq!(bits(&strided), bits(&fast), "{gate_ty}/{up_ty} n={n}: strided bundles");
+                    let short = &slots.as_ref()[..(N_FF - 1) * stride + bb - 1];
+                    assert!(
+                        run_activations_strided(&f, &rows, act, short, stride, N_FF, &mut strided, &mut scratch)
+                            .is_err()
+                    );
                     // The scalar twin follows GGML's generic formulas: equal to rounding.
                     for (a, b) in fast.iter().zip(&slow) {
                         assert!((a - b).abs() <= 1e-3 * (1.0 + a.abs()), "{gate_ty}/{up_ty}: {a} vs {b}");

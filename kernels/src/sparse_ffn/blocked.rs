@@ -130,6 +130,34 @@ pub fn run_activations_scalar(
     activations_on(format, rows, act, run, out, scratch, Path::Scalar)
 }
 
+/// Stage 1 over `count` bundles that start `stride` bytes apart (slots of
+/// the neuron cache, whose stride rounds a bundle up): the same values as
+/// [`run_activations`] over the same bundles back to back, without copying
+/// them together first.
+#[allow(clippy::too_many_arguments)]
+pub fn run_activations_strided(
+    format: &BundleFormat,
+    rows: &FfnRows,
+    act: FfnActivation,
+    bundles: &[u8],
+    stride: usize,
+    count: usize,
+    out: &mut [f32],
+    scratch: &mut [f32],
+) -> Result<(), KernelError> {
+    let bb = format.bundle_bytes();
+    let needed = count.checked_sub(1).map_or(0, |c| c * stride + bb);
+    if bb == 0 || stride < bb || bundles.len() < needed {
+        return Err(KernelError::ByteLength {
+            what: "strided run of neuron bundles",
+            expected: needed.max(bb),
+            got: bundles.len(),
+        });
+    }
+    let (gate, up) = ((bundles, 0, stride), (bundles, format.gate_bytes(), stride));
+    stage1_on(format, rows, act, gate, up, count, out, scratch, Path::Fastest)
+}
+
 /// Stage 1 over the same neurons' gate rows and up rows held apart, each
 /// back to back (a resident layer laid out as the source's two matrices):
 /// the same values as [`run_activations`] over their bundles.

@@ -46,8 +46,8 @@ mod blocked;
 pub mod tiles;
 
 pub use blocked::{
-    run_activations, run_activations_scalar, run_activations_split, run_down, run_down_columns, run_down_scalar,
-    FfnRows,
+    run_activations, run_activations_scalar, run_activations_split, run_activations_strided, run_down,
+    run_down_columns, run_down_scalar, FfnRows,
 };
 pub use tiles::DownTiles;
 

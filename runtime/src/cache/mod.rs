@@ -438,6 +438,16 @@ impl NeuronCache {
         })
     }
 
+    /// Slots `first..first + count` as one slice (bundle k at
+    /// `k * slot_stride()`), when each holds a bundle of `layer`; `None`
+    /// otherwise. Lets a run of resident bundles be computed where it lies.
+    pub fn slot_span(&self, layer: usize, first: u32, count: usize) -> Option<&[u8]> {
+        let (first, bb) = (first as usize, *self.bundle_bytes.get(layer)?);
+        let keys = self.slot_key.get(first..first.checked_add(count)?)?;
+        let held = |&k: &u32| k != EMPTY && k as usize / self.n_ff == layer;
+        (count > 0 && keys.iter().all(held)).then(|| self.slab.span(first, count, bb))
+    }
+
     /// Mutable bytes of an occupied slot (to fill it after `insert_slot`).
     pub fn slot_data_mut(&mut self, slot: u32) -> Option<&mut [u8]> {
         let key = *self.slot_key.get(slot as usize)?;

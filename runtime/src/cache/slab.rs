@@ -37,6 +37,14 @@ impl Slab {
         &self.bytes.as_slice()[at..at + len]
     }
 
+    /// Slots `first..first + count`, from the first's start to the end of
+    /// the last's first `len` bytes.
+    pub(crate) fn span(&self, first: usize, count: usize, len: usize) -> &[u8] {
+        assert!(count > 0 && first + count <= self.n_slots && len <= self.stride);
+        let at = first * self.stride;
+        &self.bytes.as_slice()[at..at + (count - 1) * self.stride + len]
+    }
+
     pub(crate) fn slot_mut(&mut self, slot: usize, len: usize) -> &mut [u8] {
         assert!(slot < self.n_slots && len <= self.stride);
         let at = slot * self.stride;

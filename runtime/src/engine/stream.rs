@@ -1022,6 +1022,23 @@ impl Streamer {
         Ok(&self.stages[self.front(l)?].pinned)
     }
 
+    /// The longest prefix of `ids` (hits of layer `l`) that sits in
+    /// consecutive cache slots (a static hot set is loaded in file order):
+    /// the slots as one slice, bundle k at `k × stride`, with the stride and
+    /// the count; `None` when fewer than two line up.
+    pub fn cached_span(&self, l: usize, ids: &[usize]) -> Option<(&[u8], usize, usize)> {
+        let first = self.cache.slot_of(l, *ids.first()?)?;
+        let count = ids
+            .iter()
+            .zip(first..)
+            .take_while(|&(&i, slot)| self.cache.slot_of(l, i) == Some(slot))
+            .count();
+        if count < 2 {
+            return None;
+        }
+        Some((self.cache.slot_span(l, first, count)?, self.cache.slot_stride(), count))
+    }
+
     /// Neuron `i`'s bundle from the cache (for [`hits`](Self::hits)).
     pub fn cached(&self, l: usize, i: usize) -> &[u8] {
         self.cache.peek(l, i).unwrap_or(&[])

@@ -15,8 +15,8 @@
 use std::time::Instant;
 
 use leanstream_kernels::sparse_ffn::{
-    run_activations, run_activations_split, run_down, run_down_columns, BundleFormat, DownLayout, DownTiles,
-    FfnActivation, FfnRows,
+    run_activations, run_activations_split, run_activations_strided, run_down, run_down_columns, BundleFormat,
+    DownLayout, DownTiles, FfnActivation, FfnRows,
 };
 use leanstream_kernels::ActBuffer;
 use rayon::prelude::*;
@@ -135,7 +135,16 @@ impl Resident {
 #[derive(Clone, Copy)]
 enum Rows<'a> {
     Bundles(&'a [u8]),
-    Split { gate: &'a [u8], up: &'a [u8] },
+    Split {
+        gate: &'a [u8],
+        up: &'a [u8],
+    },
+    /// `count` bundles `stride` bytes apart (cache slots).
+    Strided {
+        bytes: &'a [u8],
+        stride: usize,
+        count: usize,
+    },
 }
 
 impl<'a> Rows<'a> {
@@ -143,6 +152,7 @@ impl<'a> Rows<'a> {
         match self {
             Self::Bundles(b) => b.len() / f.bundle_bytes().max(1),
             Self::Split { gate, .. } => gate.len() / f.gate_bytes().max(1),
+            Self::Strided { count, .. } => *count,
         }
     }
 
@@ -157,6 +167,15 @@ impl<'a> Rows<'a> {
                     up: &up[i * ub..j * ub],
                 }
             }
+            Self::Strided { bytes, stride, .. } => Self::Strided {
+                bytes: if j > i {
+                    &bytes[i * stride..(j - 1) * stride + f.bundle_bytes()]
+                } else {
+                    &[]
+                },
+                stride,
+                count: j - i,
+            },
         }
     }
 
@@ -171,6 +190,9 @@ impl<'a> Rows<'a> {
         match *self {
             Self::Bundles(b) => run_activations(f, rows, act, b, out, scratch),
             Self::Split { gate, up } => run_activations_split(f, rows, act, gate, up, out, scratch),
+            Self::Strided { bytes, stride, count } => {
+                run_activations_strided(f, rows, act, bytes, stride, count, out, scratch)
+            }
         }
     }
 }
@@ -196,6 +218,11 @@ pub struct Tail {
     /// A batch of cache hits gathered back to back (`HIT_BATCH` bundles;
     /// u64-backed, so block fields stay aligned as in a read buffer).
     hit_bundles: Vec<u64>,
+    /// A layer's cache hits outside runs of consecutive slots.
+    scattered: Vec<usize>,
+    /// Neurons whose down column stage 2 reads from their (pinned) cache
+    /// slot rather than from `columns`: a streamed layer's hits.
+    in_cache: Vec<u64>,
     /// What a streamed layer computes with (its stage's want, less what did not land).
     have: Vec<u64>,
     /// Neurons computed since the last refinement, and the partial output.
@@ -228,6 +255,8 @@ impl Tail {
             down_tiles: DownTiles::new(),
             columns: Vec::new(),
             hit_bundles: Vec::new(),
+            scattered: Vec::with_capacity(n_ff),
+            in_cache: vec![0; n_ff.div_ceil(64)],
             have: vec![0; n_ff.div_ceil(64)],
             fresh: Vec::new(),
             collect: false,
@@ -400,17 +429,37 @@ impl Tail {
                     self.partial.resize(n * self.n_embd, 0.0);
                 }
                 self.begin_down(f)?;
+                self.in_cache.fill(0);
                 let expected = s.progress(l)?.1;
                 let (mut done, mut stage) = (0usize, 0usize);
-                // Cache hits sit in scattered slots: gathered a batch at a
-                // time, they go through the blocked kernels like a landed
-                // run (a bundle at a time costs more in calls than in copies).
+                // Cache hits in consecutive slots (a static hot set) are
+                // computed where they lie; scattered ones are gathered a
+                // batch at a time and go through the blocked kernels like a
+                // landed run (a bundle at a time costs more in calls than in copies).
+                let hits = s.hits(l)?;
+                let mut scattered = std::mem::take(&mut self.scattered);
+                scattered.clear();
+                let mut k = 0;
+                while k < hits.len() {
+                    let Some((bytes, stride, count)) = s.cached_span(l, &hits[k..]) else {
+                        scattered.push(hits[k]);
+                        k += 1;
+                        continue;
+                    };
+                    let ids = &hits[k..k + count];
+                    let run = Rows::Strided { bytes, stride, count };
+                    self.stage1(f, run, |j| ids[j] as u32, n, select, record.as_deref_mut())?;
+                    for (j, &i) in ids.iter().enumerate() {
+                        self.keep_hit(f, n, i, &bytes[j * stride..j * stride + bb])?;
+                    }
+                    k += count;
+                }
                 let mut words = std::mem::take(&mut self.hit_bundles);
                 if words.len() * 8 < HIT_BATCH * bb {
                     words.resize((HIT_BATCH * bb).div_ceil(8), 0);
                 }
                 let batch = bytemuck::cast_slice_mut::<u64, u8>(&mut words);
-                for ids in s.hits(l)?.chunks(HIT_BATCH) {
+                for ids in scattered.chunks(HIT_BATCH) {
                     for (k, &i) in ids.iter().enumerate() {
                         batch[k * bb..(k + 1) * bb].copy_from_slice(s.cached(l, i));
                     }
@@ -423,17 +472,18 @@ impl Tail {
                         select,
                         record.as_deref_mut(),
                     )?;
-                    for (k, &i) in ids.iter().enumerate() {
-                        self.keep_down(f, n, i, &run[k * bb..(k + 1) * bb])?;
+                    for &i in ids {
+                        self.keep_hit(f, n, i, s.cached(l, i))?;
                     }
                 }
                 self.hit_bundles = words;
+                self.scattered = scattered;
                 done += s.hits(l)?.len();
                 loop {
                     // After each of the first K-1 parts of the layer: refine.
                     while stage + 1 < k_stages && done * k_stages >= expected * (stage + 1) {
                         if let Some(h) = stages.as_deref_mut() {
-                            let partial = self.partial_output(f, n)?;
+                            let partial = self.partial_output(f, n, s, l)?;
                             h.refine(l, stage, partial, s)?;
                         }
                         stage += 1;
@@ -478,7 +528,7 @@ impl Tail {
                 if let Some(w) = want {
                     have.iter_mut().zip(w).for_each(|(h, w)| *h &= w);
                 }
-                let r = self.finish_streamed(f, n, out, &have);
+                let r = self.finish_streamed(f, n, out, &have, s, l);
                 self.have = have;
                 r?;
             }
@@ -500,18 +550,18 @@ impl Tail {
 
     /// The FFN output of the neurons computed since the last call, added
     /// to the running partial output (down columns only; `None` otherwise).
-    fn partial_output(&mut self, f: &BundleFormat, n: usize) -> Result<Option<&[f32]>> {
+    fn partial_output(&mut self, f: &BundleFormat, n: usize, s: &Streamer, l: usize) -> Result<Option<&[f32]>> {
         if !self.collect {
             return Ok(None);
         }
         self.fresh.sort_unstable();
-        let (columns, db) = (&self.columns, f.down_bytes());
+        let column = Self::column(f, &self.columns, &self.in_cache, s, l);
         run_down_columns(
             f,
             &self.fresh,
             &self.a[..n * self.n_ff],
             self.n_ff,
-            |i| &columns[i * db..(i + 1) * db],
+            column,
             &mut self.partial[..n * self.n_embd],
         )?;
         self.fresh.clear();
@@ -531,6 +581,36 @@ impl Tail {
             DownLayout::Matrix => {}
         }
         Ok(())
+    }
+
+    /// [`keep_down`](Self::keep_down) for a cache hit: its slot stays
+    /// pinned until the layer is done, so stage 2 reads a down column where
+    /// it lies instead of a copy.
+    fn keep_hit(&mut self, f: &BundleFormat, n: usize, i: usize, bundle: &[u8]) -> Result<()> {
+        if f.down_layout == DownLayout::Columns {
+            set_bit(&mut self.in_cache, i);
+            return Ok(());
+        }
+        self.keep_down(f, n, i, bundle)
+    }
+
+    /// Neuron `i`'s down column for stage 2 of streamed layer `l`: from
+    /// its cache slot (a hit) or from the copies the landed runs left.
+    fn column<'b>(
+        f: &'b BundleFormat,
+        columns: &'b [u8],
+        in_cache: &'b [u64],
+        s: &'b Streamer,
+        l: usize,
+    ) -> impl Fn(usize) -> &'b [u8] + Sync + 'b {
+        let db = f.down_bytes();
+        move |i| {
+            if bit_is_set(in_cache, i) {
+                f.down_part(s.cached(l, i)).unwrap_or(&[])
+            } else {
+                &columns[i * db..(i + 1) * db]
+            }
+        }
     }
 
     /// Copies what stage 2 needs of neuron `i`'s `bundle` (taken by stage 1
@@ -553,14 +633,22 @@ impl Tail {
     /// Stage 2 of a streamed layer over `have`, from the operand the runs
     /// left ([`keep_down`](Self::keep_down)): the same bits as [`finish`](Self::finish)
     /// over the same bundles.
-    fn finish_streamed(&mut self, f: &BundleFormat, n: usize, out: &mut [f32], have: &[u64]) -> Result<()> {
+    fn finish_streamed(
+        &mut self,
+        f: &BundleFormat,
+        n: usize,
+        out: &mut [f32],
+        have: &[u64],
+        s: &Streamer,
+        l: usize,
+    ) -> Result<()> {
         let (a, y) = (&self.a[..n * self.n_ff], &mut out[..n * self.n_embd]);
         match f.down_layout {
             DownLayout::Columns => {
                 column_ids(&mut self.ids, self.n_ff, Some(have));
                 y.fill(0.0);
-                let (columns, db) = (&self.columns, f.down_bytes());
-                run_down_columns(f, &self.ids, a, self.n_ff, |i| &columns[i * db..(i + 1) * db], y)?;
+                let column = Self::column(f, &self.columns, &self.in_cache, s, l);
+                run_down_columns(f, &self.ids, a, self.n_ff, column, y)?;
             }
             DownLayout::Tiles => {
                 let g = f.group();
