@@ -386,10 +386,8 @@ fn belady(active: &[Active], n_ff: usize, tokens: usize, slots: usize) -> MissRo
 mod tests {
     use super::*;
 
-    /// Neuron 0 used every token, neuron 1 every other token, neuron 2 never.
-    #[test]
-    fn counts_follow_ages() {
-        let tokens = 6;
+    /// `tokens` tokens of one layer: neuron 0 used in every one, neuron 1 in every other.
+    fn steady_and_alternating(tokens: usize) -> Active {
         let mut offsets = vec![0];
         let mut ids = Vec::new();
         for t in 0..tokens {
@@ -399,7 +397,14 @@ mod tests {
             }
             offsets.push(ids.len());
         }
-        let act = Active::from_parts(offsets, ids);
+        Active::from_parts(offsets, ids)
+    }
+
+    /// Neuron 0 used every token, neuron 1 every other token, neuron 2 never.
+    #[test]
+    fn counts_follow_ages() {
+        let tokens = 6;
+        let act = steady_and_alternating(tokens);
         let (seen, used, freq) = layer_counts(&act, 3, tokens);
         assert_eq!(freq, [6, 3, 0]);
         // Neuron 0: always age 0 and always used next (5 transitions).
@@ -417,16 +422,7 @@ mod tests {
     #[test]
     fn the_free_choice_ceiling_follows_the_priorities() {
         let tokens = 6;
-        let mut offsets = vec![0];
-        let mut ids = Vec::new();
-        for t in 0..tokens {
-            ids.push(0u16);
-            if t % 2 == 0 {
-                ids.push(1);
-            }
-            offsets.push(ids.len());
-        }
-        let active = [Active::from_parts(offsets, ids)];
+        let active = [steady_and_alternating(tokens)];
         let table = |p0: f32, p1: f32| {
             let mut p = vec![p0; N_BUCKETS];
             p.extend(vec![p1; N_BUCKETS]);
