@@ -175,6 +175,19 @@ pub struct MissRow {
     pub rejections: u64,
 }
 
+impl MissRow {
+    /// A bound's row (it admits everything it wants, so it rejects nothing).
+    fn bound(policy: &str, lookups: u64, misses: u64) -> Self {
+        Self {
+            policy: policy.into(),
+            lookups,
+            misses,
+            miss_ratio: misses as f64 / lookups.max(1) as f64,
+            rejections: 0,
+        }
+    }
+}
+
 /// Table 4 on `split`: the miss ratio of each policy with a cache of
 /// `budget_share` of all neurons, at `sparsity`.
 pub fn table4(
@@ -314,13 +327,7 @@ fn learned_free_choice(active: &[Active], table: &RetentionTable, n_ff: usize, t
             }
         }
     }
-    MissRow {
-        policy: "learned, free reloads (its ceiling)".into(),
-        lookups,
-        misses,
-        miss_ratio: misses as f64 / lookups.max(1) as f64,
-        rejections: 0,
-    }
+    MissRow::bound("learned, free reloads (its ceiling)", lookups, misses)
 }
 
 /// Belady's MIN on the same accesses: on a miss with the cache full, the
@@ -373,13 +380,7 @@ fn belady(active: &[Active], n_ff: usize, tokens: usize, slots: usize) -> MissRo
             }
         }
     }
-    MissRow {
-        policy: "belady (offline bound)".into(),
-        lookups,
-        misses,
-        miss_ratio: misses as f64 / lookups.max(1) as f64,
-        rejections: 0,
-    }
+    MissRow::bound("belady (offline bound)", lookups, misses)
 }
 
 #[cfg(test)]
