@@ -63,7 +63,7 @@ impl StreamSettings {
     pub fn cache_bytes(&self, fm: &FlashModel, policy: Policy, st: &RunState, trace_bytes: u64) -> Result<u64> {
         let Some(total) = self.mem_budget else {
             let budget = self.ffn_budget.unwrap_or(FfnBudget::Percent(25.0));
-            return Ok(budget.resolve(fm.ffn_bytes()));
+            return Ok(fm.cache_budget_bytes(budget));
         };
         let weights = fm.flash.resident_range().1 + fm.model.tokenizer.heap_bytes();
         let state = st.bytes() as u64;

@@ -4,8 +4,8 @@
 //! depends on the state makes the engine act differently per layer
 //! (counted); refinement adds and cancels reads and the reads go out in
 //! predicted order (the fault-injection backend's request log); a missed
-//! deadline skips bundles instead of waiting; artifacts for another model
-//! are refused by name.
+//! deadline skips bundles instead of waiting; layers held or read whole are
+//! taken unranked; artifacts for another model are refused by name.
 
 mod common;
 
@@ -132,6 +132,39 @@ fn speculate_at_sparsity_zero_without_deadline_is_dense_bit_for_bit() {
             // Every layer of every forward call decided once.
             assert_eq!(d.actions[0].layers, 7 * fm.flash.n_layer() as u64);
         }
+    }
+}
+
+/// Where a ranking decides nothing, `speculate` skips it: with the cache
+/// holding every layer whole it computes each layer whole, and with no
+/// cache an action whose breadth selects every neuron reads them all in
+/// file order. Either way it computes what `dense-stream` computes at the
+/// same sparsity, bit for bit.
+#[test]
+fn layers_held_or_read_whole_are_taken_unranked() {
+    let (_, fm) = synthetic("held", 2048, DownType::Q8_0, false);
+    let prompt = [1u32, 20, 33, 47, 5, 9];
+    for cache_bytes in [fm.cache_budget_bytes(FfnBudget::Percent(100.0)), 0] {
+        let opts = |sp: Option<Speculation>| EngineOptions {
+            cache_bytes,
+            ..options(&fm, 0.0, half_level(&fm), sp)
+        };
+        let mut plain = fm.engine_with(opts(None)).unwrap();
+        let reference = common::greedy_flash(&fm, &mut plain, &prompt, 6).unwrap();
+        // Breadth 2.5 of a half-sparse need selects every neuron.
+        let sp = speculation(&fm, fixed("fixed:K=4,b=2.5,d=inf,q=16"), 11);
+        let mut e = fm.engine_with(opts(Some(sp))).unwrap();
+        let run = common::greedy_flash(&fm, &mut e, &prompt, 6).unwrap();
+        let d = e.decisions().unwrap();
+        assert!(common::same_bits(&run, &reference), "cache {cache_bytes}: {d:?}");
+        assert!(e.stats().skipped_fraction() > 0.0, "sparsity 0.5 skips some neurons");
+        // 7 forward calls × 3 layers; the first call ranks all three (it
+        // measures the state the later calls estimate).
+        let n_layer = fm.flash.n_layer() as u64;
+        assert_eq!(d.unranked, 6 * n_layer, "cache {cache_bytes}: {d:?}");
+        // Layers 1 and 2 are re-ranked from their true input in the first
+        // call only; the next layer is read whole, so no stage re-ranks it.
+        assert_eq!(d.refinements, 2, "cache {cache_bytes}: {d:?}");
     }
 }
 

@@ -49,8 +49,8 @@ impl FfnBudget {
         parse_bytes(t).map(Self::Bytes)
     }
 
-    /// The budget in bytes for a model whose FFN weights take
-    /// `total_ffn_bytes`. A byte budget is returned as given, even above the
+    /// The budget in bytes for a model whose FFN takes `total_ffn_bytes`
+    /// (the engine passes the slot bytes that hold all of it). A byte budget is returned as given, even above the
     /// FFN size (the cache never makes more slots than there are neurons); a
     /// percentage is rounded down.
     pub fn resolve(&self, total_ffn_bytes: u64) -> u64 {

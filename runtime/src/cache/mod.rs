@@ -139,9 +139,18 @@ impl CacheShape {
         self.bundle_bytes.len()
     }
 
-    /// Bytes of all FFN bundles: what a percentage budget is a share of.
+    /// Bytes of all FFN bundles.
     pub fn total_ffn_bytes(&self) -> u64 {
         self.bundle_bytes.iter().map(|&b| b as u64 * self.n_ff as u64).sum()
+    }
+
+    /// Bytes of the slots that hold every neuron (each bundle in a slot of
+    /// [`NeuronCache::new`]'s stride): what a percentage budget is a share
+    /// of, so that 100% holds the whole FFN.
+    pub fn total_slot_bytes(&self) -> u64 {
+        let max_bundle = self.bundle_bytes.iter().copied().max().unwrap_or(0);
+        let stride = max_bundle.max(1).next_multiple_of(SLOT_ALIGN) as u64;
+        stride * (self.n_layer() * self.n_ff) as u64
     }
 }
 
@@ -195,6 +204,8 @@ pub struct NeuronCache {
     /// slot → `layer * n_ff + neuron`, or `EMPTY`.
     slot_key: Vec<u32>,
     pins: Vec<u32>,
+    /// Resident bundles per layer (a layer is whole in memory at `n_ff`).
+    per_layer: Vec<u32>,
     /// Free slots, a stack (capacity `n_slots`, never reallocates).
     free: Vec<u32>,
     policy: Box<dyn EvictionPolicy>,
@@ -256,6 +267,7 @@ impl NeuronCache {
             map: vec![EMPTY; n_keys],
             slot_key: vec![EMPTY; n_slots],
             pins: vec![0; n_slots],
+            per_layer: vec![0; n_layer],
             free: (0..n_slots as u32).rev().collect(),
             policy,
             stats: CacheStats::default(),
@@ -321,6 +333,16 @@ impl NeuronCache {
     pub fn slot_of(&self, layer: usize, neuron: usize) -> Option<u32> {
         let s = self.map[self.key(layer, neuron)];
         (s != EMPTY).then_some(s)
+    }
+
+    /// Neurons of `layer` resident.
+    pub fn resident_in(&self, layer: usize) -> usize {
+        self.per_layer.get(layer).map_or(0, |&n| n as usize)
+    }
+
+    /// Whether every neuron of `layer` is resident (its FFN needs no reads).
+    pub fn holds_layer(&self, layer: usize) -> bool {
+        self.resident_in(layer) == self.n_ff
     }
 
     pub fn contains(&self, layer: usize, neuron: usize) -> bool {
@@ -395,6 +417,7 @@ impl NeuronCache {
         };
         self.map[key] = slot;
         self.slot_key[slot as usize] = key as u32;
+        self.per_layer[layer] += 1;
         self.stats.inserts += 1;
         self.stats.resident_slots += 1;
         self.stats.resident_bytes += self.bundle_bytes[layer] as u64;
@@ -409,6 +432,7 @@ impl NeuronCache {
         let layer = key / self.n_ff;
         self.map[key] = EMPTY;
         self.slot_key[s as usize] = EMPTY;
+        self.per_layer[layer] -= 1;
         self.stats.resident_slots -= 1;
         self.stats.resident_bytes -= self.bundle_bytes[layer] as u64;
         self.stats.slot_bytes -= self.stride as u64;
@@ -547,6 +571,12 @@ mod tests {
         assert_eq!(c.slot_stride(), 4096);
         assert!(NeuronCache::with_slot_align(&shape, 0, Box::new(Lru::new()), 3).is_err());
         assert_eq!(shape.total_ffn_bytes(), 300_000);
+        // A budget of every slot's bytes holds every neuron, raw bytes do not.
+        assert_eq!(shape.total_slot_bytes(), 300 * 1152);
+        let c = NeuronCache::new(&shape, shape.total_slot_bytes(), Box::new(Lru::new())).unwrap();
+        assert_eq!(c.n_slots(), 300);
+        let c = NeuronCache::new(&shape, shape.total_ffn_bytes(), Box::new(Lru::new())).unwrap();
+        assert!(c.n_slots() < 300);
     }
 
     #[test]
@@ -562,6 +592,24 @@ mod tests {
         assert_eq!(c.peek(1, 2).unwrap(), &[9u8; 30][..]);
         let s = c.stats();
         assert_eq!((s.resident_bytes, s.slot_bytes), (40, 128));
+    }
+
+    #[test]
+    fn a_layer_is_held_when_all_its_neurons_are() {
+        // 2 layers of 8 neurons, 9 slots: layer 0 fits whole, then an
+        // insert into layer 1 evicts from it.
+        let mut c = lru(9);
+        for n in 0..8 {
+            assert!(!c.holds_layer(0));
+            c.insert(0, n).unwrap();
+        }
+        assert!(c.holds_layer(0) && !c.holds_layer(1));
+        c.insert(1, 0).unwrap();
+        assert!(c.holds_layer(0));
+        c.insert(1, 1).unwrap();
+        assert!(!c.holds_layer(0), "the least recent neuron of layer 0 was evicted");
+        assert!(c.remove(1, 1) && !c.holds_layer(1));
+        assert!(!c.holds_layer(2), "no such layer");
     }
 
     #[test]

@@ -188,6 +188,10 @@ pub struct Decisions {
     /// Neurons refinement added to a layer's reads, and reads it cancelled.
     pub refine_added: u64,
     pub refine_cancelled: u64,
+    /// Layer calls that took every neuron without ranking: held whole in
+    /// the cache where the predictor would cost more than it saves, or read
+    /// whole because the action's breadth selects every neuron anyway.
+    pub unranked: u64,
 }
 
 #[cfg(test)]

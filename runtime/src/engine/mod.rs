@@ -126,12 +126,19 @@ impl FlashModel {
         CacheShape::from_flash(&self.flash).total_ffn_bytes()
     }
 
+    /// The neuron cache's bytes under `budget`: a percentage is a share of
+    /// the slots that hold the whole FFN (bundles padded to the slot stride),
+    /// so 100% caches every neuron.
+    pub fn cache_budget_bytes(&self, budget: FfnBudget) -> u64 {
+        budget.resolve(CacheShape::from_flash(&self.flash).total_slot_bytes())
+    }
+
     /// An FFN engine under `policy` without sparsity; `budget` sizes the
     /// neuron cache of the streaming policies (`Dense` holds everything).
     pub fn engine(&self, policy: Policy, budget: FfnBudget) -> Result<FlashEngine> {
         self.engine_with(EngineOptions {
             policy,
-            cache_bytes: budget.resolve(self.ffn_bytes()),
+            cache_bytes: self.cache_budget_bytes(budget),
             cache_policy: CachePolicy::Lru,
             merge_gap_bytes: DEFAULT_MERGE_GAP,
             staging_bytes: None,

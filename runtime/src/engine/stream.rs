@@ -996,6 +996,16 @@ impl Streamer {
             .map_or(0, |k| self.stages[k].want.iter().map(|w| w.count_ones() as usize).sum())
     }
 
+    /// Whether the cache holds all of layer `l` (its FFN needs no reads).
+    pub fn holds_layer(&self, l: usize) -> bool {
+        self.cache.holds_layer(l)
+    }
+
+    /// Neurons of layer `l` the cache does not hold.
+    pub fn uncached_in(&self, l: usize) -> usize {
+        self.n_ff - self.cache.resident_in(l)
+    }
+
     /// Neurons of `bits` that layer `l`'s cache does not hold.
     pub fn uncached_count(&self, l: usize, bits: &[u64]) -> usize {
         super::trace::set_bits(bits)

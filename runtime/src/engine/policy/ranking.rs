@@ -83,12 +83,23 @@ impl Ranking {
         Ok(())
     }
 
+    /// Groups a row's top `breadth × need` neurons take.
+    fn top_count(&self, breadth: f32) -> usize {
+        let group = self.predictor.config.group;
+        ((breadth as f64 * self.need as f64 / group as f64).ceil() as usize).clamp(1, self.predictor.n_groups())
+    }
+
+    /// Whether a selection at `breadth` is every neuron, whatever the scores.
+    pub fn selects_all(&self, breadth: f32) -> bool {
+        self.top_count(breadth) == self.predictor.n_groups()
+    }
+
     /// The union over the `n` scored rows of each row's top `breadth ×
     /// need` neurons into `bits`, with urgency by best rank.
     pub fn select(&mut self, n: usize, breadth: f32) {
         let g = self.predictor.n_groups();
         let group = self.predictor.config.group;
-        let k = ((breadth as f64 * self.need as f64 / group as f64).ceil() as usize).clamp(1, g);
+        let k = self.top_count(breadth);
         self.bits.fill(0);
         self.urgency.fill(u16::MAX);
         for t in 0..n {

@@ -21,7 +21,12 @@
 //!   partial output is a cheap sum; otherwise K only splits the wait);
 //! - **deadline**: reads of l not landed `d ×` the expected compute time of
 //!   its bundles after the FFN started are skipped (counted as late) and the
-//!   layer goes on with what it has.
+//!   layer goes on with what it has;
+//! - **no ranking where it decides nothing**: a layer the cache holds whole
+//!   is computed whole when ranking would cost more than the compute it
+//!   saves; an action whose breadth selects every neuron reads them all in
+//!   file order, unless a deadline fired within the last token (then the
+//!   ranked order decides what is cut). Counted as `unranked`.
 //!
 //! `need` is the share of neurons the sparsity level keeps, `(1 - s) ×
 //! n_ff`; at sparsity 0 every neuron is needed, every breadth reads them
@@ -56,6 +61,9 @@ pub(crate) struct Ranker {
     n: usize,
     /// The current layer's action.
     action: Action,
+    /// Whether the layer has no next layer to refine (the last one, one the
+    /// cache holds whole, or one read whole): then it runs in one stage.
+    no_refine: bool,
     refinements: u64,
     added: u64,
     cancelled: u64,
@@ -84,15 +92,19 @@ impl Ranker {
 
 impl StageHook for Ranker {
     fn stages(&self) -> usize {
-        self.action.stages as usize
+        if self.no_refine {
+            1
+        } else {
+            self.action.stages as usize
+        }
     }
 
     fn wants_partial(&self) -> bool {
-        !self.shape.post_ffn_norm
+        !self.shape.post_ffn_norm && !self.no_refine
     }
 
     fn refine(&mut self, layer: usize, _stage: usize, partial: Option<&[f32]>, s: &mut Streamer) -> Result<()> {
-        let (Some(partial), true) = (partial, layer + 1 < self.shape.n_layer) else {
+        let (Some(partial), false) = (partial, self.no_refine) else {
             return Ok(());
         };
         let m = self.n * self.shape.n_embd;
@@ -112,6 +124,21 @@ pub(crate) struct Speculate {
     counts: Vec<u64>,
     meter: Meter,
     bundle_bytes: Vec<usize>,
+    /// Time to rank a layer from one input row, ns (EWMA), and the neurons
+    /// the last ranking selected: what skipping the predictor on a layer
+    /// the cache holds whole is weighed against.
+    rank_ns: Option<f64>,
+    selected: usize,
+    /// Per layer, the share of its uncached neurons that the predicted need
+    /// missed when last ranked (EWMA): the state's missing bytes when the
+    /// layer is not ranked.
+    need_share: Vec<Option<f64>>,
+    /// Bundles skipped late so far, and layer calls since the last one: the
+    /// order of reads only matters while deadlines fire.
+    late_seen: u64,
+    calm_layers: usize,
+    /// Layer calls that took every neuron without ranking.
+    unranked: u64,
 }
 
 impl Speculate {
@@ -137,6 +164,7 @@ impl Speculate {
                 resid: Vec::new(),
                 n: 0,
                 action: Controller::DEFAULT_FIXED,
+                no_refine: false,
                 refinements: 0,
                 added: 0,
                 cancelled: 0,
@@ -145,16 +173,45 @@ impl Speculate {
             counts: vec![0; n_codes],
             meter: Meter::default(),
             bundle_bytes,
+            rank_ns: None,
+            selected: 0,
+            need_share: vec![None; shape.n_layer],
+            late_seen: 0,
+            calm_layers: 0,
+            unranked: 0,
         })
     }
 
-    /// Measures the state of layer `layer` and takes the controller's action.
-    fn decide(&mut self, layer: usize, s: &Streamer) {
-        let st = s.stats();
-        self.meter.observe_io(st.bytes_read, st.io_busy_seconds);
+    /// Whether `action` reads every neuron without a ranking: its breadth
+    /// selects them all, and either it sets no deadline or none has fired
+    /// for a token's worth of layers (a ranking would only order the reads,
+    /// which matters when a deadline cuts them short).
+    fn reads_whole(&self, action: &Action) -> bool {
+        self.ranker.ranking.selects_all(action.prefetch_breadth)
+            && (!action.deadline_factor.is_finite() || self.calm_layers >= self.ranker.shape.n_layer)
+    }
+
+    /// Whether layer `l` is computed whole, without ranking: the cache holds
+    /// all of it (no reads to choose) and ranking costs at least the compute
+    /// the selection saves, per input row `(n_ff - selected) × ns/neuron`
+    /// (always at sparsity 0, where the selection is every neuron; before
+    /// both are measured, only then).
+    fn computes_whole(&self, l: usize, s: &Streamer) -> bool {
+        if !s.holds_layer(l) {
+            return false;
+        }
+        let n_ff = self.ranker.shape.n_ff;
+        match (self.rank_ns, self.meter.ns_per_neuron()) {
+            (Some(rank), Some(neuron)) => rank >= n_ff.saturating_sub(self.selected) as f64 * neuron,
+            _ => self.ranker.ranking.need >= n_ff,
+        }
+    }
+
+    /// The controller's action for layer `layer` in the measured state,
+    /// `missing` uncached neurons of its predicted need.
+    fn look_up(&self, layer: usize, missing: usize, s: &Streamer) -> (usize, Action) {
         let r = &self.ranker;
-        // `bits` holds the breadth-1 set: the predicted need; D is its uncached part.
-        let missing = s.uncached_count(layer, &r.ranking.bits) as f64 * self.bundle_bytes[layer] as f64;
+        let missing = missing as f64 * self.bundle_bytes[layer] as f64;
         let state = ControlState {
             // The model counts these bytes as loaded: in-flight reads are not.
             queued_bytes: s.landed_bytes(layer) as f64,
@@ -163,7 +220,11 @@ impl Speculate {
             compute_ns_per_neuron: self.meter.ns_per_neuron().unwrap_or(f64::NAN),
             layer_position: layer as f64 / r.shape.n_layer as f64,
         };
-        let (code, action) = self.controller.decide(&state);
+        self.controller.decide(&state)
+    }
+
+    /// Takes action `code` for the layer.
+    fn take(&mut self, (code, action): (usize, Action), s: &Streamer) {
         self.counts[code] += 1;
         self.ranker.action = action;
         s.set_depth(action.queue_depth as usize, 0);
@@ -177,13 +238,48 @@ impl FfnPolicy for Speculate {
 
     fn layer_input(&mut self, layer: usize, x: &[f32], n: usize, source: &mut Source) -> Result<()> {
         let s = streamer(source)?;
+        let st = s.stats();
+        self.meter.observe_io(st.bytes_read, st.io_busy_seconds);
+        if st.late_skipped > self.late_seen {
+            (self.late_seen, self.calm_layers) = (st.late_skipped, 0);
+        } else {
+            self.calm_layers += 1;
+        }
+        if self.computes_whole(layer, s) {
+            self.take(self.look_up(layer, 0, s), s);
+            self.unranked += 1;
+            return s.ensure_ranked(layer, Want::All, None);
+        }
+        // An action that reads every neuron needs no ranking; the state is
+        // then estimated from the layer's uncached neurons.
+        if let Some(share) = self.need_share[layer] {
+            let missing = (share * s.uncached_in(layer) as f64).round() as usize;
+            let decision = self.look_up(layer, missing, s);
+            if self.reads_whole(&decision.1) {
+                self.take(decision, s);
+                self.unranked += 1;
+                return s.ensure_ranked(layer, Want::All, None);
+            }
+        }
         let r = &mut self.ranker;
+        let t0 = Instant::now();
         r.ranking.score(r.refine, layer, x, n)?;
-        // The state is measured on the breadth-1 set, then the action's breadth applies.
+        // The state is measured on the breadth-1 set (the predicted need),
+        // then the action's breadth applies.
         r.ranking.select(n, 1.0);
-        self.decide(layer, s);
+        let missing = s.uncached_count(layer, &r.ranking.bits);
+        let uncached = s.uncached_in(layer);
+        if uncached > 0 {
+            let share = missing as f64 / uncached as f64;
+            let avg = &mut self.need_share[layer];
+            *avg = Some(avg.map_or(share, |a| a + 0.125 * (share - a)));
+        }
+        self.take(self.look_up(layer, missing, s), s);
         let r = &mut self.ranker;
         r.ranking.select(n, r.action.prefetch_breadth);
+        let row_ns = t0.elapsed().as_nanos() as f64 / n.max(1) as f64;
+        self.rank_ns = Some(self.rank_ns.map_or(row_ns, |a| a + 0.125 * (row_ns - a)));
+        self.selected = r.ranking.bits.iter().map(|w| w.count_ones() as usize).sum();
         if s.is_queued(layer) {
             r.apply_refined(layer, s)
         } else {
@@ -194,6 +290,7 @@ impl FfnPolicy for Speculate {
     fn plan<'p>(&'p mut self, call: &LayerCall<'_>, source: &mut Source, _tail: &Tail) -> Result<Plan<'p>> {
         let s = streamer(source)?;
         let (l, n) = (call.layer, call.n);
+        let whole = self.reads_whole(&self.ranker.action);
         let r = &mut self.ranker;
         let b = r.action.prefetch_breadth;
         if !s.is_queued(l) {
@@ -201,13 +298,18 @@ impl FfnPolicy for Speculate {
             r.ranking.rank(r.refine, l, call.resid, n, b)?;
             s.ensure_ranked(l, Want::Set(&r.ranking.bits), Some(&r.ranking.urgency))?;
         }
-        let m = n * r.shape.n_embd;
-        r.resid.clear();
-        r.resid.extend_from_slice(&call.resid[..m]);
-        r.n = n;
         // Speculate the next layer of this token (layer 0 of the next one
-        // waits for its embedding).
-        if l + 1 < r.shape.n_layer {
+        // waits for its embedding; one the cache holds whole needs no reads,
+        // and is ranked, if at all, from its true input; one read whole
+        // needs no ranking).
+        r.no_refine = l + 1 == r.shape.n_layer || s.holds_layer(l + 1) || whole;
+        if whole && l + 1 < r.shape.n_layer {
+            s.prefetch(l + 1, Want::All)?;
+        } else if !r.no_refine {
+            let m = n * r.shape.n_embd;
+            r.resid.clear();
+            r.resid.extend_from_slice(&call.resid[..m]);
+            r.n = n;
             r.ranking.rank(r.speculate, l + 1, call.resid, n, b)?;
             s.prefetch_ranked(l + 1, Want::Set(&r.ranking.bits), Some(&r.ranking.urgency))?;
         }
@@ -264,6 +366,7 @@ impl FfnPolicy for Speculate {
             refinements: r.refinements,
             refine_added: r.added,
             refine_cancelled: r.cancelled,
+            unranked: self.unranked,
         })
     }
 }
