@@ -561,11 +561,93 @@ fn sweep(a: &BenchArgs) -> Result<()> {
     .to_svg()?;
     let svg_path = out.join("sweep.svg");
     std::fs::write(&svg_path, svg).with_context(|| format!("writing {}", svg_path.display()))?;
+    let summary = sweep_summary(&runs);
+    eprintln!("sweep: {}", serde_json::to_string(&summary)?);
     println!(
         "{}",
-        serde_json::to_string_pretty(&json!({"runs": runs, "json": json_path, "plot": svg_path}))?
+        serde_json::to_string_pretty(&json!({"runs": runs, "summary": summary, "json": json_path, "plot": svg_path}))?
     );
     Ok(())
+}
+
+/// One sweep run: policy, budget, accounted bytes, decode tokens/s.
+struct SweepPoint<'a> {
+    policy: &'a str,
+    budget: &'a str,
+    memory: f64,
+    tok_s: f64,
+}
+
+/// `speculate` against the best baseline (neither `speculate`, `oracle`
+/// nor `dense`): the speed ratio at each budget, and the memory ratio at
+/// matched throughput: the memory of the baseline run with the highest
+/// tokens/s over the memory at which `speculate` first reaches that speed
+/// (interpolated linearly between its runs in order of memory; null when it
+/// never does, with its peak's share of that speed instead).
+fn sweep_summary(runs: &[Value]) -> Value {
+    let points: Vec<SweepPoint> = runs
+        .iter()
+        .filter_map(|r| {
+            Some(SweepPoint {
+                policy: r["policy"].as_str()?,
+                budget: r["ffn_budget"].as_str()?,
+                memory: r["memory"]["total"].as_f64()?,
+                tok_s: r["decode_tok_s"].as_f64()?,
+            })
+        })
+        .collect();
+    let is_baseline = |p: &SweepPoint| !matches!(p.policy, "speculate" | "oracle" | "dense");
+    let mut ours: Vec<&SweepPoint> = points.iter().filter(|p| p.policy == "speculate").collect();
+    ours.sort_by(|a, b| a.memory.total_cmp(&b.memory));
+    let per_budget: Vec<Value> = ours
+        .iter()
+        .filter_map(|o| {
+            let best = points
+                .iter()
+                .filter(|p| is_baseline(p) && p.budget == o.budget)
+                .max_by(|a, b| a.tok_s.total_cmp(&b.tok_s))?;
+            Some(json!({
+                "ffn_budget": o.budget,
+                "speculate_tok_s": o.tok_s,
+                "best_baseline": best.policy,
+                "best_baseline_tok_s": best.tok_s,
+                "ratio": o.tok_s / best.tok_s,
+            }))
+        })
+        .collect();
+    let Some(peak) = points
+        .iter()
+        .filter(|p| is_baseline(p))
+        .max_by(|a, b| a.tok_s.total_cmp(&b.tok_s))
+    else {
+        return json!({ "per_budget": per_budget });
+    };
+    // The first crossing of the peak speed, walking speculate's runs by memory.
+    let mut reached = None;
+    for (i, o) in ours.iter().enumerate() {
+        if o.tok_s >= peak.tok_s {
+            reached = Some(match i.checked_sub(1).map(|j| ours[j]) {
+                Some(prev) => {
+                    prev.memory + (peak.tok_s - prev.tok_s) / (o.tok_s - prev.tok_s) * (o.memory - prev.memory)
+                }
+                None => o.memory,
+            });
+            break;
+        }
+    }
+    let best_ours = ours.iter().map(|o| o.tok_s).fold(0.0, f64::max);
+    json!({
+        "per_budget": per_budget,
+        "matched_throughput": {
+            "baseline": peak.policy,
+            "baseline_ffn_budget": peak.budget,
+            "baseline_tok_s": peak.tok_s,
+            "baseline_memory_bytes": peak.memory,
+            "speculate_memory_bytes": reached,
+            "memory_ratio": reached.map(|m| peak.memory / m),
+            "speculate_peak_share": (reached.is_none() && peak.tok_s > 0.0).then(|| best_ours / peak.tok_s),
+        },
+    })
 }
 
 /// One llama-bench repetition's speeds.
@@ -640,13 +722,48 @@ pub fn decisions_json(d: &Decisions, late_skipped: u64) -> Value {
         "refinements": d.refinements,
         "refine_added_neurons": d.refine_added,
         "refine_cancelled_reads": d.refine_cancelled,
+        "unranked_layers": d.unranked,
         "late_skipped_bundles": late_skipped,
     })
 }
 
 #[cfg(test)]
 mod tests {
-    use super::paired_median_ratio;
+    use super::{paired_median_ratio, sweep_summary};
+    use serde_json::{json, Value};
+
+    fn run(policy: &str, budget: &str, memory: f64, tok_s: f64) -> Value {
+        json!({"policy": policy, "ffn_budget": budget, "memory": {"total": memory}, "decode_tok_s": tok_s})
+    }
+
+    #[test]
+    fn the_sweep_summary_matches_throughput_between_runs() {
+        let runs = [
+            run("dense", "100%", 500.0, 9.0),
+            run("oracle", "25%", 200.0, 50.0),
+            run("dejavu", "25%", 200.0, 2.0),
+            run("dejavu", "100%", 400.0, 4.0),
+            run("powerinfer2", "25%", 200.0, 3.0),
+            run("speculate", "25%", 200.0, 3.0),
+            run("speculate", "100%", 400.0, 5.0),
+        ];
+        let s = sweep_summary(&runs);
+        let b = &s["per_budget"];
+        assert_eq!(b[0]["best_baseline"], "powerinfer2");
+        assert_eq!(b[0]["ratio"], 1.0);
+        assert_eq!(b[1]["ratio"], 1.25);
+        // dejavu's peak (4 tok/s at 400) is reached halfway from 200 to 400.
+        let m = &s["matched_throughput"];
+        assert_eq!(m["baseline"], "dejavu");
+        assert_eq!(m["speculate_memory_bytes"], 300.0);
+        assert_eq!(m["memory_ratio"], 400.0 / 300.0);
+        assert!(m["speculate_peak_share"].is_null());
+        // Never reached: the share of the peak speculate gets to.
+        let slow = [run("dejavu", "25%", 200.0, 8.0), run("speculate", "25%", 200.0, 2.0)];
+        let m = &sweep_summary(&slow)["matched_throughput"];
+        assert!(m["memory_ratio"].is_null());
+        assert_eq!(m["speculate_peak_share"], 0.25);
+    }
 
     #[test]
     fn paired_median_ratio_takes_the_middle_pair_and_needs_full_pairs() {
