@@ -50,9 +50,9 @@ impl FfnBudget {
     }
 
     /// The budget in bytes for a model whose FFN takes `total_ffn_bytes`
-    /// (the engine passes the slot bytes that hold all of it). A byte budget is returned as given, even above the
-    /// FFN size (the cache never makes more slots than there are neurons); a
-    /// percentage is rounded down.
+    /// (the engine passes the slot bytes that hold all of it). A byte budget
+    /// is returned as given, even above the FFN size (the cache never makes
+    /// more slots than there are neurons); a percentage is rounded down.
     pub fn resolve(&self, total_ffn_bytes: u64) -> u64 {
         match *self {
             Self::Bytes(b) => b,

@@ -137,14 +137,14 @@ impl Meter {
         self.last_bytes = bytes_read;
         self.last_busy = busy_seconds;
         if db > 0 && dt > 1e-7 {
-            ewma(&mut self.read_bw, db as f64 / dt);
+            ewma(&mut self.read_bw, db as f64 / dt, ALPHA);
         }
     }
 
     /// Takes the compute time per neuron row of the last FFN call.
     pub fn observe_compute(&mut self, ns_per_neuron: f64) {
         if ns_per_neuron > 0.0 && ns_per_neuron.is_finite() {
-            ewma(&mut self.ns_per_neuron, ns_per_neuron);
+            ewma(&mut self.ns_per_neuron, ns_per_neuron, ALPHA);
         }
     }
 
@@ -159,10 +159,12 @@ impl Meter {
     }
 }
 
-fn ewma(avg: &mut Option<f64>, x: f64) {
+/// Folds sample `x` into running average `avg` with weight `alpha` (the
+/// first sample starts it).
+pub(crate) fn ewma(avg: &mut Option<f64>, x: f64, alpha: f64) {
     *avg = Some(match *avg {
         None => x,
-        Some(a) => a + ALPHA * (x - a),
+        Some(a) => a + alpha * (x - a),
     });
 }
 

@@ -40,7 +40,7 @@ use std::time::{Duration, Instant};
 use super::ranking::Ranking;
 use super::{streamer, FfnPolicy, LayerCall, Plan, Policy, Shape};
 use crate::control::{Action, ControlState};
-use crate::engine::controller::{ActionCount, Controller, Decisions, Meter};
+use crate::engine::controller::{ewma, ActionCount, Controller, Decisions, Meter};
 use crate::engine::stream::{Streamer, Want};
 use crate::engine::tail::{Select, Source, StageHook, Tail};
 use crate::predict::Predictor;
@@ -116,6 +116,9 @@ impl StageHook for Ranker {
         r
     }
 }
+
+/// Weight of the newest sample in the ranking cost and need-share averages.
+const RANK_ALPHA: f64 = 0.125;
 
 pub(crate) struct Speculate {
     ranker: Ranker,
@@ -245,21 +248,21 @@ impl FfnPolicy for Speculate {
         } else {
             self.calm_layers += 1;
         }
-        if self.computes_whole(layer, s) {
-            self.take(self.look_up(layer, 0, s), s);
+        // A layer held whole, or an action that reads every neuron, needs
+        // no ranking; the state is then estimated from the layer's uncached
+        // neurons.
+        let whole = if self.computes_whole(layer, s) {
+            Some(self.look_up(layer, 0, s))
+        } else {
+            self.need_share[layer].and_then(|share| {
+                let missing = (share * s.uncached_in(layer) as f64).round() as usize;
+                Some(self.look_up(layer, missing, s)).filter(|d| self.reads_whole(&d.1))
+            })
+        };
+        if let Some(decision) = whole {
+            self.take(decision, s);
             self.unranked += 1;
             return s.ensure_ranked(layer, Want::All, None);
-        }
-        // An action that reads every neuron needs no ranking; the state is
-        // then estimated from the layer's uncached neurons.
-        if let Some(share) = self.need_share[layer] {
-            let missing = (share * s.uncached_in(layer) as f64).round() as usize;
-            let decision = self.look_up(layer, missing, s);
-            if self.reads_whole(&decision.1) {
-                self.take(decision, s);
-                self.unranked += 1;
-                return s.ensure_ranked(layer, Want::All, None);
-            }
         }
         let r = &mut self.ranker;
         let t0 = Instant::now();
@@ -270,15 +273,17 @@ impl FfnPolicy for Speculate {
         let missing = s.uncached_count(layer, &r.ranking.bits);
         let uncached = s.uncached_in(layer);
         if uncached > 0 {
-            let share = missing as f64 / uncached as f64;
-            let avg = &mut self.need_share[layer];
-            *avg = Some(avg.map_or(share, |a| a + 0.125 * (share - a)));
+            ewma(
+                &mut self.need_share[layer],
+                missing as f64 / uncached as f64,
+                RANK_ALPHA,
+            );
         }
         self.take(self.look_up(layer, missing, s), s);
         let r = &mut self.ranker;
         r.ranking.select(n, r.action.prefetch_breadth);
         let row_ns = t0.elapsed().as_nanos() as f64 / n.max(1) as f64;
-        self.rank_ns = Some(self.rank_ns.map_or(row_ns, |a| a + 0.125 * (row_ns - a)));
+        ewma(&mut self.rank_ns, row_ns, RANK_ALPHA);
         self.selected = r.ranking.bits.iter().map(|w| w.count_ones() as usize).sum();
         if s.is_queued(layer) {
             r.apply_refined(layer, s)
