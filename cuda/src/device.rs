@@ -12,6 +12,8 @@ use std::sync::Arc;
 use cudarc::driver::{
     CudaContext, CudaFunction, CudaSlice, CudaStream, DevicePtr, DeviceRepr, LaunchArgs, LaunchConfig, PushKernelArg,
 };
+use leanstream_kernels::flash_attn::{self, Route};
+use leanstream_kernels::sparse_ffn::{BundleFormat, DownLayout};
 use leanstream_kernels::GgmlType;
 
 use crate::flags::Slot;
@@ -19,6 +21,8 @@ use crate::{library, nvrtc, sources, CudaError, Result};
 
 // SAFETY: `Slot` is `#[repr(C)]` plain data laid out as `ffn_stream.cu`'s.
 unsafe impl DeviceRepr for Slot {}
+// SAFETY: integers only; all zeros is a slot at address 0 (never launched on).
+unsafe impl cudarc::driver::ValidAsZeroBits for Slot {}
 
 fn driver_error(what: &str) -> impl FnOnce(cudarc::driver::DriverError) -> CudaError + '_ {
     move |e| CudaError::Driver(format!("{what}: {e}"))
@@ -177,10 +181,7 @@ impl Gpu {
         };
         let w_row = ty.row_bytes(cols)? as u64;
         let x_row = ty.vec_dot_type().row_bytes(cols)? as u64;
-        let units = match ty {
-            GgmlType::F16 | GgmlType::F32 => cols / 8,
-            _ => cols / ty.block_size(),
-        } as i32;
+        let units = dot_units(ty, cols) as i32;
         let cfg = LaunchConfig {
             grid_dim: (
                 (rows as u32).div_ceil(ROWS_PER_BLOCK),
@@ -348,7 +349,12 @@ impl Gpu {
         )
     }
 
-    /// Attention of `n` query rows at positions `pos0..` over a layer's cache.
+    /// Attention of `n` query rows at positions `pos0..` over a layer's
+    /// cache, by the route the CPU engine takes for the shape
+    /// ([`flash_attn::route`] over `cells`, its cache view, and `threads`,
+    /// its thread count), with that route's numerics (`attention.cu`).
+    /// `partials` is scratch of [`partials_len`](Self::partials_len) floats
+    /// for the split route.
     #[allow(clippy::too_many_arguments)]
     pub fn attention(
         &self,
@@ -357,23 +363,42 @@ impl Gpu {
         v_cache: DevPtr,
         out: DevPtr,
         n: usize,
-        n_head: usize,
-        n_head_kv: usize,
-        head_dim: usize,
-        pos0: usize,
-        window: usize,
-        kq_scale: f32,
+        heads: AttentionHeads,
+        at: AttentionAt,
+        partials: &CudaSlice<f32>,
     ) -> Result<()> {
+        let AttentionHeads {
+            n_head,
+            n_head_kv,
+            head_dim,
+        } = heads;
         if head_dim > 256 {
             return Err(CudaError::Invalid(format!(
                 "head size {head_dim} (the attention kernel takes up to 256)"
             )));
         }
+        if n_head_kv == 0 || n_head % n_head_kv != 0 {
+            return Err(CudaError::Invalid(format!(
+                "{n_head} query heads over {n_head_kv} kv heads"
+            )));
+        }
+        let (route, chunks) = match flash_attn::route(n, at.cells, at.threads) {
+            Route::Vector => (0i32, 1usize),
+            Route::Split { chunks } => (1, chunks),
+            Route::Tiled => (2, 1),
+        };
+        if route == 1 && partials.len() < Self::partials_len(heads, chunks) {
+            return Err(CudaError::Invalid(format!(
+                "attention scratch of {} floats for {chunks} split chunks",
+                partials.len()
+            )));
+        }
         let cfg = LaunchConfig {
-            grid_dim: (n_head as u32, n as u32, 1),
+            grid_dim: (n_head as u32, n as u32, chunks as u32),
             block_dim: (128, 1, 1),
             shared_mem_bytes: 0,
         };
+        let scratch = self.ptr(partials);
         self.launch(
             "attention",
             cfg,
@@ -385,12 +410,154 @@ impl Gpu {
                 &(n_head as i32),
                 &(n_head_kv as i32),
                 &(head_dim as i32),
-                &(pos0 as i32),
-                &(window as i32),
-                &kq_scale,
+                &(at.pos0 as i32),
+                &(at.window as i32),
+                &at.kq_scale,
+                &route,
+                &(at.cells as i32),
+                &(chunks as i32),
+                &scratch,
+            ],
+        )?;
+        if route != 1 {
+            return Ok(());
+        }
+        let cfg = LaunchConfig {
+            grid_dim: (n_head as u32, n as u32, 1),
+            block_dim: (head_dim as u32, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        self.launch(
+            "attention_merge",
+            cfg,
+            &[&scratch, &out, &(n_head as i32), &(head_dim as i32), &(chunks as i32)],
+        )
+    }
+
+    /// `bytes` zero bytes at `at`, in stream order.
+    pub fn zero_at(&self, at: DevPtr, bytes: usize) -> Result<()> {
+        // SAFETY: callers pass an address and length inside a live allocation.
+        unsafe { cudarc::driver::result::memset_d8_async(at.0, 0, bytes, self.stream.cu_stream()) }
+            .map_err(driver_error("memset"))
+    }
+
+    /// Stage 1 of the streaming FFN (`ffn_stream_activations`): for each of
+    /// `n_slots` slots, once its flag reaches `epoch` (or at `deadline_ns`
+    /// from the first warp's start, 0: never), `act[s] = act(gate·x) * (up·x)`.
+    #[allow(clippy::too_many_arguments)]
+    pub fn ffn_stream_activations(
+        &self,
+        slots: DevPtr,
+        n_slots: usize,
+        epoch: u32,
+        input: StreamInput,
+        format: &BundleFormat,
+        act_kind: i32,
+        gelu_table: DevPtr,
+        start_ns: DevPtr,
+        deadline_ns: u64,
+        act: DevPtr,
+        skipped: DevPtr,
+    ) -> Result<()> {
+        let units = |ty: GgmlType| dot_units(ty, format.n_embd) as i32;
+        self.launch(
+            "ffn_stream_activations",
+            grid_1d(n_slots as u64 * 32, ROW_BLOCK),
+            &[
+                &slots,
+                &(n_slots as i32),
+                &epoch,
+                &input.gate,
+                &input.up,
+                &(format.gate_ty.id() as i32),
+                &(format.up_ty.id() as i32),
+                &units(format.gate_ty),
+                &units(format.up_ty),
+                &(format.gate_bytes() as u64),
+                &act_kind,
+                &gelu_table,
+                &start_ns,
+                &deadline_ns,
+                &act,
+                &skipped,
             ],
         )
     }
+
+    /// Stage 2 of the streaming FFN (`ffn_stream_down`): `y += Σ act[s] *
+    /// down_s` over the slots in `order`; the down columns must be Q8_0 or F16.
+    #[allow(clippy::too_many_arguments)]
+    pub fn ffn_stream_down(
+        &self,
+        slots: DevPtr,
+        order: DevPtr,
+        n_slots: usize,
+        act: DevPtr,
+        format: &BundleFormat,
+        y: DevPtr,
+    ) -> Result<()> {
+        if format.down_layout != DownLayout::Columns || !matches!(format.down_ty, GgmlType::Q8_0 | GgmlType::F16) {
+            return Err(CudaError::Invalid(format!(
+                "down parts as {:?} {}: the device's FFN takes Q8_0 or F16 columns (pack with --down q8_0)",
+                format.down_layout, format.down_ty
+            )));
+        }
+        self.launch(
+            "ffn_stream_down",
+            grid_1d(format.n_embd as u64, ROW_BLOCK),
+            &[
+                &slots,
+                &order,
+                &(n_slots as i32),
+                &act,
+                &((format.gate_bytes() + format.up_bytes()) as u64),
+                &(format.down_ty.id() as i32),
+                &y,
+                &(format.n_embd as i32),
+            ],
+        )
+    }
+
+    /// Floats of split-route scratch for one query of `heads` in `chunks` parts.
+    pub fn partials_len(heads: AttentionHeads, chunks: usize) -> usize {
+        heads.n_head * chunks * (heads.head_dim + 2)
+    }
+}
+
+/// Where an attention call's queries sit and what the CPU engine would
+/// decide there: positions from `pos0`, the layer's window (0: none), the
+/// score scale, the CPU's cache view and thread count.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct AttentionAt {
+    pub pos0: usize,
+    pub window: usize,
+    pub kq_scale: f32,
+    pub cells: usize,
+    pub threads: usize,
+}
+
+/// What the kernels' row dot products step over in a row of `cols`:
+/// blocks, or groups of 8 values for F16 and F32 (`dot.cuh`).
+fn dot_units(ty: GgmlType, cols: usize) -> usize {
+    match ty {
+        GgmlType::F16 | GgmlType::F32 => cols / 8,
+        _ => cols / ty.block_size(),
+    }
+}
+
+/// The FFN input of one token in the gate and up rows' vec-dot types.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct StreamInput {
+    pub gate: DevPtr,
+    pub up: DevPtr,
+}
+
+/// The head shape of an attention call.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct AttentionHeads {
+    pub n_head: usize,
+    pub n_head_kv: usize,
+    pub head_dim: usize,
 }
 
 /// A device address.

@@ -3,16 +3,20 @@
 //! of `kernels/cuda/`, with the weights and an f16 KV cache in device
 //! memory and every buffer allocated once. Activations are quantized to
 //! each weight's vec-dot type before its product, as on the CPU, so logits
-//! agree with the CPU engine's to rounding.
+//! agree with the CPU engine's to rounding. The FFN is a GGUF's three
+//! matrices ([`GpuModel::new`]) or a packed model's bundles, all resident
+//! ([`GpuModel::from_flash`]).
 
 use cudarc::driver::CudaSlice;
 use leanstream_kernels::ops::RopeStyle;
 use leanstream_kernels::GgmlType;
+use leanstream_runtime::engine::FlashModel;
 use leanstream_runtime::generate::Decoder;
 use leanstream_runtime::model::{Config, FfnActivation, MatRef, Model};
 use leanstream_runtime::RuntimeError;
 
-use crate::device::{DevPtr, Gpu};
+use crate::device::{AttentionAt, AttentionHeads, DevPtr, Gpu, StreamInput};
+use crate::ffn::{FfnScratch, ResidentBundles};
 use crate::{CudaError, Result};
 
 /// A weight matrix in device memory.
@@ -36,12 +40,18 @@ struct Layer {
     k_norm: Option<CudaSlice<f32>>,
     attn_post_norm: Option<CudaSlice<f32>>,
     ffn_norm: CudaSlice<f32>,
-    gate: Mat,
-    up: Mat,
-    down: Mat,
+    ffn: LayerFfn,
     ffn_post_norm: Option<CudaSlice<f32>>,
     k_cache: CudaSlice<u16>,
     v_cache: CudaSlice<u16>,
+}
+
+/// A layer's FFN weights on the device.
+enum LayerFfn {
+    /// A GGUF's gate, up and down matrices.
+    Matrices { gate: Mat, up: Mat, down: Mat },
+    /// A packed model's bundles, every neuron resident.
+    Bundles(ResidentBundles),
 }
 
 /// Activation buffers, `[max_batch][width]`.
@@ -61,28 +71,64 @@ struct Buffers {
     tokens: CudaSlice<u32>,
     /// Per token, `n_rot / 2` cosines then as many sines.
     rope: CudaSlice<f32>,
+    /// The split attention route's per-chunk partials (one query).
+    att_partials: CudaSlice<f32>,
+    /// The bundles' FFN: the up rows' input when its dot type is not the
+    /// gate rows', the kernels' scratch.
+    acts_up: CudaSlice<u8>,
+    start_ns: CudaSlice<u64>,
+    skipped: CudaSlice<u8>,
 }
 
-pub struct GpuModel<'m> {
+/// One point of [`GpuModel::trace`]: the last token's row of a buffer, at a
+/// place the CPU engine's [`LayerHook`](leanstream_runtime::model::LayerHook)
+/// sees too, so the two engines can be compared layer by layer.
+#[derive(Debug, Clone)]
+pub struct Probe {
+    pub layer: usize,
+    /// `input` (the residual entering the layer), `attn_resid` (after
+    /// attention's residual add), `ffn_in` (the FFN's normed input), `gate`
+    /// (its pre-activations), `act` (the gated activations), `ffn_out` (the
+    /// down product, before any post-norm).
+    pub point: &'static str,
+    pub row: Vec<f32>,
+}
+
+pub struct GpuModel {
     pub gpu: Gpu,
-    model: &'m Model,
+    /// The model's configuration (everything else lives on the device).
+    config: Config,
     embd: Mat,
     output: Mat,
     output_norm: CudaSlice<f32>,
     layers: Vec<Layer>,
-    /// GGML's GELU of every f16 value (what the GeGLU kernel looks up).
+    /// GGML's GELU of every f16 value, the CPU's own table (what the GeGLU
+    /// kernel looks up below ±10, including the inputs that round to ±10).
     gelu: CudaSlice<f32>,
     buf: Buffers,
     /// The last logits on the host, for the generation loop ([`Decoder`]).
     host_logits: Vec<f32>,
     pub ctx: usize,
     pub max_batch: usize,
+    /// The CPU thread count whose split of long attention rows is
+    /// reproduced (the CPU engine's, rayon's pool size, by default).
+    pub threads: usize,
 }
 
-impl<'m> GpuModel<'m> {
-    /// Uploads `model` to `gpu` for contexts of `ctx` tokens run in batches
-    /// of up to `max_batch`.
-    pub fn new(gpu: Gpu, model: &'m Model, ctx: usize, max_batch: usize) -> Result<Self> {
+impl GpuModel {
+    /// Uploads `model` (a GGUF's, with its FFN matrices) to `gpu` for
+    /// contexts of `ctx` tokens run in batches of up to `max_batch`.
+    pub fn new(gpu: Gpu, model: &Model, ctx: usize, max_batch: usize) -> Result<Self> {
+        Self::build(gpu, model, None, ctx, max_batch)
+    }
+
+    /// Uploads a packed model: its resident tensors and every layer's
+    /// bundles (the down parts must be Q8_0 or F16 columns).
+    pub fn from_flash(gpu: Gpu, fm: &FlashModel, ctx: usize, max_batch: usize) -> Result<Self> {
+        Self::build(gpu, &fm.model, Some(fm), ctx, max_batch)
+    }
+
+    fn build(gpu: Gpu, model: &Model, flash: Option<&FlashModel>, ctx: usize, max_batch: usize) -> Result<Self> {
         let c = &model.config;
         let file = model.gguf.data();
         let mat = |m: &MatRef| -> Result<Mat> {
@@ -101,10 +147,18 @@ impl<'m> GpuModel<'m> {
         let w = &model.weights;
         let mut layers = Vec::with_capacity(c.n_layer);
         for (il, l) in w.layers.iter().enumerate() {
-            let ffn = |m: &Option<MatRef>, what: &str| {
+            let matrix = |m: &Option<MatRef>, what: &str| {
                 m.as_ref()
                     .ok_or_else(|| CudaError::Invalid(format!("layer {il} has no {what} matrix")))
                     .and_then(&mat)
+            };
+            let ffn = match flash {
+                Some(fm) => LayerFfn::Bundles(ResidentBundles::upload(&gpu, fm, il)?),
+                None => LayerFfn::Matrices {
+                    gate: matrix(&l.ffn_gate, "ffn_gate")?,
+                    up: matrix(&l.ffn_up, "ffn_up")?,
+                    down: matrix(&l.ffn_down, "ffn_down")?,
+                },
             };
             layers.push(Layer {
                 attn_norm: vec(&l.attn_norm)?,
@@ -119,25 +173,14 @@ impl<'m> GpuModel<'m> {
                 k_norm: opt(&l.k_norm)?,
                 attn_post_norm: opt(&l.attn_post_norm)?,
                 ffn_norm: vec(&l.ffn_norm)?,
-                gate: ffn(&l.ffn_gate, "ffn_gate")?,
-                up: ffn(&l.ffn_up, "ffn_up")?,
-                down: ffn(&l.ffn_down, "ffn_down")?,
+                ffn,
                 ffn_post_norm: opt(&l.ffn_post_norm)?,
                 k_cache: gpu.zeros(ctx * c.kv_dim())?,
                 v_cache: gpu.zeros(ctx * c.kv_dim())?,
             });
         }
-        let gelu: Vec<f32> = (0..=u16::MAX)
-            .map(|h| {
-                let v = half::f16::from_bits(h).to_f32();
-                if v.abs() < 10.0 {
-                    leanstream_kernels::ops::gelu(v)
-                } else {
-                    0.0
-                }
-            })
-            .collect();
         let b = max_batch.max(1);
+        let threads = rayon::current_num_threads().max(1);
         let widest = c.n_embd.max(c.q_dim()).max(c.n_ff);
         // F32 is the widest dot type (4 bytes a value).
         let buf = Buffers {
@@ -154,24 +197,36 @@ impl<'m> GpuModel<'m> {
             logits: gpu.zeros(c.n_vocab)?,
             tokens: gpu.zeros(b)?,
             rope: gpu.zeros(b * c.n_rot)?,
+            att_partials: gpu.zeros(Gpu::partials_len(
+                AttentionHeads {
+                    n_head: c.n_head,
+                    n_head_kv: c.n_head_kv,
+                    head_dim: c.head_dim,
+                },
+                threads,
+            ))?,
+            acts_up: gpu.zeros(widest * 4)?,
+            start_ns: gpu.zeros(1)?,
+            skipped: gpu.zeros(c.n_ff)?,
         };
         Ok(Self {
             embd: mat(&w.token_embd)?,
             output: mat(&w.output)?,
             output_norm: vec(&w.output_norm)?,
-            gelu: gpu.upload(&gelu)?,
+            gelu: gpu.upload(leanstream_kernels::ops::gelu_table())?,
             layers,
             buf,
             host_logits: Vec::new(),
             gpu,
-            model,
+            config: model.config.clone(),
             ctx,
             max_batch: b,
+            threads,
         })
     }
 
     fn config(&self) -> &Config {
-        &self.model.config
+        &self.config
     }
 
     /// Quantizes `n` rows of `m.cols` values at `x` for `m` and multiplies:
@@ -204,7 +259,7 @@ impl<'m> GpuModel<'m> {
     /// The cos/sin table of positions `pos0..pos0 + n` for `base`, as the
     /// CPU's `RopeTable::fill` computes it (so the angles' bits agree).
     fn upload_rope(&mut self, pos0: usize, n: usize, base: f32) -> Result<()> {
-        let c = &self.model.config;
+        let c = &self.config;
         let half = c.n_rot / 2;
         let theta_scale = base.powf(-2.0 / c.n_rot as f32);
         let mut table = Vec::with_capacity(n * c.n_rot);
@@ -228,7 +283,41 @@ impl<'m> GpuModel<'m> {
     /// Runs `tokens` at positions `pos0..`, filling the KV cache; leaves the
     /// last token's logits in [`logits`](Self::logits).
     pub fn forward(&mut self, tokens: &[u32], pos0: usize) -> Result<()> {
-        let c = self.model.config.clone();
+        self.run(tokens, pos0, None)
+    }
+
+    /// [`forward`](Self::forward), also returning the last token's row at
+    /// each [`Probe`] point of every layer (each one a copy to the host: for
+    /// finding where the device and the CPU engine part, not for speed).
+    pub fn trace(&mut self, tokens: &[u32], pos0: usize) -> Result<Vec<Probe>> {
+        let mut probes = Vec::new();
+        self.run(tokens, pos0, Some(&mut probes))?;
+        Ok(probes)
+    }
+
+    /// Appends the last of `n` rows of `width` in `buf` to `trace`, if tracing.
+    fn probe(
+        &self,
+        trace: &mut Option<&mut Vec<Probe>>,
+        layer: usize,
+        point: &'static str,
+        buf: &CudaSlice<f32>,
+        n: usize,
+        width: usize,
+    ) -> Result<()> {
+        if let Some(probes) = trace {
+            let all = self.gpu.download(buf)?;
+            probes.push(Probe {
+                layer,
+                point,
+                row: all[(n - 1) * width..n * width].to_vec(),
+            });
+        }
+        Ok(())
+    }
+
+    fn run(&mut self, tokens: &[u32], pos0: usize, mut trace: Option<&mut Vec<Probe>>) -> Result<()> {
+        let c = self.config.clone();
         let n = tokens.len();
         if n == 0 || n > self.max_batch {
             return Err(CudaError::Invalid(format!(
@@ -281,6 +370,7 @@ impl<'m> GpuModel<'m> {
                 self.upload_rope(pos0, n, base)?;
                 rope_base = Some(base);
             }
+            self.probe(&mut trace, il, "input", &self.buf.x, n, d)?;
             let g = &self.gpu;
             let l = &self.layers[il];
             // Attention: norm, projections, biases.
@@ -312,32 +402,73 @@ impl<'m> GpuModel<'m> {
                 Some(w) if c.swa_layers[il] => w,
                 _ => 0,
             };
-            g.attention(
-                q,
-                kc,
-                vc,
-                att,
-                n,
-                c.n_head,
-                c.n_head_kv,
-                c.head_dim,
+            // The CPU engine's cache view (what its split route cuts by
+            // thread count): the context padded to 256, or the cells used so.
+            let pad = |x: usize| x.div_ceil(256) * 256;
+            let cells = pad(self.ctx).min(pad(pos0 + n).max(256));
+            let heads = AttentionHeads {
+                n_head: c.n_head,
+                n_head_kv: c.n_head_kv,
+                head_dim: c.head_dim,
+            };
+            let at = AttentionAt {
                 pos0,
                 window,
-                c.kq_scale,
-            )?;
+                kq_scale: c.kq_scale,
+                cells,
+                threads: self.threads,
+            };
+            g.attention(q, kc, vc, att, n, heads, at, &self.buf.att_partials)?;
             self.product(&l.wo, att, n, proj)?;
             self.residual(x, proj, l.attn_post_norm.as_ref(), xb, n)?;
 
+            self.probe(&mut trace, il, "attn_resid", &self.buf.x, n, d)?;
+
             // Feed-forward.
             g.rms_norm(x, g.ptr(&l.ffn_norm), xb, n, d, c.rms_eps)?;
-            self.product(&l.gate, xb, n, gate)?;
-            self.product(&l.up, xb, n, up)?;
+            self.probe(&mut trace, il, "ffn_in", &self.buf.xb, n, d)?;
             let act = match c.ffn_activation {
                 FfnActivation::Silu => 0,
                 FfnActivation::GeluTanh => 1,
             };
-            g.gated(gate, up, g.ptr(&self.gelu), n * ff, act)?;
-            self.product(&l.down, gate, n, proj)?;
+            match &l.ffn {
+                LayerFfn::Matrices {
+                    gate: w_gate,
+                    up: w_up,
+                    down: w_down,
+                } => {
+                    self.product(w_gate, xb, n, gate)?;
+                    self.product(w_up, xb, n, up)?;
+                    self.probe(&mut trace, il, "gate", &self.buf.gate, n, ff)?;
+                    g.gated(gate, up, g.ptr(&self.gelu), n * ff, act)?;
+                    self.probe(&mut trace, il, "act", &self.buf.gate, n, ff)?;
+                    self.product(w_down, gate, n, proj)?;
+                }
+                LayerFfn::Bundles(rb) => {
+                    // Token by token: the streaming kernels take one row.
+                    g.zero_at(proj, n * d * 4)?;
+                    let f = &rb.format;
+                    let (gate_dot, up_dot) = (f.gate_ty.vec_dot_type(), f.up_ty.vec_dot_type());
+                    let (x_gate, x_up) = (g.ptr(&self.buf.acts), g.ptr(&self.buf.acts_up));
+                    let x_up = if up_dot == gate_dot { x_gate } else { x_up };
+                    let scratch = FfnScratch {
+                        start_ns: g.ptr(&self.buf.start_ns),
+                        skipped: g.ptr(&self.buf.skipped),
+                    };
+                    for t in 0..n {
+                        let row = xb.offset(t * d * 4);
+                        g.quantize_at(gate_dot, row, d, x_gate)?;
+                        if up_dot != gate_dot {
+                            g.quantize_at(up_dot, row, d, x_up)?;
+                        }
+                        let input = StreamInput { gate: x_gate, up: x_up };
+                        let acts = gate.offset(t * ff * 4);
+                        rb.forward_row(g, input, act, g.ptr(&self.gelu), scratch, acts, proj.offset(t * d * 4))?;
+                    }
+                    self.probe(&mut trace, il, "act", &self.buf.gate, n, ff)?;
+                }
+            }
+            self.probe(&mut trace, il, "ffn_out", &self.buf.proj, n, d)?;
             self.residual(x, proj, l.ffn_post_norm.as_ref(), xb, n)?;
         }
 
@@ -390,7 +521,7 @@ impl<'m> GpuModel<'m> {
 
 /// The device engine in the runtime's generation loop (`run`, `serve` and
 /// `chat` with `--device cuda`): its errors keep their wording.
-impl Decoder for GpuModel<'_> {
+impl Decoder for GpuModel {
     fn ctx(&self) -> usize {
         self.ctx
     }

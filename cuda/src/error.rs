@@ -20,6 +20,9 @@ pub enum CudaError {
     Invalid(String),
     #[error(transparent)]
     Kernel(#[from] leanstream_kernels::KernelError),
+    /// Reading a model (its file names itself in the message).
+    #[error(transparent)]
+    Model(#[from] leanstream_runtime::RuntimeError),
 }
 
 pub type Result<T> = std::result::Result<T, CudaError>;

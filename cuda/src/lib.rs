@@ -12,7 +12,9 @@
 //!   typed launches of them (what `tests/device.rs` checks against the CPU
 //!   kernels where a GPU is present).
 //! - [`engine`]: the dense forward pass on the device (weights and the KV
-//!   cache in device memory), greedy decoding.
+//!   cache in device memory), greedy decoding; of a GGUF's matrices or of a
+//!   packed model's bundles ([`ffn`]: every neuron resident in device
+//!   memory, computed by the streaming kernels).
 //!
 //! CUDA's libraries are loaded at run time (cudarc's dynamic loading) and
 //! looked for first ([`library`]): cudarc panics where one is missing, and a
@@ -22,6 +24,7 @@ pub mod device;
 pub mod emulate;
 pub mod engine;
 mod error;
+pub mod ffn;
 pub mod flags;
 pub mod library;
 pub mod nvrtc;

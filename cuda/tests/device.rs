@@ -4,16 +4,18 @@
 //! ordinary error, which the first test checks on every machine.
 //!
 //! Exact where the arithmetic is the same operations (activation
-//! quantization, RoPE, the gated activations, dequantization); within a
-//! bound from the sum of |terms| where only the order of float adds
-//! differs (matrix products, norms, attention, the streaming FFN).
+//! quantization, RoPE, the gated activations, dequantization, attention by
+//! each of the CPU's routes); within a bound from the sum of |terms| where
+//! only the order of float adds differs (matrix products, norms, the
+//! streaming FFN).
 
 use cudarc::driver::{DevicePtr, LaunchConfig, PushKernelArg};
 use half::f16;
-use leanstream_cuda::device::{blocks_of, grid_1d, Gpu};
+use leanstream_cuda::device::{blocks_of, grid_1d, AttentionAt, AttentionHeads, Gpu};
 use leanstream_cuda::flags::Slot;
 use leanstream_cuda::CudaError;
 use leanstream_kernels::dequant::dequantize_row;
+use leanstream_kernels::flash_attn::{self, KvHead, Route, Tile};
 use leanstream_kernels::ops;
 use leanstream_kernels::quantize::quantize_row;
 use leanstream_kernels::sparse_ffn::{axpy_down, neuron_activation, BundleFormat, DownLayout, FfnActivation, FfnInput};
@@ -218,17 +220,7 @@ fn norms_rope_activations_and_embeddings_match_the_cpu() {
     }
 
     // SwiGLU and GeGLU with GGML's exp and GELU table.
-    let table: Vec<f32> = (0..=u16::MAX)
-        .map(|h| {
-            let v = f16::from_bits(h).to_f32();
-            if v.abs() < 10.0 {
-                ops::gelu(v)
-            } else {
-                0.0
-            }
-        })
-        .collect();
-    let dtable = g.upload(&table).unwrap();
+    let dtable = g.upload(ops::gelu_table()).unwrap();
     let n = 5000usize;
     let gate: Vec<f32> = rng.floats(n).iter().map(|v| v * 12.0).collect();
     let up = rng.floats(n);
@@ -278,83 +270,138 @@ fn norms_rope_activations_and_embeddings_match_the_cpu() {
     }
 }
 
+/// One kv head of a test cache, `[cell][kv_dim]` f16.
+struct TestHead<'a> {
+    k: &'a [f16],
+    v: &'a [f16],
+    kv_dim: usize,
+    off: usize,
+    hd: usize,
+}
+
+impl KvHead for TestHead<'_> {
+    fn key(&self, cell: usize) -> &[f16] {
+        &self.k[cell * self.kv_dim + self.off..][..self.hd]
+    }
+    fn value(&self, cell: usize) -> &[f16] {
+        &self.v[cell * self.kv_dim + self.off..][..self.hd]
+    }
+}
+
 #[test]
-fn attention_matches_an_f64_reference_with_and_without_a_window() {
+fn attention_takes_the_cpu_routes_bit_for_bit() {
     let Some(g) = gpu() else { return };
     let mut rng = Rng(4);
-    let (n_head, n_kv, hd, cells, n_tok) = (4usize, 2usize, 64usize, 300usize, 2usize);
-    let kv_dim = n_kv * hd;
-    let pos0 = cells - n_tok;
-    let k: Vec<u16> = rng
-        .floats(cells * kv_dim)
-        .iter()
-        .map(|&v| f16::from_f32(v).to_bits())
-        .collect();
-    let v: Vec<u16> = rng
-        .floats(cells * kv_dim)
-        .iter()
-        .map(|&v| f16::from_f32(v).to_bits())
-        .collect();
-    let q = rng.floats(n_tok * n_head * hd);
-    let h2f = |h: u16| f16::from_bits(h).to_f32() as f64;
-    let scale = 1.0 / (hd as f32).sqrt();
-    for window in [0usize, 100] {
+    // (head_dim, queries, first position, window, cache view, threads): the
+    // vector route with and without a window and at Gemma's head size, the
+    // split route, the tiled route.
+    let cases = [
+        (64usize, 2usize, 298usize, 0usize, 512usize, 2usize),
+        (64, 3, 297, 100, 512, 2),
+        (256, 2, 40, 16, 256, 2),
+        (128, 1, 599, 0, 768, 3),
+        (64, 70, 530, 0, 768, 2),
+        (64, 70, 530, 200, 768, 2),
+    ];
+    for (hd, n_tok, pos0, window, cells, threads) in cases {
+        let (n_head, n_kv) = (4usize, 2usize);
+        let kv_dim = n_kv * hd;
+        // The CPU's tiled route reads whole tiles of the cache view (masked).
+        let stored = cells.max(pos0 + n_tok);
+        let k: Vec<f16> = rng
+            .floats(stored * kv_dim)
+            .iter()
+            .map(|&v| f16::from_f32(v * 2.0))
+            .collect();
+        let v: Vec<f16> = rng.floats(stored * kv_dim).iter().map(|&v| f16::from_f32(v)).collect();
+        let q = rng.floats(n_tok * n_head * hd);
+        let scale = 1.0 / (hd as f32).sqrt();
         let mut want = vec![0.0f32; q.len()];
+        let route = flash_attn::route(n_tok, cells, threads);
         for t in 0..n_tok {
             let pos = pos0 + t;
-            let lo = if window > 0 {
+            let visible = if window > 0 {
                 (pos + 1).saturating_sub(window)
             } else {
                 0
-            };
+            }..pos + 1;
             for h in 0..n_head {
-                let kh = h / (n_head / n_kv);
-                let qh: Vec<f64> = q[(t * n_head + h) * hd..][..hd]
-                    .iter()
-                    .map(|&x| f16::from_f32(x).to_f32() as f64)
-                    .collect();
-                let s: Vec<f64> = (lo..=pos)
-                    .map(|c| (0..hd).map(|d| qh[d] * h2f(k[c * kv_dim + kh * hd + d])).sum::<f64>() * scale as f64)
-                    .collect();
-                let m = s.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
-                let e: Vec<f64> = s.iter().map(|x| (x - m).exp()).collect();
-                let z: f64 = e.iter().sum();
-                for d in 0..hd {
-                    let o: f64 = (lo..=pos)
-                        .zip(&e)
-                        .map(|(c, p)| p * h2f(v[c * kv_dim + kh * hd + d]))
-                        .sum();
-                    want[(t * n_head + h) * hd + d] = (o / z) as f32;
+                let head = TestHead {
+                    k: &k,
+                    v: &v,
+                    kv_dim,
+                    off: h / (n_head / n_kv) * hd,
+                    hd,
+                };
+                let qr = &q[(t * n_head + h) * hd..][..hd];
+                let o = &mut want[(t * n_head + h) * hd..][..hd];
+                match route {
+                    Route::Vector => {
+                        let mut scratch = vec![0.0f32; flash_attn::vector_scratch_len(hd)];
+                        flash_attn::vector(&head, qr, visible.clone(), |_| true, scale, &mut scratch, o);
+                    }
+                    Route::Split { chunks } => {
+                        let mut scratch = vec![0.0f32; flash_attn::vector_scratch_len(hd)];
+                        flash_attn::split(
+                            &head,
+                            qr,
+                            visible.clone(),
+                            |_| true,
+                            cells,
+                            chunks,
+                            scale,
+                            &mut scratch,
+                            o,
+                        );
+                    }
+                    Route::Tiled => {
+                        let mut scratch = vec![0.0f32; flash_attn::tile_scratch_len(hd)];
+                        let tile = Tile {
+                            q: qr,
+                            head_dim: hd,
+                            cells,
+                            scale,
+                        };
+                        flash_attn::tiled(&head, tile, |_| visible.clone(), |_, _| true, &mut scratch, o);
+                    }
                 }
             }
         }
-        let (dq, dk, dv) = (g.upload(&q).unwrap(), g.upload(&k).unwrap(), g.upload(&v).unwrap());
-        let mut dout = g.zeros::<f32>(q.len()).unwrap();
-        let (nh, nkv, hd_i, p0, w_i) = (n_head as i32, n_kv as i32, hd as i32, pos0 as i32, window as i32);
-        let mut b = g.stream.launch_builder(g.function("attention").unwrap());
-        b.arg(&dq)
-            .arg(&dk)
-            .arg(&dv)
-            .arg(&mut dout)
-            .arg(&nh)
-            .arg(&nkv)
-            .arg(&hd_i)
-            .arg(&p0)
-            .arg(&w_i)
-            .arg(&scale);
-        let cfg = LaunchConfig {
-            grid_dim: (n_head as u32, n_tok as u32, 1),
-            block_dim: (128, 1, 1),
-            shared_mem_bytes: 0,
+        let bits16 = |x: &[f16]| x.iter().map(|h| h.to_bits()).collect::<Vec<u16>>();
+        let (dq, dk, dv) = (
+            g.upload(&q).unwrap(),
+            g.upload(&bits16(&k)).unwrap(),
+            g.upload(&bits16(&v)).unwrap(),
+        );
+        let dout = g.zeros::<f32>(q.len()).unwrap();
+        let heads = AttentionHeads {
+            n_head,
+            n_head_kv: n_kv,
+            head_dim: hd,
         };
-        unsafe { b.launch(cfg) }.unwrap();
-        let ones = vec![1.0f32; want.len()];
-        close(
-            &format!("attention window {window}"),
-            &g.download(&dout).unwrap(),
-            &want,
-            &ones,
-            2e-5,
+        let partials = g.zeros::<f32>(Gpu::partials_len(heads, threads)).unwrap();
+        let at = AttentionAt {
+            pos0,
+            window,
+            kq_scale: scale,
+            cells,
+            threads,
+        };
+        g.attention(
+            g.ptr(&dq),
+            g.ptr(&dk),
+            g.ptr(&dv),
+            g.ptr(&dout),
+            n_tok,
+            heads,
+            at,
+            &partials,
+        )
+        .unwrap();
+        assert_eq!(
+            bits(&g.download(&dout).unwrap()),
+            bits(&want),
+            "{route:?}: head size {hd}, {n_tok} queries from {pos0}, window {window}"
         );
     }
 }

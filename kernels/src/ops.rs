@@ -251,8 +251,9 @@ fn gelu_f32(x: f32) -> f32 {
 /// GGML's CPU backend evaluates GELU through a table indexed by the input
 /// rounded to f16, whose entries are f16 too. We keep the same table (as f32
 /// values of those f16 entries): it is both what makes our outputs match and
-/// far cheaper than `tanh` per element.
-fn gelu_table() -> &'static [f32] {
+/// far cheaper than `tanh` per element. Indexed by every f16 bit pattern, so
+/// another device can upload it whole (the GPU backend does).
+pub fn gelu_table() -> &'static [f32] {
     static TABLE: OnceLock<Vec<f32>> = OnceLock::new();
     TABLE.get_or_init(|| {
         (0..=u16::MAX)

@@ -1,0 +1,117 @@
+//! A packed model's FFN held in device memory: each layer's neuron bundles
+//! (gate row, up row, down column) uploaded whole, the neuron cache with
+//! every neuron resident, computed by the streaming FFN kernels
+//! (`ffn_stream.cu`) with every slot's flag already set. This is the
+//! device engine's way into a `.lsflash` model, and what the compute
+//! profile measures for a GPU (`leanstream-profile compute --device cuda`).
+
+use cudarc::driver::CudaSlice;
+use leanstream_kernels::sparse_ffn::{BundleFormat, DownLayout};
+use leanstream_kernels::GgmlType;
+use leanstream_runtime::engine::FlashModel;
+
+use crate::device::{DevPtr, Gpu, StreamInput};
+use crate::flags::Slot;
+use crate::{CudaError, Result};
+
+/// The flag value of a slot that is always ready (`ffn_stream.cu`).
+pub const ALWAYS_READY: u32 = u32::MAX;
+
+/// One layer's bundles in device memory, by neuron id.
+pub struct ResidentBundles {
+    bundles: CudaSlice<u8>,
+    /// Slot `i` holds neuron `i`, its flag always ready.
+    slots: CudaSlice<Slot>,
+    /// `0..n_ff`: stage 2 sums in neuron order, as the CPU does.
+    order: CudaSlice<u32>,
+    /// The flag every slot points at, holding [`ALWAYS_READY`].
+    ready: CudaSlice<u32>,
+    pub format: BundleFormat,
+    pub n_ff: usize,
+}
+
+impl ResidentBundles {
+    /// Reads layer `layer`'s bundles of `fm` and uploads them.
+    pub fn upload(gpu: &Gpu, fm: &FlashModel, layer: usize) -> Result<Self> {
+        let format = fm.formats[layer];
+        if format.down_layout != DownLayout::Columns || !matches!(format.down_ty, GgmlType::Q8_0 | GgmlType::F16) {
+            return Err(CudaError::Invalid(format!(
+                "{}: layer {layer} stores its down parts as {:?} {}; the device's FFN takes Q8_0 or F16 \
+                 columns (pack with --down q8_0)",
+                fm.flash.path().display(),
+                format.down_layout,
+                format.down_ty
+            )));
+        }
+        let bytes = fm.flash.layer_by_neuron(layer)?;
+        let bundles = gpu.upload(&bytes)?;
+        let ready = gpu.upload(&[ALWAYS_READY])?;
+        let n_ff = fm.flash.n_ff();
+        let (base, flag) = (gpu.ptr(&bundles).0, gpu.ptr(&ready).0);
+        let slots: Vec<Slot> = (0..n_ff).map(|i| slot_of(base, flag, &format, i)).collect();
+        let order: Vec<u32> = (0..n_ff as u32).collect();
+        Ok(Self {
+            slots: gpu.upload(&slots)?,
+            order: gpu.upload(&order)?,
+            bundles,
+            ready,
+            format,
+            n_ff,
+        })
+    }
+
+    /// Neuron `i`'s slot (`i < n_ff`), always ready: a stage over any
+    /// subset of neurons is a slot table of these.
+    pub fn slot(&self, gpu: &Gpu, i: usize) -> Slot {
+        slot_of(gpu.ptr(&self.bundles).0, gpu.ptr(&self.ready).0, &self.format, i)
+    }
+
+    /// The whole layer's FFN of one token: `act[i]` for every neuron, then
+    /// `y += Σ act[i] * down_i` in neuron order (`y` zeroed by the caller).
+    #[allow(clippy::too_many_arguments)]
+    pub fn forward_row(
+        &self,
+        gpu: &Gpu,
+        input: StreamInput,
+        act_kind: i32,
+        gelu_table: DevPtr,
+        scratch: FfnScratch,
+        act: DevPtr,
+        y: DevPtr,
+    ) -> Result<()> {
+        let slots = gpu.ptr(&self.slots);
+        gpu.zero_at(scratch.start_ns, 8)?;
+        gpu.ffn_stream_activations(
+            slots,
+            self.n_ff,
+            1,
+            input,
+            &self.format,
+            act_kind,
+            gelu_table,
+            scratch.start_ns,
+            0,
+            act,
+            scratch.skipped,
+        )?;
+        gpu.ffn_stream_down(slots, gpu.ptr(&self.order), self.n_ff, act, &self.format, y)
+    }
+}
+
+/// Neuron `i`'s slot in bundles at device address `base`, its flag at `flag`.
+fn slot_of(base: u64, flag: u64, format: &BundleFormat, i: usize) -> Slot {
+    Slot {
+        bundle: base + (i * format.bundle_bytes()) as u64,
+        flag,
+        neuron: i as u32,
+        pad: 0,
+    }
+}
+
+/// Device scratch of the streaming kernels: the first warp's start time
+/// (8 bytes) and per-slot skipped flags (`n_ff` bytes).
+#[derive(Debug, Clone, Copy)]
+pub struct FfnScratch {
+    pub start_ns: DevPtr,
+    pub skipped: DevPtr,
+}
