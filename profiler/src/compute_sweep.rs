@@ -48,6 +48,10 @@ pub struct ComputeSetup {
     pub layer: usize,
     /// The file the background reader reads (default: the model file).
     pub io_file: PathBuf,
+    /// CUDA device ordinal whose kernels are measured (`compute_gpu.rs`);
+    /// `None`: the CPU's.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub device: Option<usize>,
 }
 
 /// Neurons per parallel task of stage 1.
@@ -82,17 +86,8 @@ impl ComputeExecutor {
                 fm.flash.n_layer()
             )));
         }
-        let (off, len) = fm.flash.layer_extent(l);
-        let file = File::open(&setup.model).map_err(|e| ProfileError::io(&setup.model, e))?;
-        let mut stored = vec![0u8; len as usize];
-        std::os::unix::fs::FileExt::read_exact_at(&file, &mut stored, off)
-            .map_err(|e| ProfileError::io(&setup.model, e))?;
         let bb = fm.flash.layout(l).bundle_bytes();
-        let mut bundles = vec![0u8; stored.len()];
-        for (pos, b) in stored.chunks_exact(bb).enumerate() {
-            let i = fm.flash.neuron_at(l, pos);
-            bundles[i * bb..(i + 1) * bb].copy_from_slice(b);
-        }
+        let bundles = fm.flash.layer_by_neuron(l)?;
         let c = &fm.model.config;
         let format = fm.formats[l];
         let act: FfnActivation = c.ffn_activation;
@@ -217,62 +212,84 @@ impl ComputeExecutor {
             self.prepare_decode(c.ctx_len)?;
         }
         let n_ff = self.n_ff();
-        let want = (c.neurons as usize).min(n_ff);
-        let mut all: Vec<usize> = (0..n_ff).collect();
-        let bg_stop = AtomicBool::new(false);
         let bg = if c.background_io {
             let f = self.bg.0.try_clone().map_err(ProfileError::Sys)?;
             Some((f, self.bg.1))
         } else {
             None
         };
-        let mut samples = Vec::with_capacity(n);
-        let mut wall = 0u64;
-        let result = std::thread::scope(|s| -> Result<()> {
-            let reader = bg.map(|(f, size)| {
-                let bg_stop = &bg_stop;
-                s.spawn(move || background_reads(&f, size, 128 << 10, 8, bg_stop))
-            });
-            let body = (|| -> Result<()> {
-                all.shuffle(&mut self.rng);
-                self.call(c, &all[..want])?; // untimed warm-up
-                let t_visit = Instant::now();
-                for _ in 0..n {
-                    if stop.load(Ordering::Relaxed) || Instant::now() >= deadline {
-                        break;
-                    }
-                    all.shuffle(&mut self.rng);
-                    let ids = &all[..want];
-                    let t0 = Instant::now();
-                    let bytes = self.call(c, ids)?;
-                    let lat = t0.elapsed().as_nanos() as u64;
-                    samples.push(Sample {
-                        worker: 0,
-                        offset: 0,
-                        bytes,
-                        latency_ns: lat,
-                        unix_ns: std::time::SystemTime::now()
-                            .duration_since(std::time::UNIX_EPOCH)
-                            .map(|d| d.as_nanos() as u64)
-                            .unwrap_or(0),
-                    });
-                }
-                wall = t_visit.elapsed().as_nanos() as u64;
-                Ok(())
-            })();
-            bg_stop.store(true, Ordering::Relaxed);
-            if let Some(h) = reader {
-                h.join().expect("background reader panicked")?;
-            }
-            body
-        });
-        result?;
-        Ok(Measured {
-            samples,
-            wall_ns: wall,
-            device_read_bytes: None,
-        })
+        let mut rng = std::mem::replace(&mut self.rng, StdRng::seed_from_u64(0));
+        let visit = Visit {
+            n_ff,
+            neurons: c.neurons as usize,
+            background: bg,
+            n,
+            deadline,
+        };
+        let out = timed_visit(&mut rng, visit, stop, |ids| self.call(c, ids));
+        self.rng = rng;
+        out
     }
+}
+
+/// One visit's plan: `n` timed calls over `neurons` random neurons of
+/// `n_ff`, before `deadline`, with O_DIRECT reads of `background` (a file
+/// and its size) running meanwhile when given.
+pub(crate) struct Visit {
+    pub n_ff: usize,
+    pub neurons: usize,
+    pub background: Option<(File, u64)>,
+    pub n: usize,
+    pub deadline: Instant,
+}
+
+/// Runs `visit`: one untimed warm-up call, then timed calls of `call` (which
+/// returns the bytes of weights it touched) on fresh random neuron sets
+/// until `n` are done, the deadline passes or `stop` is set. Shared by the
+/// CPU and the GPU executors.
+pub(crate) fn timed_visit(
+    rng: &mut StdRng,
+    visit: Visit,
+    stop: &AtomicBool,
+    mut call: impl FnMut(&[usize]) -> Result<u64>,
+) -> Result<Measured> {
+    let want = visit.neurons.min(visit.n_ff);
+    let mut all: Vec<usize> = (0..visit.n_ff).collect();
+    let bg_stop = AtomicBool::new(false);
+    let mut samples = Vec::with_capacity(visit.n);
+    let mut wall = 0u64;
+    std::thread::scope(|s| -> Result<()> {
+        let reader = visit.background.map(|(f, size)| {
+            let bg_stop = &bg_stop;
+            s.spawn(move || background_reads(&f, size, 128 << 10, 8, bg_stop))
+        });
+        let body = (|| -> Result<()> {
+            all.shuffle(rng);
+            call(&all[..want])?; // untimed warm-up
+            let t_visit = Instant::now();
+            for _ in 0..visit.n {
+                if stop.load(Ordering::Relaxed) || Instant::now() >= visit.deadline {
+                    break;
+                }
+                all.shuffle(rng);
+                let t0 = Instant::now();
+                let bytes = call(&all[..want])?;
+                samples.push(Sample::now(bytes, t0.elapsed().as_nanos() as u64));
+            }
+            wall = t_visit.elapsed().as_nanos() as u64;
+            Ok(())
+        })();
+        bg_stop.store(true, Ordering::Relaxed);
+        if let Some(h) = reader {
+            h.join().expect("background reader panicked")?;
+        }
+        body
+    })?;
+    Ok(Measured {
+        samples,
+        wall_ns: wall,
+        device_read_bytes: None,
+    })
 }
 
 impl Executor for ComputeExecutor {

@@ -37,6 +37,9 @@ pub enum ProfileError {
     Runtime(#[from] leanstream_runtime::RuntimeError),
     #[error("kernel: {0}")]
     Kernel(#[from] leanstream_kernels::KernelError),
+    /// The GPU backend (no device, a driver error, a model it cannot hold).
+    #[error("device: {0}")]
+    Device(String),
 }
 
 impl ProfileError {

@@ -10,6 +10,7 @@
 //! - [`summary`] / [`plot`]: per-condition quantiles (polars lazy) and SVG plots.
 
 pub mod activations;
+pub mod compute_gpu;
 pub mod compute_sweep;
 pub mod device;
 pub mod error;

@@ -24,6 +24,22 @@ pub struct Sample {
     pub unix_ns: u64,
 }
 
+impl Sample {
+    /// A sample of one call that touched `bytes`, taken now (worker 0, no offset).
+    pub fn now(bytes: u64, latency_ns: u64) -> Self {
+        Self {
+            worker: 0,
+            offset: 0,
+            bytes,
+            latency_ns,
+            unix_ns: std::time::SystemTime::now()
+                .duration_since(std::time::UNIX_EPOCH)
+                .map(|d| d.as_nanos() as u64)
+                .unwrap_or(0),
+        }
+    }
+}
+
 /// What one visit measured.
 #[derive(Debug, Clone, Default)]
 pub struct Measured {

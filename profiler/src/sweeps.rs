@@ -5,6 +5,7 @@
 
 use std::path::{Path, PathBuf};
 
+use crate::compute_gpu::GpuComputeExecutor;
 use crate::compute_sweep::{ComputeExecutor, ComputeSetup};
 use crate::io_sweep::{prepare_file, replay_block_size, IoExecutor, IoSetup};
 use crate::plan::{ComputeCondition, Condition, ConditionKind, Engine, IoCondition, Kernel, Pattern, Plan, Repetition};
@@ -80,6 +81,8 @@ pub struct ComputeGrid {
     /// File for the background reads (default: the model file).
     pub io_file: Option<PathBuf>,
     pub layer: usize,
+    /// CUDA device ordinal (`None`: the CPU's kernels).
+    pub device: Option<usize>,
 }
 
 fn invalid(msg: impl Into<String>) -> ProfileError {
@@ -199,7 +202,9 @@ pub fn compute_plan(grid: &ComputeGrid, settings: &RunSettings) -> Result<Plan> 
     let cores = std::thread::available_parallelism()
         .map(|n| n.get() as u32)
         .unwrap_or(1);
-    let mut threads = grid.threads.clone().unwrap_or_else(|| vec![1, cores]);
+    // A device runs its own threads: one host thread count.
+    let default_threads = if grid.device.is_some() { vec![1] } else { vec![1, cores] };
+    let mut threads = grid.threads.clone().unwrap_or(default_threads);
     threads.dedup();
     let mut kinds = Vec::new();
     for &t in &threads {
@@ -223,6 +228,7 @@ pub fn compute_plan(grid: &ComputeGrid, settings: &RunSettings) -> Result<Plan> 
         model: absolute(&grid.model)?,
         layer: grid.layer,
         io_file: absolute(grid.io_file.as_ref().unwrap_or(&grid.model))?,
+        device: grid.device,
     };
     let setup = serde_json::to_value(&setup).map_err(|e| invalid(e.to_string()))?;
     plan_of(settings, "compute", kinds, setup)
@@ -239,7 +245,10 @@ fn executor(plan: &Plan) -> Result<(Box<dyn Executor>, PathBuf)> {
         "compute" => {
             let setup: ComputeSetup = serde_json::from_value(plan.setup.clone()).map_err(bad)?;
             let target = setup.io_file.clone();
-            Ok((Box::new(ComputeExecutor::new(&setup, plan.seed)?), target))
+            match setup.device {
+                Some(ordinal) => Ok((Box::new(GpuComputeExecutor::new(&setup, plan.seed, ordinal)?), target)),
+                None => Ok((Box::new(ComputeExecutor::new(&setup, plan.seed)?), target)),
+            }
         }
         s => Err(invalid(format!("unknown sweep {s:?} in plan.json"))),
     }

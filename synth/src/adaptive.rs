@@ -146,6 +146,7 @@ fn measure(o: &AdaptiveOptions, keys: &[Key], budget_s: f64, dir: &Path, name: &
             background_io: vec![false],
             io_file: None,
             layer: 0,
+            device: None,
         };
         plans.push(("compute", sweeps::compute_plan(&grid, &settings)?));
     }

@@ -166,7 +166,9 @@ struct ComputeArgs {
     /// Layer whose bundles the FFN kernels use.
     #[arg(long, default_value_t = 0)]
     layer: usize,
-    /// Kernel backend: `cpu` (the GPU backend's kernels cannot be profiled yet).
+    /// Kernel backend: `cpu`, or `cuda` / `cuda:N` (the GPU backend's
+    /// streaming FFN kernels and device engine; needs a packed model with
+    /// Q8_0 or F16 down columns).
     #[arg(long, default_value = "cpu")]
     device: String,
     #[command(flatten)]
@@ -250,14 +252,14 @@ fn io_plan(a: &IoArgs) -> Result<Plan> {
 }
 
 fn compute_plan(a: &ComputeArgs) -> Result<Plan> {
-    match a.device.as_str() {
-        "cpu" => {}
-        d if d == "cuda" || d.starts_with("cuda:") => bail!(
-            "--device {d}: the compute sweep measures the CPU kernels; profiling the GPU backend's \
-             kernels is not built yet"
-        ),
-        d => bail!("--device {d:?}: expected cpu"),
-    }
+    let device = match a.device.as_str() {
+        "cpu" => None,
+        "cuda" => Some(0),
+        d => match d.strip_prefix("cuda:").map(str::parse::<usize>) {
+            Some(Ok(n)) => Some(n),
+            _ => bail!("--device {d:?}: expected cpu, cuda or cuda:N"),
+        },
+    };
     leanstream_runtime::flash::format::LsFlash::open(&a.model)
         .with_context(|| format!("{}: compute needs a packed .lsflash model", a.model.display()))?;
     let background_io = match a.background_io.as_str() {
@@ -276,6 +278,7 @@ fn compute_plan(a: &ComputeArgs) -> Result<Plan> {
         background_io,
         io_file: a.io_file.clone(),
         layer: a.layer,
+        device,
     };
     Ok(sweeps::compute_plan(&grid, &a.common.settings()?)?)
 }

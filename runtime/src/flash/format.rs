@@ -896,6 +896,25 @@ impl LsFlash {
         self.header.placement[layer][pos] as usize
     }
 
+    /// All of layer `layer`'s bundles, read whole and put in neuron order
+    /// (the file stores them in its placement's order): what a device that
+    /// holds the layer resident uploads, and what the compute profile runs on.
+    pub fn layer_by_neuron(&self, layer: usize) -> Result<Vec<u8>> {
+        let (off, len) = self.layer_extent(layer);
+        let mut stored = vec![0u8; len as usize];
+        std::os::unix::fs::FileExt::read_exact_at(&self.file, &mut stored, off).map_err(|source| RuntimeError::Io {
+            path: self.path.clone(),
+            source,
+        })?;
+        let bb = self.layout(layer).bundle_bytes();
+        let mut bundles = vec![0u8; stored.len()];
+        for (pos, b) in stored.chunks_exact(bb).enumerate() {
+            let i = self.neuron_at(layer, pos);
+            bundles[i * bb..(i + 1) * bb].copy_from_slice(b);
+        }
+        Ok(bundles)
+    }
+
     /// Absolute offset and length of the bundle of neuron `neuron` in layer
     /// `layer`. Panics when either index is out of range.
     pub fn bundle_extent(&self, layer: usize, neuron: usize) -> (u64, usize) {

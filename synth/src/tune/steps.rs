@@ -475,6 +475,7 @@ impl Step {
             background_io: vec![false],
             io_file: None,
             layer: 0,
+            device: None,
         }
     }
 
