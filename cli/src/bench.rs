@@ -299,18 +299,21 @@ pub fn run(a: BenchArgs) -> Result<()> {
 /// device's dense engine (the logits copied back after each step, as a
 /// sampler needs them), with llama-bench interleaved as on the CPU.
 fn device_bench(a: &BenchArgs, path: &Path, ordinal: usize) -> Result<()> {
-    crate::gpu::check_dense_gguf(path, &a.flash)?;
     if a.quality_file.is_some() {
         bail!("--quality-file applies to .lsflash models on the CPU engine");
     }
     let t0 = Instant::now();
-    let model = crate::load_path(path)?;
+    let loaded = crate::gpu::DeviceModel::load(path, &a.flash)?;
+    if a.llama_bench.is_some() && matches!(loaded, crate::gpu::DeviceModel::Flash(_)) {
+        bail!("--llama-bench needs a GGUF model, not a .lsflash file");
+    }
+    let model = loaded.model();
     let c = model.config.clone();
     let ctx = a.prompt_tokens.max(a.gen_tokens).max(1);
     if ctx > c.context_length {
         bail!("{ctx} tokens exceed the model's context of {}", c.context_length);
     }
-    let (mut g, device) = crate::gpu::open(ordinal, &model, ctx, a.prompt_tokens)?;
+    let (mut g, device) = loaded.open(ordinal, ctx, a.prompt_tokens)?;
     let load_s = t0.elapsed().as_secs_f64();
     let reps = a.reps.max(1);
     let plan = make_plan(reps, a.prompt_tokens, a.gen_tokens, c.n_vocab);
@@ -350,7 +353,7 @@ fn device_bench(a: &BenchArgs, path: &Path, ordinal: usize) -> Result<()> {
             theirs_build = r.build;
         }
     }
-    let weights_bytes = model.weights.matrix_bytes();
+    let weights_bytes = loaded.weight_bytes();
     let mut report = speed_report(path, c.arch.name(), a, (&pp, &tg), load_s, weights_bytes);
     report["device"] = json!(device);
     if a.llama_bench.is_some() {

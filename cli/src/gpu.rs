@@ -1,7 +1,8 @@
 //! `--device cuda[:N]`: generation (`run`) and speed (`bench`) with the dense
 //! engine on a CUDA device (`leanstream-cuda`), sampling on the host from its
 //! logits in the runtime's generation loop (`serve` and `chat` run it in
-//! `leanstream-server`).
+//! `leanstream-server`). `run` and `bench` also take a packed `.lsflash`
+//! model, its bundles all resident in device memory.
 
 use std::io::Write;
 use std::ops::ControlFlow;
@@ -11,6 +12,7 @@ use std::time::Instant;
 use anyhow::{bail, Context, Result};
 use leanstream_cuda::device::Gpu;
 use leanstream_cuda::engine::GpuModel;
+use leanstream_runtime::engine::FlashModel;
 use leanstream_runtime::fetch::resolve_model;
 use leanstream_runtime::generate::decode_until;
 use leanstream_runtime::model::Model;
@@ -57,18 +59,18 @@ pub(crate) fn run(
     flash: &FlashArgs,
 ) -> Result<()> {
     let path = resolve_model(model_arg)?;
-    check_dense_gguf(&path, flash)?;
     let t0 = Instant::now();
-    let model = load_path(&path)?;
-    let ids = prompt_ids(&model, prompt, chat)?;
+    let loaded = DeviceModel::load(&path, flash)?;
+    let model = loaded.model();
+    let ids = prompt_ids(model, prompt, chat)?;
     let ctx = ctx.unwrap_or(ids.len() + gen.n + 1).min(model.config.context_length);
     if ids.len() >= ctx {
         bail!("the prompt's {} tokens fill the context of {ctx}", ids.len());
     }
-    let (mut g, device) = open(ordinal, &model, ctx, ids.len())?;
+    let (mut g, device) = loaded.open(ordinal, ctx, ids.len())?;
     let load_s = t0.elapsed().as_secs_f64();
 
-    let mut sampler = gen.sampler(&model);
+    let mut sampler = gen.sampler(model);
     let mut decoder = StreamDecoder::new();
     let stdout = std::io::stdout();
     let mut out = stdout.lock();
@@ -93,30 +95,74 @@ pub(crate) fn run(
     Ok(())
 }
 
-/// Refuses what the device engine does not run: the CPU streaming engine's
-/// options and packed `.lsflash` models.
+/// A model the device engine runs: a GGUF's, or a packed model's (its
+/// bundles all resident on the device).
+// One per command: the variants' sizes do not matter.
+#[allow(clippy::large_enum_variant)]
+pub(crate) enum DeviceModel {
+    Gguf(Model),
+    Flash(FlashModel),
+}
+
+impl DeviceModel {
+    /// Loads `path`, refusing the CPU streaming engine's options.
+    pub(crate) fn load(path: &Path, flash: &FlashArgs) -> Result<Self> {
+        if let Some(flag) = streaming_option(flash) {
+            bail!("{flag} is an option of the CPU streaming engine; --device cuda runs the dense engine");
+        }
+        if is_lsflash(path)? {
+            let fm = FlashModel::open(path).with_context(|| format!("{}: opening the packed model", path.display()))?;
+            return Ok(Self::Flash(fm));
+        }
+        Ok(Self::Gguf(load_path(path)?))
+    }
+
+    pub(crate) fn model(&self) -> &Model {
+        match self {
+            Self::Gguf(m) => m,
+            Self::Flash(fm) => &fm.model,
+        }
+    }
+
+    /// Bytes of weights a token reads: the matrices, and a packed model's bundles.
+    pub(crate) fn weight_bytes(&self) -> usize {
+        match self {
+            Self::Gguf(m) => m.weights.matrix_bytes(),
+            Self::Flash(fm) => fm.model.weights.matrix_bytes() + fm.ffn_bytes() as usize,
+        }
+    }
+
+    /// The device engine with a context of `ctx` and prompt batches of up
+    /// to `prompt` rows (at most 512), and the device's description.
+    pub(crate) fn open(&self, ordinal: usize, ctx: usize, prompt: usize) -> Result<(GpuModel, String)> {
+        let gpu = Gpu::open(ordinal)?;
+        let device = format!(
+            "{} (compute {}.{})",
+            gpu.name, gpu.compute_capability.0, gpu.compute_capability.1
+        );
+        let batch = prompt.clamp(1, 512);
+        let g = match self {
+            Self::Gguf(m) => GpuModel::new(gpu, m, ctx, batch)?,
+            Self::Flash(fm) => GpuModel::from_flash(gpu, fm, ctx, batch)?,
+        };
+        Ok((g, device))
+    }
+}
+
+/// Refuses what the server's device engine does not run: the CPU streaming
+/// engine's options and packed `.lsflash` models.
 pub(crate) fn check_dense_gguf(path: &Path, flash: &FlashArgs) -> Result<()> {
     if let Some(flag) = streaming_option(flash) {
         bail!("{flag} is an option of the CPU streaming engine; --device cuda runs a GGUF model's dense engine");
     }
     if is_lsflash(path)? {
         bail!(
-            "{}: a packed .lsflash model streams on the CPU engine; --device cuda runs a GGUF model's dense engine",
+            "{}: a packed .lsflash model streams on the CPU engine; the server's --device cuda runs a GGUF \
+             model's dense engine",
             path.display()
         );
     }
     Ok(())
-}
-
-/// The device engine for `model` with a context of `ctx` and prompt batches
-/// of up to `prompt` rows (at most 512), and the device's description.
-pub(crate) fn open(ordinal: usize, model: &Model, ctx: usize, prompt: usize) -> Result<(GpuModel<'_>, String)> {
-    let gpu = Gpu::open(ordinal)?;
-    let device = format!(
-        "{} (compute {}.{})",
-        gpu.name, gpu.compute_capability.0, gpu.compute_capability.1
-    );
-    Ok((GpuModel::new(gpu, model, ctx, prompt.clamp(1, 512))?, device))
 }
 
 /// Whether `path` starts with the `.lsflash` magic.

@@ -1,7 +1,9 @@
 //! `run`, `bench`, `serve` and `chat --device`: a bad device name and
 //! options the device engine lacks are errors naming them; `cuda` on a
 //! machine without CUDA is an ordinary error ("no CUDA device"), never a
-//! panic, and where a device is present it generates.
+//! panic, and where a device is present it generates, from a GGUF or from
+//! a packed model whose bundles it holds (and, where a device is present,
+//! refuses one whose down parts it cannot read, naming the fix).
 
 use std::path::PathBuf;
 use std::process::{Command, Output};
@@ -74,6 +76,45 @@ fn cuda_generates_or_says_there_is_no_device() {
         assert!(err.contains("decode 4 tokens"), "{err}");
     } else {
         assert!(err.contains("no CUDA device"), "{err}");
+    }
+}
+
+/// The tiny model packed with its down parts as `down`, once per process.
+fn packed(down: &str) -> PathBuf {
+    let p = model().with_extension(format!("{down}.lsflash"));
+    static LOCK: std::sync::Mutex<()> = std::sync::Mutex::new(());
+    let _one = LOCK.lock().unwrap();
+    if !p.exists() {
+        let o = Command::new(env!("CARGO_BIN_EXE_leanstream"))
+            .args(["pack", "--model"])
+            .arg(model())
+            .arg("-o")
+            .arg(&p)
+            .args(["--down", down])
+            .output()
+            .unwrap();
+        assert!(o.status.success(), "{}", stderr(&o));
+    }
+    p
+}
+
+#[test]
+fn cuda_runs_a_packed_model_or_says_why_not() {
+    for (down, refusal) in [("q8_0", None), ("source", Some("pack with --down q8_0"))] {
+        let o = Command::new(env!("CARGO_BIN_EXE_leanstream"))
+            .args(["run", "--model"])
+            .arg(packed(down))
+            .args(["--prompt", "a b", "-n", "4", "--temp", "0", "--device", "cuda"])
+            .output()
+            .unwrap();
+        let err = stderr(&o);
+        assert!(!err.contains("panicked"), "{err}");
+        match (o.status.success(), refusal) {
+            (true, None) => assert!(err.contains("decode 4 tokens"), "{err}"),
+            (false, _) if err.contains("no CUDA device") => {}
+            (false, Some(why)) => assert!(err.contains(why), "{down}: {err}"),
+            _ => panic!("{down}: {err}"),
+        }
     }
 }
 

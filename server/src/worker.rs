@@ -271,7 +271,7 @@ impl Drop for Engine {
 #[allow(clippy::large_enum_variant)]
 enum Backend<'m> {
     Cpu { session: Session, st: RunState },
-    Cuda { model: &'m Model, gpu: GpuModel<'m> },
+    Cuda { model: &'m Model, gpu: GpuModel },
 }
 
 impl<'m> Backend<'m> {
