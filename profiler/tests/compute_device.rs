@@ -52,7 +52,10 @@ fn compute_on_cuda_measures_or_says_there_is_no_device() {
 
     let o = compute(&model, &dir.join("tpu"), "tpu");
     let err = String::from_utf8_lossy(&o.stderr);
-    assert!(!o.status.success() && err.contains("--device \"tpu\": expected cpu, cuda or cuda:N"), "{err}");
+    assert!(
+        !o.status.success() && err.contains("--device \"tpu\": expected cpu, cuda or cuda:N"),
+        "{err}"
+    );
 
     let out = dir.join("cuda");
     let o = compute(&model, &out, "cuda");
@@ -60,7 +63,11 @@ fn compute_on_cuda_measures_or_says_there_is_no_device() {
     assert!(!err.contains("panicked"), "{err}");
     if o.status.success() {
         let (samples, problems, _) = ShardStore::open(&out).unwrap().load().unwrap();
-        assert!(problems.is_empty() && samples.height() > 0, "no samples in {}: {err}", out.display());
+        assert!(
+            problems.is_empty() && samples.height() > 0,
+            "no samples in {}: {err}",
+            out.display()
+        );
     } else {
         assert!(err.contains("no CUDA device"), "{err}");
     }
