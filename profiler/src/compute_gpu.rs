@@ -32,7 +32,7 @@ use leanstream_runtime::engine::FlashModel;
 use rand::rngs::StdRng;
 use rand::{RngExt, SeedableRng};
 
-use crate::compute_sweep::{timed_visit, ComputeSetup, Visit};
+use crate::compute_sweep::{stage_chunks, timed_visit, ComputeSetup, Visit};
 use crate::io_sweep::open_direct;
 use crate::plan::{ComputeCondition, Condition, ConditionKind, Kernel};
 use crate::runner::{Executor, Measured};
@@ -167,13 +167,7 @@ impl GpuComputeExecutor {
             Kernel::FfnStage | Kernel::FfnSplit => {
                 let g = &self.gpu;
                 g.zero_at(g.ptr(&self.y), self.y.len() * 4).map_err(device)?;
-                let k = if c.kernel == Kernel::FfnStage {
-                    1
-                } else {
-                    c.stages.max(1) as usize
-                };
-                let per = ids.len().div_ceil(k).max(1);
-                for chunk in ids.chunks(per) {
+                for chunk in stage_chunks(c, ids) {
                     self.stage(chunk)?;
                     self.gpu.synchronize().map_err(device)?;
                 }
@@ -206,20 +200,8 @@ impl GpuComputeExecutor {
         if c.kernel == Kernel::Decode {
             self.prepare_decode(c.ctx_len)?;
         }
-        let bg = if c.background_io {
-            let f = self.bg.0.try_clone().map_err(ProfileError::Sys)?;
-            Some((f, self.bg.1))
-        } else {
-            None
-        };
+        let visit = Visit::new(c, self.layer.n_ff, &self.bg, n, deadline)?;
         let mut rng = std::mem::replace(&mut self.rng, StdRng::seed_from_u64(0));
-        let visit = Visit {
-            n_ff: self.layer.n_ff,
-            neurons: c.neurons as usize,
-            background: bg,
-            n,
-            deadline,
-        };
         let out = timed_visit(&mut rng, visit, stop, |ids| self.call(c, ids));
         self.rng = rng;
         out

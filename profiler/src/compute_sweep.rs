@@ -150,13 +150,7 @@ impl ComputeExecutor {
         match c.kernel {
             Kernel::FfnStage | Kernel::FfnSplit => {
                 self.y.fill(0.0);
-                let k = if c.kernel == Kernel::FfnStage {
-                    1
-                } else {
-                    c.stages.max(1) as usize
-                };
-                let per = ids.len().div_ceil(k).max(1);
-                for chunk in ids.chunks(per) {
+                for chunk in stage_chunks(c, ids) {
                     self.stage(chunk)?;
                 }
                 std::hint::black_box(&self.y);
@@ -212,20 +206,8 @@ impl ComputeExecutor {
             self.prepare_decode(c.ctx_len)?;
         }
         let n_ff = self.n_ff();
-        let bg = if c.background_io {
-            let f = self.bg.0.try_clone().map_err(ProfileError::Sys)?;
-            Some((f, self.bg.1))
-        } else {
-            None
-        };
+        let visit = Visit::new(c, n_ff, &self.bg, n, deadline)?;
         let mut rng = std::mem::replace(&mut self.rng, StdRng::seed_from_u64(0));
-        let visit = Visit {
-            n_ff,
-            neurons: c.neurons as usize,
-            background: bg,
-            n,
-            deadline,
-        };
         let out = timed_visit(&mut rng, visit, stop, |ids| self.call(c, ids));
         self.rng = rng;
         out
@@ -241,6 +223,41 @@ pub(crate) struct Visit {
     pub background: Option<(File, u64)>,
     pub n: usize,
     pub deadline: Instant,
+}
+
+impl Visit {
+    /// The visit of condition `c` over a layer of `n_ff` neurons, the
+    /// background file `background` (a file and its size) read when `c` asks.
+    pub(crate) fn new(
+        c: &ComputeCondition,
+        n_ff: usize,
+        background: &(File, u64),
+        n: usize,
+        deadline: Instant,
+    ) -> Result<Self> {
+        let background = if c.background_io {
+            Some((background.0.try_clone().map_err(ProfileError::Sys)?, background.1))
+        } else {
+            None
+        };
+        Ok(Self {
+            n_ff,
+            neurons: c.neurons as usize,
+            background,
+            n,
+            deadline,
+        })
+    }
+}
+
+/// `ids` cut into the stages of an `ffn_stage` (one) or `ffn_split` (K) condition.
+pub(crate) fn stage_chunks<'a>(c: &ComputeCondition, ids: &'a [usize]) -> std::slice::Chunks<'a, usize> {
+    let k = if c.kernel == Kernel::FfnStage {
+        1
+    } else {
+        c.stages.max(1) as usize
+    };
+    ids.chunks(ids.len().div_ceil(k).max(1))
 }
 
 /// Runs `visit`: one untimed warm-up call, then timed calls of `call` (which
