@@ -33,9 +33,9 @@ pub(crate) fn ordinal(device: &str) -> Result<Option<usize>> {
     }
 }
 
-/// Options of the CPU streaming engine that the device engine does not have.
-fn streaming_option(flash: &FlashArgs) -> Option<&'static str> {
-    [
+/// Refuses the CPU streaming engine's options, which the device engine does not have.
+fn refuse_streaming_options(flash: &FlashArgs) -> Result<()> {
+    let given = [
         (flash.policy.is_some(), "--policy"),
         (flash.predictor.is_some(), "--predictor"),
         (flash.controller.is_some(), "--controller"),
@@ -45,7 +45,11 @@ fn streaming_option(flash: &FlashArgs) -> Option<&'static str> {
     ]
     .into_iter()
     .find(|(set, _)| *set)
-    .map(|(_, name)| name)
+    .map(|(_, name)| name);
+    match given {
+        Some(flag) => bail!("{flag} is an option of the CPU streaming engine; --device cuda runs the dense engine"),
+        None => Ok(()),
+    }
 }
 
 #[allow(clippy::too_many_arguments)]
@@ -107,9 +111,7 @@ pub(crate) enum DeviceModel {
 impl DeviceModel {
     /// Loads `path`, refusing the CPU streaming engine's options.
     pub(crate) fn load(path: &Path, flash: &FlashArgs) -> Result<Self> {
-        if let Some(flag) = streaming_option(flash) {
-            bail!("{flag} is an option of the CPU streaming engine; --device cuda runs the dense engine");
-        }
+        refuse_streaming_options(flash)?;
         if is_lsflash(path)? {
             let fm = FlashModel::open(path).with_context(|| format!("{}: opening the packed model", path.display()))?;
             return Ok(Self::Flash(fm));
@@ -152,9 +154,7 @@ impl DeviceModel {
 /// Refuses what the server's device engine does not run: the CPU streaming
 /// engine's options and packed `.lsflash` models.
 pub(crate) fn check_dense_gguf(path: &Path, flash: &FlashArgs) -> Result<()> {
-    if let Some(flag) = streaming_option(flash) {
-        bail!("{flag} is an option of the CPU streaming engine; --device cuda runs a GGUF model's dense engine");
-    }
+    refuse_streaming_options(flash)?;
     if is_lsflash(path)? {
         bail!(
             "{}: a packed .lsflash model streams on the CPU engine; the server's --device cuda runs a GGUF \

@@ -26,10 +26,7 @@ fn pack_plain(src: &Path, name: &str) -> PathBuf {
     let out = dir().join(format!("{name}.lsflash"));
     let opts = PackOptions {
         down: DownType::Q8_0,
-        placement: None,
-        sparsity: Vec::new(),
-        neuron_scores: Vec::new(),
-        progress: false,
+        ..PackOptions::default()
     };
     pack(src, &out, &opts).unwrap();
     out

@@ -92,8 +92,14 @@ struct Run {
 }
 
 /// Greedy decoding on the CPU engine (no stop on end-of-generation, so both
-/// engines run `n` steps), the prompt traced at the device's probe points.
-fn cpu_greedy(model: &Model, prompt: &[u32], n: usize) -> Result<(Run, Capture), Box<dyn std::error::Error>> {
+/// engines run `n` steps), the prompt traced at the device's probe points;
+/// with `forced`, each step is fed the forced token instead of its own choice.
+fn cpu_greedy(
+    model: &Model,
+    prompt: &[u32],
+    n: usize,
+    forced: Option<&[u32]>,
+) -> Result<(Run, Capture), Box<dyn std::error::Error>> {
     let mut st = model.new_state(prompt.len() + n + 1, 512, 1);
     let mut trace = Capture::default();
     let mut pos = 0;
@@ -113,7 +119,8 @@ fn cpu_greedy(model: &Model, prompt: &[u32], n: usize) -> Result<(Run, Capture),
         tokens.push(argmax(&l));
         logits.push(l);
         if i + 1 < n {
-            model.forward(&mut st, &[tokens[i]], pos)?;
+            let next = forced.map_or(tokens[i], |f| f[i]);
+            model.forward(&mut st, &[next], pos)?;
             pos += 1;
         }
     }
@@ -201,29 +208,12 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     let tokens = model.tokenizer.encode(&prompt, true, false);
     let ctx = tokens.len() + n + 1;
 
-    let (cpu, cpu_trace) = cpu_greedy(&model, &tokens, n)?;
+    let (cpu, cpu_trace) = cpu_greedy(&model, &tokens, n, None)?;
     let mut standard = Model::load(&path)?;
     standard.flash_attn = FlashAttn::Off;
-    let (cpu_standard, _) = cpu_greedy(&standard, &tokens, n)?;
-    let cpu_forced = {
-        // The standard path fed the default path's tokens.
-        let mut st = standard.new_state(ctx, 512, 1);
-        let mut run = Run {
-            tokens: Vec::new(),
-            logits: Vec::new(),
-            tok_s: 0.0,
-        };
-        standard.forward_outputs(&mut st, &tokens, 0, tokens.len() - 1..tokens.len())?;
-        for i in 0..n {
-            let l = standard.logits(&mut st, 0, 1)?.to_vec();
-            run.tokens.push(argmax(&l));
-            run.logits.push(l);
-            if i + 1 < n {
-                standard.forward(&mut st, &[cpu.tokens[i]], tokens.len() + i)?;
-            }
-        }
-        run
-    };
+    let (cpu_standard, _) = cpu_greedy(&standard, &tokens, n, None)?;
+    // The standard path fed the default path's tokens.
+    let (cpu_forced, _) = cpu_greedy(&standard, &tokens, n, Some(&cpu.tokens))?;
 
     let gpu = Gpu::open(0)?;
     let device = format!("{} (compute {:?})", gpu.name, gpu.compute_capability);

@@ -13,7 +13,7 @@ use cudarc::driver::{
     CudaContext, CudaFunction, CudaSlice, CudaStream, DevicePtr, DeviceRepr, LaunchArgs, LaunchConfig, PushKernelArg,
 };
 use leanstream_kernels::flash_attn::{self, Route};
-use leanstream_kernels::sparse_ffn::{BundleFormat, DownLayout};
+use leanstream_kernels::sparse_ffn::{BundleFormat, DownLayout, FfnActivation};
 use leanstream_kernels::GgmlType;
 
 use crate::flags::Slot;
@@ -496,12 +496,7 @@ impl Gpu {
         format: &BundleFormat,
         y: DevPtr,
     ) -> Result<()> {
-        if format.down_layout != DownLayout::Columns || !matches!(format.down_ty, GgmlType::Q8_0 | GgmlType::F16) {
-            return Err(CudaError::Invalid(format!(
-                "down parts as {:?} {}: the device's FFN takes Q8_0 or F16 columns (pack with --down q8_0)",
-                format.down_layout, format.down_ty
-            )));
-        }
+        check_down_columns(format)?;
         self.launch(
             "ffn_stream_down",
             grid_1d(format.n_embd as u64, ROW_BLOCK),
@@ -534,6 +529,25 @@ pub struct AttentionAt {
     pub kq_scale: f32,
     pub cells: usize,
     pub threads: usize,
+}
+
+/// The kernels' id of a gated activation (`ACT_SILU`, `ACT_GELU_TANH` in `common.cuh`).
+pub fn activation_id(act: FfnActivation) -> i32 {
+    match act {
+        FfnActivation::Silu => 0,
+        FfnActivation::GeluTanh => 1,
+    }
+}
+
+/// The device's streaming FFN reads per-neuron down columns in Q8_0 or F16.
+pub fn check_down_columns(format: &BundleFormat) -> Result<()> {
+    if format.down_layout != DownLayout::Columns || !matches!(format.down_ty, GgmlType::Q8_0 | GgmlType::F16) {
+        return Err(CudaError::Invalid(format!(
+            "down parts as {:?} {}: the device's FFN takes Q8_0 or F16 columns (pack with --down q8_0)",
+            format.down_layout, format.down_ty
+        )));
+    }
+    Ok(())
 }
 
 /// What the kernels' row dot products step over in a row of `cols`:

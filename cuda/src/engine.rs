@@ -12,10 +12,10 @@ use leanstream_kernels::ops::RopeStyle;
 use leanstream_kernels::GgmlType;
 use leanstream_runtime::engine::FlashModel;
 use leanstream_runtime::generate::Decoder;
-use leanstream_runtime::model::{Config, FfnActivation, MatRef, Model};
+use leanstream_runtime::model::{Config, MatRef, Model};
 use leanstream_runtime::RuntimeError;
 
-use crate::device::{AttentionAt, AttentionHeads, DevPtr, Gpu, StreamInput};
+use crate::device::{activation_id, AttentionAt, AttentionHeads, DevPtr, Gpu, StreamInput};
 use crate::ffn::{FfnScratch, ResidentBundles};
 use crate::{CudaError, Result};
 
@@ -427,10 +427,7 @@ impl GpuModel {
             // Feed-forward.
             g.rms_norm(x, g.ptr(&l.ffn_norm), xb, n, d, c.rms_eps)?;
             self.probe(&mut trace, il, "ffn_in", &self.buf.xb, n, d)?;
-            let act = match c.ffn_activation {
-                FfnActivation::Silu => 0,
-                FfnActivation::GeluTanh => 1,
-            };
+            let act = activation_id(c.ffn_activation);
             match &l.ffn {
                 LayerFfn::Matrices {
                     gate: w_gate,

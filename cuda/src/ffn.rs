@@ -6,11 +6,10 @@
 //! profile measures for a GPU (`leanstream-profile compute --device cuda`).
 
 use cudarc::driver::CudaSlice;
-use leanstream_kernels::sparse_ffn::{BundleFormat, DownLayout};
-use leanstream_kernels::GgmlType;
+use leanstream_kernels::sparse_ffn::BundleFormat;
 use leanstream_runtime::engine::FlashModel;
 
-use crate::device::{DevPtr, Gpu, StreamInput};
+use crate::device::{check_down_columns, DevPtr, Gpu, StreamInput};
 use crate::flags::Slot;
 use crate::{CudaError, Result};
 
@@ -34,15 +33,8 @@ impl ResidentBundles {
     /// Reads layer `layer`'s bundles of `fm` and uploads them.
     pub fn upload(gpu: &Gpu, fm: &FlashModel, layer: usize) -> Result<Self> {
         let format = fm.formats[layer];
-        if format.down_layout != DownLayout::Columns || !matches!(format.down_ty, GgmlType::Q8_0 | GgmlType::F16) {
-            return Err(CudaError::Invalid(format!(
-                "{}: layer {layer} stores its down parts as {:?} {}; the device's FFN takes Q8_0 or F16 \
-                 columns (pack with --down q8_0)",
-                fm.flash.path().display(),
-                format.down_layout,
-                format.down_ty
-            )));
-        }
+        check_down_columns(&format)
+            .map_err(|e| CudaError::Invalid(format!("{}: layer {layer}: {e}", fm.flash.path().display())))?;
         let bytes = fm.flash.layer_by_neuron(layer)?;
         let bundles = gpu.upload(&bytes)?;
         let ready = gpu.upload(&[ALWAYS_READY])?;

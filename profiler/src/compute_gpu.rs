@@ -23,17 +23,15 @@ use std::sync::atomic::AtomicBool;
 use std::time::Instant;
 
 use cudarc::driver::CudaSlice;
-use leanstream_cuda::device::{Gpu, StreamInput};
+use leanstream_cuda::device::{activation_id, Gpu, StreamInput};
 use leanstream_cuda::engine::GpuModel;
 use leanstream_cuda::ffn::ResidentBundles;
 use leanstream_cuda::flags::{down_order, Slot};
-use leanstream_kernels::sparse_ffn::FfnActivation;
 use leanstream_runtime::engine::FlashModel;
 use rand::rngs::StdRng;
 use rand::{RngExt, SeedableRng};
 
-use crate::compute_sweep::{stage_chunks, timed_visit, ComputeSetup, Visit};
-use crate::io_sweep::open_direct;
+use crate::compute_sweep::{stage_chunks, timed_visit, ComputeSetup, Opened, Visit};
 use crate::plan::{ComputeCondition, Condition, ConditionKind, Kernel};
 use crate::runner::{Executor, Measured};
 use crate::{ProfileError, Result};
@@ -66,20 +64,12 @@ pub struct GpuComputeExecutor {
 
 impl GpuComputeExecutor {
     pub fn new(setup: &ComputeSetup, seed: u64, ordinal: usize) -> Result<Self> {
-        let fm = FlashModel::open(&setup.model)?;
+        let Opened { fm, x, rng, bg } = setup.open(seed)?;
         let l = setup.layer;
-        if l >= fm.flash.n_layer() {
-            return Err(ProfileError::Invalid(format!(
-                "layer {l} of a model with {} layers",
-                fm.flash.n_layer()
-            )));
-        }
         let gpu = Gpu::open(ordinal).map_err(device)?;
         let layer = ResidentBundles::upload(&gpu, &fm, l).map_err(device)?;
         let c = &fm.model.config;
         let (n_embd, n_ff) = (c.n_embd, c.n_ff);
-        let mut rng = StdRng::seed_from_u64(seed ^ 0xc0);
-        let x: Vec<f32> = (0..n_embd).map(|_| rng.random_range(-1.0f32..1.0)).collect();
         let dx = gpu.upload(&x).map_err(device)?;
         let f = layer.format;
         let quantized = |ty: leanstream_kernels::GgmlType| -> Result<CudaSlice<u8>> {
@@ -89,15 +79,7 @@ impl GpuComputeExecutor {
             Ok(out)
         };
         let (x_gate, x_up) = (quantized(f.gate_ty)?, quantized(f.up_ty)?);
-        let act_kind = match c.ffn_activation {
-            FfnActivation::Silu => 0,
-            FfnActivation::GeluTanh => 1,
-        };
-        let bg_file = open_direct(&setup.io_file)?;
-        let bg_size = bg_file
-            .metadata()
-            .map_err(|e| ProfileError::io(&setup.io_file, e))?
-            .len();
+        let act_kind = activation_id(c.ffn_activation);
         let alloc = |e| device(e);
         Ok(Self {
             slots: gpu.zeros(n_ff).map_err(alloc)?,
@@ -114,7 +96,7 @@ impl GpuComputeExecutor {
             decode: HashMap::new(),
             gpu,
             ordinal,
-            bg: (bg_file, bg_size),
+            bg,
             rng,
             fm,
         })

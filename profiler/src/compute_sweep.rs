@@ -76,32 +76,56 @@ pub struct ComputeExecutor {
     rng: StdRng,
 }
 
-impl ComputeExecutor {
-    pub fn new(setup: &ComputeSetup, seed: u64) -> Result<Self> {
-        let fm = FlashModel::open(&setup.model)?;
-        let l = setup.layer;
-        if l >= fm.flash.n_layer() {
+/// What both executors (this one and `compute_gpu.rs`) start from.
+pub(crate) struct Opened {
+    pub fm: FlashModel,
+    /// The FFN input every stage computes on (random, from the seed).
+    pub x: Vec<f32>,
+    pub rng: StdRng,
+    /// The background reader's file (O_DIRECT) and its size.
+    pub bg: (File, u64),
+}
+
+impl ComputeSetup {
+    /// Opens the packed model (checking the layer), draws the input and
+    /// opens the background reader's file.
+    pub(crate) fn open(&self, seed: u64) -> Result<Opened> {
+        let fm = FlashModel::open(&self.model)?;
+        if self.layer >= fm.flash.n_layer() {
             return Err(ProfileError::Invalid(format!(
-                "layer {l} of a model with {} layers",
+                "layer {} of a model with {} layers",
+                self.layer,
                 fm.flash.n_layer()
             )));
         }
+        let mut rng = StdRng::seed_from_u64(seed ^ 0xc0);
+        let x: Vec<f32> = (0..fm.model.config.n_embd)
+            .map(|_| rng.random_range(-1.0f32..1.0))
+            .collect();
+        let file = open_direct(&self.io_file)?;
+        let size = file.metadata().map_err(|e| ProfileError::io(&self.io_file, e))?.len();
+        Ok(Opened {
+            fm,
+            x,
+            rng,
+            bg: (file, size),
+        })
+    }
+}
+
+impl ComputeExecutor {
+    pub fn new(setup: &ComputeSetup, seed: u64) -> Result<Self> {
+        let Opened { fm, x, rng, bg } = setup.open(seed)?;
+        let l = setup.layer;
         let bb = fm.flash.layout(l).bundle_bytes();
         let bundles = fm.flash.layer_by_neuron(l)?;
         let c = &fm.model.config;
         let format = fm.formats[l];
         let act: FfnActivation = c.ffn_activation;
-        let mut rng = StdRng::seed_from_u64(seed ^ 0xc0);
-        let x: Vec<f32> = (0..c.n_embd).map(|_| rng.random_range(-1.0f32..1.0)).collect();
         let mut gate_acts = ActBuffer::with_capacity(c.n_embd, 1);
         let mut up_acts = ActBuffer::with_capacity(c.n_embd, 1);
         gate_acts.quantize(format.gate_ty.vec_dot_type(), &x, 1, c.n_embd)?;
         up_acts.quantize(format.up_ty.vec_dot_type(), &x, 1, c.n_embd)?;
-        let bg_file = open_direct(&setup.io_file)?;
-        let bg_size = bg_file
-            .metadata()
-            .map_err(|e| ProfileError::io(&setup.io_file, e))?
-            .len();
         Ok(Self {
             bundle_bytes: bb,
             format,
@@ -113,7 +137,7 @@ impl ComputeExecutor {
             y: vec![0.0; c.n_embd],
             pools: HashMap::new(),
             decode: HashMap::new(),
-            bg: (bg_file, bg_size),
+            bg,
             bundles,
             fm,
             rng,

@@ -23,10 +23,7 @@ fn packed(dir: &Path) -> PathBuf {
     let out = dir.join("tiny.lsflash");
     let opts = PackOptions {
         down: DownType::Q8_0,
-        placement: None,
-        sparsity: Vec::new(),
-        neuron_scores: Vec::new(),
-        progress: false,
+        ..PackOptions::default()
     };
     pack(&gguf, &out, &opts).unwrap();
     out

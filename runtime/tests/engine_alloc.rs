@@ -49,10 +49,7 @@ fn no_allocation_per_layer_call_when_warm() {
     let out = dir.join("m.lsflash");
     let opts = PackOptions {
         down: DownType::Q8_0,
-        placement: None,
-        sparsity: Vec::new(),
-        neuron_scores: Vec::new(),
-        progress: false,
+        ..PackOptions::default()
     };
     pack(&src, &out, &opts).unwrap();
     let fm = FlashModel::open(&out).unwrap();

@@ -385,10 +385,7 @@ fn caches_bundles_of_a_packed_model() {
     let out = dir.join("tiny.lsflash");
     let opts = PackOptions {
         down: DownType::F16,
-        placement: None,
-        sparsity: Vec::new(),
-        neuron_scores: Vec::new(),
-        progress: false,
+        ..PackOptions::default()
     };
     pack(&src, &out, &opts).unwrap();
     let f = LsFlash::open(&out).unwrap();
