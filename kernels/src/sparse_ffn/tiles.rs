@@ -112,9 +112,32 @@ pub struct DownTiles {
     values: Vec<f32>,
     acts: ActBuffer,
     acts_len: usize,
-    /// The layer shape (down type, n_embd, n_ff) the matrix was begun for
-    /// by [`begin`](DownTiles::begin), while parts are put into it one by one.
-    begun: Option<(GgmlType, usize, usize)>,
+    /// The layer the matrix was begun for by [`begin`](DownTiles::begin),
+    /// while parts are put into it one by one.
+    begun: Option<Begun>,
+}
+
+/// A begun layer's shape and the byte geometry [`DownTiles::put`] needs,
+/// worked out once per layer rather than once per neuron.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct Begun {
+    ty: GgmlType,
+    n_embd: usize,
+    n_ff: usize,
+    /// Neurons per group, bytes per block, per tile part, per matrix row.
+    group: usize,
+    block: usize,
+    part: usize,
+    row_bytes: usize,
+    /// Where the tile part starts in a bundle, and the bundle's length.
+    part_at: usize,
+    bundle: usize,
+}
+
+impl Begun {
+    fn is(&self, ty: GgmlType, n_embd: usize, n_ff: usize) -> bool {
+        (self.ty, self.n_embd, self.n_ff) == (ty, n_embd, n_ff)
+    }
 }
 
 impl Default for DownTiles {
@@ -233,37 +256,67 @@ impl DownTiles {
             )));
         }
         let (ty, d) = (format.down_ty, format.n_embd);
-        self.matrix_for(d * ty.row_bytes(n_ff)?);
-        self.begun = Some((ty, d, n_ff));
+        let row_bytes = ty.row_bytes(n_ff)?;
+        self.matrix_for(d * row_bytes);
+        self.begun = Some(Begun {
+            ty,
+            n_embd: d,
+            n_ff,
+            group: format.group(),
+            block: block_bytes(ty)?,
+            part: format.down_bytes(),
+            row_bytes,
+            part_at: format.gate_bytes() + format.up_bytes(),
+            bundle: format.bundle_bytes(),
+        });
         Ok(())
     }
 
     /// Copies neuron `i`'s tile part out of its whole `bundle` into its place
     /// in the matrix [`begin`](Self::begin) started.
     pub fn put(&mut self, format: &BundleFormat, i: usize, bundle: &[u8]) -> Result<(), KernelError> {
-        let (ty, d) = (format.down_ty, format.n_embd);
-        let Some((_, _, n_ff)) = self.begun.filter(|&(t, e, n)| t == ty && e == d && i < n) else {
+        let Some(b) = self
+            .begun
+            .filter(|b| b.ty == format.down_ty && b.n_embd == format.n_embd && i < b.n_ff)
+        else {
             return Err(KernelError::Length {
                 what: "tile part of a neuron outside the begun layer",
-                expected: self.begun.map_or(0, |b| b.2),
+                expected: self.begun.map_or(0, |b| b.n_ff),
                 got: i,
             });
         };
-        let part = format.down_part(bundle)?;
-        let (g, blk, p) = (format.group(), block_bytes(ty)?, format.down_bytes());
-        let row_bytes = ty.row_bytes(n_ff)?;
-        let (grp, k) = (i / g, i % g);
-        let matrix = self.matrix_for(d * row_bytes);
+        if bundle.len() != b.bundle {
+            return Err(KernelError::ByteLength {
+                what: "neuron bundle",
+                expected: b.bundle,
+                got: bundle.len(),
+            });
+        }
+        let (grp, k) = (i / b.group, i % b.group);
+        let tile = b.n_embd * b.block;
         // The part is tile bytes [k·P, (k+1)·P), cut at the tile's end; tile
         // byte t is byte t % B of row t / B's block of this group.
-        let (start, end) = ((k * p).min(d * blk), ((k + 1) * p).min(d * blk));
-        let mut t = start;
-        while t < end {
-            let (r, o) = (t / blk, t % blk);
-            let take = (blk - o).min(end - t);
-            let at = r * row_bytes + grp * blk + o;
-            matrix[at..at + take].copy_from_slice(&part[t - start..t - start + take]);
-            t += take;
+        let (start, end) = ((k * b.part).min(tile), ((k + 1) * b.part).min(tile));
+        if start == end {
+            return Ok(()); // a part wholly past the tile's end: padding only
+        }
+        let part = &bundle[b.part_at..b.part_at + (end - start)];
+        let matrix = self.matrix_for(b.n_embd * b.row_bytes);
+        let (row, offset) = (start / b.block, start % b.block);
+        let dst = &mut matrix[row * b.row_bytes + grp * b.block..];
+        if offset == 0 && part.len().is_multiple_of(b.block) {
+            // Whole blocks, as every 32-neuron type's parts are: fixed-size
+            // copies with no per-block arithmetic.
+            match b.block {
+                18 => put_blocks::<18>(part, dst, b.row_bytes),
+                20 => put_blocks::<20>(part, dst, b.row_bytes),
+                22 => put_blocks::<22>(part, dst, b.row_bytes),
+                24 => put_blocks::<24>(part, dst, b.row_bytes),
+                34 => put_blocks::<34>(part, dst, b.row_bytes),
+                _ => put_pieces(part, dst, 0, b.block, b.row_bytes),
+            }
+        } else {
+            put_pieces(part, dst, offset, b.block, b.row_bytes);
         }
         Ok(())
     }
@@ -282,7 +335,7 @@ impl DownTiles {
         ys: &mut [f32],
     ) -> Result<(), KernelError> {
         let (ty, d, g) = (format.down_ty, format.n_embd, format.group());
-        if self.begun != Some((ty, d, n_ff)) {
+        if !self.begun.is_some_and(|b| b.is(ty, d, n_ff)) {
             return Err(KernelError::UnsupportedType(format!(
                 "a {ty} tile product over a layer that was not begun"
             )));
@@ -468,5 +521,26 @@ fn copy_from_parts(parts: &[&[u8]], p: usize, at: usize, out: &mut [u8]) {
         done += take;
         k += 1;
         off = 0;
+    }
+}
+
+/// Copies `part`, whole blocks of `B` bytes, one block per matrix row
+/// starting at `dst[0]`, rows `row_bytes` apart.
+#[inline]
+fn put_blocks<const B: usize>(part: &[u8], dst: &mut [u8], row_bytes: usize) {
+    for (r, block) in part.chunks_exact(B).enumerate() {
+        dst[r * row_bytes..r * row_bytes + B].copy_from_slice(block);
+    }
+}
+
+/// Copies `part` into blocks of `block` bytes one matrix row apart, the
+/// first piece starting `offset` bytes into its block at `dst[0]`.
+fn put_pieces(part: &[u8], dst: &mut [u8], mut offset: usize, block: usize, row_bytes: usize) {
+    let (mut at, mut src) = (0, part);
+    while !src.is_empty() {
+        let take = (block - offset).min(src.len());
+        dst[at + offset..at + offset + take].copy_from_slice(&src[..take]);
+        src = &src[take..];
+        (at, offset) = (at + row_bytes, 0);
     }
 }
