@@ -540,25 +540,17 @@ impl Streamer {
         (pool + max_run_bytes(&cfg)) as u64
     }
 
-    /// The I/O settings for `m`'s layer size, with a pool of about
+    /// The I/O settings for `m`'s layer size, or for a pool of about
     /// `staging_bytes` where given (at least two reads).
     fn io_config(m: &FlashModel, staging_bytes: Option<u64>) -> IoConfig {
+        if let Some(bytes) = staging_bytes {
+            return IoConfig::for_pool_bytes(bytes);
+        }
         let layer = (0..m.flash.n_layer())
             .map(|l| m.flash.layer_extent(l).1)
             .max()
             .unwrap_or(0);
-        let cfg = IoConfig::for_layer_bytes(layer, STAGES);
-        match staging_bytes {
-            None => cfg,
-            Some(bytes) => {
-                let buffers = (bytes / cfg.max_read_bytes as u64).clamp(2, 1 << 16) as usize;
-                IoConfig {
-                    pool_buffers: buffers,
-                    max_in_flight: cfg.max_in_flight.min(buffers),
-                    ..cfg
-                }
-            }
-        }
+        IoConfig::for_layer_bytes(layer, STAGES)
     }
 
     pub fn budget_bytes(&self) -> u64 {
