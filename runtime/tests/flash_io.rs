@@ -575,17 +575,22 @@ fn read_benchmark_counts_whole_requests() {
 
 /// A pool is cut into the largest power-of-two reads that still make a
 /// dozen buffers (large reads serve fastest), never below 128 KiB a read
-/// or two buffers, and never more reads in flight than buffers.
+/// or two buffers, and never more reads in flight than buffers; a model's
+/// default pool has the buffers for the default depth of 16.
 #[test]
 fn pools_are_cut_into_large_reads() {
     let cut = |c: IoConfig| (c.max_read_bytes, c.pool_buffers, c.max_in_flight);
-    // SmolLM2's four 1.6 MB layers: 512 KiB reads, 12 of them.
-    assert_eq!(cut(IoConfig::for_layer_bytes(1_600_000, 4)), (512 << 10, 12, 12));
+    // SmolLM2's four 1.6 MB layers: 512 KiB reads, 16 of them.
+    assert_eq!(cut(IoConfig::for_layer_bytes(1_600_000, 4)), (512 << 10, 16, 16));
+    // Four 2.7 MB layers (about Gemma 3): 20 reads of 512 KiB.
+    assert_eq!(cut(IoConfig::for_layer_bytes(2_700_000, 4)), (512 << 10, 20, 16));
     // A 7B layer: the 16 MiB cap in the default's 512 KiB reads.
     assert_eq!(cut(IoConfig::for_layer_bytes(130 << 20, 4)), (512 << 10, 32, 16));
-    // A tiny model still gets a dozen 128 KiB buffers.
-    assert_eq!(cut(IoConfig::for_layer_bytes(4096, 4)), (128 << 10, 12, 12));
-    // Staging given in bytes: 256 KiB is two 128 KiB reads; 64 MiB is 128 of 512 KiB.
+    // A tiny model still gets 16 buffers of 128 KiB.
+    assert_eq!(cut(IoConfig::for_layer_bytes(4096, 4)), (128 << 10, 16, 16));
+    // Staging given in bytes: 256 KiB is two 128 KiB reads; 6 MiB twelve
+    // of 512 KiB; 64 MiB 128 of them.
     assert_eq!(cut(IoConfig::for_pool_bytes(256 << 10)), (128 << 10, 2, 2));
+    assert_eq!(cut(IoConfig::for_pool_bytes(6 << 20)), (512 << 10, 12, 12));
     assert_eq!(cut(IoConfig::for_pool_bytes(64 << 20)), (512 << 10, 128, 16));
 }

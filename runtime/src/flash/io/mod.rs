@@ -114,14 +114,21 @@ impl Default for IoConfig {
 
 impl IoConfig {
     /// The defaults, with a pool that holds about `layers` layers of
-    /// `layer_bytes` (the stages a streamer fills at once; at least
-    /// [`MIN_POOL_BUFFERS`] reads of [`MIN_POOL_READ`], at most
+    /// `layer_bytes` (the stages a streamer fills at once; at most
     /// [`MAX_POOL_BYTES`]), cut as [`for_pool_bytes`](Self::for_pool_bytes)
-    /// cuts it: the pool is all of the streamer's staging, so a small
-    /// model's floor stays small.
+    /// cuts it, and with at least the buffers for the default depth in
+    /// flight (the depths the controller's codebook sets go up to it): the
+    /// pool is all of the streamer's staging, so a small model's floor
+    /// stays small.
     pub fn for_layer_bytes(layer_bytes: u64, layers: usize) -> Self {
-        let min_pool = (MIN_POOL_BUFFERS * MIN_POOL_READ) as u64;
-        Self::for_pool_bytes((layers as u64 * layer_bytes).clamp(min_pool, MAX_POOL_BYTES))
+        let depth = Self::default().max_in_flight;
+        let min_pool = (depth * MIN_POOL_READ) as u64;
+        let cut = Self::for_pool_bytes((layers as u64 * layer_bytes).clamp(min_pool, MAX_POOL_BYTES));
+        Self {
+            pool_buffers: cut.pool_buffers.max(depth),
+            max_in_flight: depth,
+            ..cut
+        }
     }
 
     /// The defaults, with a pool of about `pool` bytes (at least two reads)
