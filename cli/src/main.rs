@@ -358,7 +358,7 @@ pub(crate) struct FlashArgs {
     pub(crate) merge_gap: Option<String>,
     /// I/O staging (bytes, e.g. 8MiB): the read buffers that hold reads in
     /// flight and landed bundles not yet computed, the only staging the
-    /// flash path has. Default: about four layers (the stages streamed at once), 1.5 to 16 MiB.
+    /// flash path has. Default: about four layers (the stages streamed at once), 2 to 16 MiB.
     #[arg(long)]
     pub(crate) staging: Option<String>,
 }

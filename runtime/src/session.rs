@@ -30,7 +30,7 @@ pub struct StreamSettings {
     pub eviction: Option<PathBuf>,
     /// Default [`DEFAULT_MERGE_GAP`].
     pub merge_gap: Option<usize>,
-    /// Bytes of I/O staging (default: about four layers, 1.5 to 16 MiB).
+    /// Bytes of I/O staging (default: about four layers, 2 to 16 MiB).
     pub staging: Option<u64>,
     /// `speculate`'s predictor (default: the one beside the model).
     pub predictor: Option<PathBuf>,

@@ -62,7 +62,7 @@ pub struct EngineOptions {
     pub merge_gap_bytes: usize,
     /// Bytes of I/O staging (the read buffers that hold reads in flight and
     /// landed runs not yet computed); `None`: about the four layers a streamer
-    /// keeps requested at once, 1.5 to 16 MiB.
+    /// keeps requested at once, 2 to 16 MiB.
     pub staging_bytes: Option<u64>,
     /// Thresholds (all zero: no sparsity).
     pub level: SparsityLevel,
