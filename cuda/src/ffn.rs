@@ -71,11 +71,33 @@ impl ResidentBundles {
         act: DevPtr,
         y: DevPtr,
     ) -> Result<()> {
-        let slots = gpu.ptr(&self.slots);
+        let table = SlotTable {
+            slots: gpu.ptr(&self.slots),
+            order: gpu.ptr(&self.order),
+            n: self.n_ff,
+        };
+        self.stage(gpu, table, input, act_kind, gelu_table, scratch, act, y)
+    }
+
+    /// One stage of one token over the slots of `table` (of this layer's
+    /// [`slot`](Self::slot)s), asynchronously: stage 1's `act[s]`, then
+    /// `y += Σ act[s] * down_s` in `table.order`.
+    #[allow(clippy::too_many_arguments)]
+    pub fn stage(
+        &self,
+        gpu: &Gpu,
+        table: SlotTable,
+        input: StreamInput,
+        act_kind: i32,
+        gelu_table: DevPtr,
+        scratch: FfnScratch,
+        act: DevPtr,
+        y: DevPtr,
+    ) -> Result<()> {
         gpu.zero_at(scratch.start_ns, 8)?;
         gpu.ffn_stream_activations(
-            slots,
-            self.n_ff,
+            table.slots,
+            table.n,
             1,
             input,
             &self.format,
@@ -86,8 +108,16 @@ impl ResidentBundles {
             act,
             scratch.skipped,
         )?;
-        gpu.ffn_stream_down(slots, gpu.ptr(&self.order), self.n_ff, act, &self.format, y)
+        gpu.ffn_stream_down(table.slots, table.order, table.n, act, &self.format, y)
     }
+}
+
+/// A slot table in device memory: `n` slots and the order stage 2 sums them in.
+#[derive(Debug, Clone, Copy)]
+pub struct SlotTable {
+    pub slots: DevPtr,
+    pub order: DevPtr,
+    pub n: usize,
 }
 
 /// Neuron `i`'s slot in bundles at device address `base`, its flag at `flag`.

@@ -25,7 +25,7 @@ use std::time::Instant;
 use cudarc::driver::CudaSlice;
 use leanstream_cuda::device::{activation_id, Gpu, StreamInput};
 use leanstream_cuda::engine::GpuModel;
-use leanstream_cuda::ffn::ResidentBundles;
+use leanstream_cuda::ffn::{FfnScratch, ResidentBundles, SlotTable};
 use leanstream_cuda::flags::{down_order, Slot};
 use leanstream_runtime::engine::FlashModel;
 use rand::rngs::StdRng;
@@ -80,15 +80,14 @@ impl GpuComputeExecutor {
         };
         let (x_gate, x_up) = (quantized(f.gate_ty)?, quantized(f.up_ty)?);
         let act_kind = activation_id(c.ffn_activation);
-        let alloc = |e| device(e);
         Ok(Self {
-            slots: gpu.zeros(n_ff).map_err(alloc)?,
-            order: gpu.zeros(n_ff).map_err(alloc)?,
-            act: gpu.zeros(n_ff).map_err(alloc)?,
-            skipped: gpu.zeros(n_ff).map_err(alloc)?,
-            start_ns: gpu.zeros(1).map_err(alloc)?,
-            y: gpu.zeros(n_embd).map_err(alloc)?,
-            gelu: gpu.upload(leanstream_kernels::ops::gelu_table()).map_err(alloc)?,
+            slots: gpu.zeros(n_ff).map_err(device)?,
+            order: gpu.zeros(n_ff).map_err(device)?,
+            act: gpu.zeros(n_ff).map_err(device)?,
+            skipped: gpu.zeros(n_ff).map_err(device)?,
+            start_ns: gpu.zeros(1).map_err(device)?,
+            y: gpu.zeros(n_embd).map_err(device)?,
+            gelu: gpu.upload(leanstream_kernels::ops::gelu_table()).map_err(device)?,
             x_gate,
             x_up,
             act_kind,
@@ -111,35 +110,23 @@ impl GpuComputeExecutor {
         let copy = |e| device(leanstream_cuda::CudaError::Driver(format!("slot table: {e}")));
         g.stream.memcpy_htod(&slots, &mut self.slots).map_err(copy)?;
         g.stream.memcpy_htod(&order, &mut self.order).map_err(copy)?;
-        g.zero_at(g.ptr(&self.start_ns), 8).map_err(device)?;
         let input = StreamInput {
             gate: g.ptr(&self.x_gate),
             up: g.ptr(&self.x_up),
         };
-        let (dslots, act) = (g.ptr(&self.slots), g.ptr(&self.act));
-        g.ffn_stream_activations(
-            dslots,
-            ids.len(),
-            1,
-            input,
-            &self.layer.format,
-            self.act_kind,
-            g.ptr(&self.gelu),
-            g.ptr(&self.start_ns),
-            0,
-            act,
-            g.ptr(&self.skipped),
-        )
-        .map_err(device)?;
-        g.ffn_stream_down(
-            dslots,
-            g.ptr(&self.order),
-            ids.len(),
-            act,
-            &self.layer.format,
-            g.ptr(&self.y),
-        )
-        .map_err(device)
+        let table = SlotTable {
+            slots: g.ptr(&self.slots),
+            order: g.ptr(&self.order),
+            n: ids.len(),
+        };
+        let scratch = FfnScratch {
+            start_ns: g.ptr(&self.start_ns),
+            skipped: g.ptr(&self.skipped),
+        };
+        let (act, y) = (g.ptr(&self.act), g.ptr(&self.y));
+        self.layer
+            .stage(g, table, input, self.act_kind, g.ptr(&self.gelu), scratch, act, y)
+            .map_err(device)
     }
 
     /// One timed call of `c`, finished on the device; returns bytes of

@@ -27,7 +27,7 @@ use serde::{Deserialize, Serialize};
 
 use crate::device;
 use crate::plan::{Condition, ConditionKind, Engine, IoCondition, Pattern};
-use crate::runner::{Executor, Measured, Sample};
+use crate::runner::{unix_ns, Executor, Measured, Sample};
 use crate::{ProfileError, Result};
 
 /// Alignment of offsets, lengths and buffers for O_DIRECT.
@@ -114,13 +114,6 @@ struct WorkerOut {
     done: Vec<Done>,
     start: Instant,
     end: Instant,
-}
-
-fn unix_ns() -> u64 {
-    std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map(|d| d.as_nanos() as u64)
-        .unwrap_or(0)
 }
 
 /// Keeps `qd` reads of `reqs` in flight through one io_uring until all are

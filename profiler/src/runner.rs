@@ -32,12 +32,18 @@ impl Sample {
             offset: 0,
             bytes,
             latency_ns,
-            unix_ns: std::time::SystemTime::now()
-                .duration_since(std::time::UNIX_EPOCH)
-                .map(|d| d.as_nanos() as u64)
-                .unwrap_or(0),
+            unix_ns: unix_ns(),
         }
     }
+}
+
+/// Nanoseconds since the Unix epoch now (0 if the clock is before it): a
+/// sample's wall-clock stamp.
+pub(crate) fn unix_ns() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.as_nanos() as u64)
+        .unwrap_or(0)
 }
 
 /// What one visit measured.
