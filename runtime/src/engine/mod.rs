@@ -340,16 +340,9 @@ impl FlashModel {
     /// moves the GGUF engine's bytes. The formats the tail then computes with.
     fn read_all(&self) -> Result<(Resident, Vec<BundleFormat>)> {
         let n_ff = self.flash.n_ff();
-        let bundles = (0..self.flash.n_layer())
-            .map(|l| {
-                let bb = self.flash.layout(l).bundle_bytes();
-                let mut by_id = vec![0u8; n_ff * bb];
-                self.flash
-                    .for_each_bundle(l, 0..n_ff, |i, b| by_id[i * bb..(i + 1) * bb].copy_from_slice(b))?;
-                Ok(by_id)
-            })
+        let mut bundles = (0..self.flash.n_layer())
+            .map(|l| self.flash.layer_by_neuron(l))
             .collect::<Result<Vec<_>>>()?;
-        let mut bundles = bundles;
         let mut down = Vec::with_capacity(bundles.len());
         let mut down_len = Vec::with_capacity(bundles.len());
         for (f, all) in self.formats.iter().zip(bundles.iter_mut()) {

@@ -900,18 +900,9 @@ impl LsFlash {
     /// (the file stores them in its placement's order): what a device that
     /// holds the layer resident uploads, and what the compute profile runs on.
     pub fn layer_by_neuron(&self, layer: usize) -> Result<Vec<u8>> {
-        let (off, len) = self.layer_extent(layer);
-        let mut stored = vec![0u8; len as usize];
-        std::os::unix::fs::FileExt::read_exact_at(&self.file, &mut stored, off).map_err(|source| RuntimeError::Io {
-            path: self.path.clone(),
-            source,
-        })?;
-        let bb = self.layout(layer).bundle_bytes();
-        let mut bundles = vec![0u8; stored.len()];
-        for (pos, b) in stored.chunks_exact(bb).enumerate() {
-            let i = self.neuron_at(layer, pos);
-            bundles[i * bb..(i + 1) * bb].copy_from_slice(b);
-        }
+        let (n_ff, bb) = (self.n_ff(), self.layout(layer).bundle_bytes());
+        let mut bundles = vec![0u8; n_ff * bb];
+        self.for_each_bundle(layer, 0..n_ff, |i, b| bundles[i * bb..(i + 1) * bb].copy_from_slice(b))?;
         Ok(bundles)
     }
 
