@@ -97,8 +97,12 @@ fn check_policies(fm: &FlashModel, prompt: &[u32], n: usize, budgets: &[&str]) -
             assert!(s.bytes_read >= fm.ffn_bytes() * s.tokens / (prompt.len() + n) as u64);
         }
         if *b == "100%" {
-            // Everything is cached after the first token.
-            assert!(s.cache_hits > 0 && s.cache_miss_ratio() < 0.5, "{s:?}");
+            // A cache with room for every neuron holds every layer whole
+            // from the start: every bundle is a hit, nothing is read.
+            assert!(e.whole_layers(), "{b}");
+            assert!(s.cache_hits > 0 && s.cache_misses == 0 && s.bytes_read == 0, "{s:?}");
+        } else {
+            assert!(!e.whole_layers(), "{b}");
         }
     }
     reference

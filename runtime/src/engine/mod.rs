@@ -284,7 +284,8 @@ impl FlashModel {
         };
         let (source, formats) = match o.policy {
             Policy::Dense => {
-                let (resident, formats) = self.read_all()?;
+                let resident = self.read_all()?;
+                let formats = resident.formats.clone();
                 (Source::Resident(resident), formats)
             }
             _ => {
@@ -337,8 +338,9 @@ impl FlashModel {
     /// Every layer's bundles in neuron order, and the down matrices of
     /// tiled layers gathered once (their bundles then keep gate and up rows
     /// only), so `dense` runs the source's product straight from memory and
-    /// moves the GGUF engine's bytes. The formats the tail then computes with.
-    fn read_all(&self) -> Result<(Resident, Vec<BundleFormat>)> {
+    /// moves the GGUF engine's bytes (with the formats the tail then
+    /// computes with).
+    pub(crate) fn read_all(&self) -> Result<Resident> {
         let n_ff = self.flash.n_ff();
         let mut bundles = (0..self.flash.n_layer())
             .map(|l| self.flash.layer_by_neuron(l))
@@ -374,15 +376,12 @@ impl FlashModel {
             down.push(m);
             down_len.push(len);
         }
-        let formats = self.formats.iter().map(BundleFormat::resident).collect();
-        Ok((
-            Resident {
-                bundles,
-                down,
-                down_len,
-            },
-            formats,
-        ))
+        Ok(Resident {
+            bundles,
+            down,
+            down_len,
+            formats: self.formats.iter().map(BundleFormat::resident).collect(),
+        })
     }
 
     /// Runs `tokens` at `pos0..` (as `Model::forward_outputs`) with the FFN from `engine`.
@@ -538,6 +537,16 @@ impl FlashEngine {
         match &self.source {
             Source::Resident(_) => None,
             Source::Stream(s) => Some(s.read_latencies()),
+        }
+    }
+
+    /// Whether every layer's FFN is held whole in memory, in the source's
+    /// matrices (`Dense`, or a streaming policy whose cache has room for
+    /// every neuron and would never evict one): nothing is read after open.
+    pub fn whole_layers(&self) -> bool {
+        match &self.source {
+            Source::Resident(_) => true,
+            Source::Stream(s) => s.whole().is_some(),
         }
     }
 

@@ -27,6 +27,7 @@ use std::collections::VecDeque;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Condvar, Mutex};
 
+use super::tail::Resident;
 use super::trace::{bit_is_set, groups_touched, set_bit};
 use super::{EngineStats, FlashModel};
 use crate::cache::{
@@ -272,6 +273,12 @@ pub struct Streamer {
     held: Option<HeldPrefix>,
     landings: Arc<Landings>,
     cache: NeuronCache,
+    /// Every layer in memory as `dense` holds it, where the budget holds
+    /// the whole FFN under a policy that would never evict (the cache is
+    /// then empty): see [`holds_everything`].
+    whole: Option<Resident>,
+    /// Bundles served from `whole` (cache hits by another name).
+    whole_hits: u64,
     budget: u64,
     n_ff: usize,
     bundle_bytes: Vec<usize>,
@@ -398,8 +405,17 @@ impl Streamer {
                 Box::new(StaticHot::new(ranking))
             }
         };
-        let mut cache = NeuronCache::new(&shape, budget, eviction).map_err(|e| RuntimeError::Invalid(e.to_string()))?;
-        prefill(m, &mut cache)?;
+        let whole = holds_everything(&shape, budget, policy);
+        // The empty cache still names the policy (reports show which it was).
+        let cache_budget = if whole { 0 } else { budget };
+        let mut cache =
+            NeuronCache::new(&shape, cache_budget, eviction).map_err(|e| RuntimeError::Invalid(e.to_string()))?;
+        let whole = if whole {
+            Some(m.read_all()?)
+        } else {
+            prefill(m, &mut cache)?;
+            None
+        };
         let (n_ff, n_layer) = (f.n_ff(), f.n_layer());
         let landings = Arc::new(Landings {
             stages: std::array::from_fn(|_| Landing::new(n_ff)),
@@ -443,6 +459,8 @@ impl Streamer {
             held: None,
             landings,
             cache,
+            whole,
+            whole_hits: 0,
             budget,
             n_ff,
             layer_offset: (0..n_layer).map(|l| f.layer_extent(l).0).collect(),
@@ -558,7 +576,13 @@ impl Streamer {
     }
 
     pub fn cache_bytes(&self) -> u64 {
-        self.cache.capacity_bytes()
+        self.cache.capacity_bytes() + self.whole.as_ref().map_or(0, |r| r.bytes())
+    }
+
+    /// Every layer, held whole in the source's matrices (`None`: the cache
+    /// and the reads serve them).
+    pub(crate) fn whole(&self) -> Option<&Resident> {
+        self.whole.as_ref()
     }
 
     /// The I/O engine's read buffers (the staging) and the run scratch.
@@ -578,7 +602,7 @@ impl Streamer {
             bytes_read: io.bytes_read,
             bytes_requested: self.bytes_needed,
             reads: io.reads_issued,
-            cache_hits: c.hits,
+            cache_hits: c.hits + self.whole_hits,
             cache_misses: c.misses,
             io_wait_seconds: self.wait_ns as f64 * 1e-9,
             io_busy_seconds: self.io.busy_seconds(),
@@ -799,6 +823,11 @@ impl Streamer {
                 continue;
             }
             set_bit(&mut s.want, i);
+            if self.whole.is_some() {
+                self.whole_hits += 1;
+                s.pinned.push(i);
+                continue;
+            }
             if self.cache.lookup(l, i).is_some() {
                 self.cache.pin(l, i);
                 s.pinned.push(i);
@@ -936,7 +965,8 @@ impl Streamer {
 
     fn unpin(&mut self, k: usize) {
         let s = &mut self.stages[k];
-        for &i in &s.pinned {
+        // Neurons served by `whole` hold no slot.
+        for &i in s.pinned.iter().filter(|_| self.whole.is_none()) {
             self.cache.unpin(s.layer, i);
         }
         s.pinned.clear();
@@ -990,16 +1020,22 @@ impl Streamer {
 
     /// Whether the cache holds all of layer `l` (its FFN needs no reads).
     pub fn holds_layer(&self, l: usize) -> bool {
-        self.cache.holds_layer(l)
+        self.whole.is_some() || self.cache.holds_layer(l)
     }
 
     /// Neurons of layer `l` the cache does not hold.
     pub fn uncached_in(&self, l: usize) -> usize {
+        if self.whole.is_some() {
+            return 0;
+        }
         self.n_ff - self.cache.resident_in(l)
     }
 
     /// Neurons of `bits` that layer `l`'s cache does not hold.
     pub fn uncached_count(&self, l: usize, bits: &[u64]) -> usize {
+        if self.whole.is_some() {
+            return 0;
+        }
         super::trace::set_bits(bits)
             .filter(|&i| !self.cache.contains(l, i))
             .count()
@@ -1194,6 +1230,19 @@ impl Streamer {
         }
     }
 }
+/// Whether a cache of `budget` bytes under `policy` would come to hold every
+/// neuron and then never change: it has a slot for each, and the policy
+/// evicts only for room (the sliding window releases what the last tokens
+/// did not use, so it keeps its slots). Such a cache is better held as
+/// `dense` holds the FFN: the source's gate, up and down matrices, which
+/// stage 1 streams without the down parts in between and stage 2 takes
+/// as they are, where slots would have every down tile gathered anew each
+/// token; the bytes are no more than the slots'.
+fn holds_everything(shape: &CacheShape, budget: u64, policy: CachePolicy) -> bool {
+    let all = shape.total_slot_bytes();
+    all > 0 && budget >= all && !matches!(policy, CachePolicy::Window(_))
+}
+
 /// Loads the bundles the cache's policy wants up front (a static hot set),
 /// a layer at a time in 1 MiB reads, leaving nothing in the page cache.
 fn prefill(m: &FlashModel, cache: &mut NeuronCache) -> Result<()> {

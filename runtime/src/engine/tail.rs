@@ -112,6 +112,9 @@ pub struct Resident {
     pub down: Vec<Vec<u64>>,
     /// Bytes of each `down` matrix.
     pub down_len: Vec<usize>,
+    /// Per layer, the format these bytes are in ([`BundleFormat::resident`]
+    /// of the file's).
+    pub formats: Vec<BundleFormat>,
 }
 
 impl Resident {
@@ -386,37 +389,13 @@ impl Tail {
         };
         self.prepare(f, xb, n)?;
         let bb = f.bundle_bytes();
-        let wanted = |i: usize| want.is_none_or(|w| bit_is_set(w, i));
         match source {
-            Source::Resident(resident) => {
-                let all = &resident.bundles[l];
-                let split = f.down_layout == DownLayout::Matrix;
-                let (gb, ub, n_ff) = (f.gate_bytes(), f.up_bytes(), self.n_ff);
-                let rows = |i: usize, j: usize| {
-                    if split {
-                        let up = n_ff * gb;
-                        Rows::Split {
-                            gate: &all[i * gb..j * gb],
-                            up: &all[up + i * ub..up + j * ub],
-                        }
-                    } else {
-                        Rows::Bundles(&all[i * bb..j * bb])
-                    }
-                };
-                // Maximal runs of wanted neurons (in id order, as stored).
-                let mut i = 0;
-                while i < self.n_ff {
-                    if !wanted(i) {
-                        i += 1;
-                        continue;
-                    }
-                    let j = (i..self.n_ff).find(|&j| !wanted(j)).unwrap_or(self.n_ff);
-                    self.stage1(f, rows(i, j), |k| (i + k) as u32, n, select, record.as_deref_mut())?;
-                    i = j;
-                }
-                // Split layers take their down from the matrix, not from bundles.
-                let bundle = |i: usize| if split { &[][..] } else { &all[i * bb..(i + 1) * bb] };
-                self.finish(f, n, out, want, bundle, resident.down(l))?;
+            Source::Resident(resident) => self.run_resident(resident, l, n, out, want, select, record)?,
+            // Every layer held whole (a static cache with room for them
+            // all): computed as `dense` computes, from the source's matrices.
+            Source::Stream(s) if s.whole().is_some() => {
+                let resident = s.whole().expect("checked");
+                self.run_resident(resident, l, n, out, want, select, record)?;
             }
             Source::Stream(s) => {
                 let k_stages = stages.as_ref().map_or(1, |h| h.stages().max(1));
@@ -546,6 +525,51 @@ impl Tail {
             computed: self.stage1_rows - computed0,
         };
         Ok(())
+    }
+
+    /// Layer `l` of `resident`: stage 1 over the maximal runs of wanted
+    /// neurons where they lie, stage 2 from the bundles or the down matrix.
+    #[allow(clippy::too_many_arguments)]
+    fn run_resident(
+        &mut self,
+        resident: &Resident,
+        l: usize,
+        n: usize,
+        out: &mut [f32],
+        want: Option<&[u64]>,
+        select: Select,
+        mut record: Option<&mut [u64]>,
+    ) -> Result<()> {
+        let f = &resident.formats[l];
+        let all = &resident.bundles[l];
+        let split = f.down_layout == DownLayout::Matrix;
+        let (bb, gb, ub, n_ff) = (f.bundle_bytes(), f.gate_bytes(), f.up_bytes(), self.n_ff);
+        let wanted = |i: usize| want.is_none_or(|w| bit_is_set(w, i));
+        let rows = |i: usize, j: usize| {
+            if split {
+                let up = n_ff * gb;
+                Rows::Split {
+                    gate: &all[i * gb..j * gb],
+                    up: &all[up + i * ub..up + j * ub],
+                }
+            } else {
+                Rows::Bundles(&all[i * bb..j * bb])
+            }
+        };
+        // Maximal runs of wanted neurons (in id order, as stored).
+        let mut i = 0;
+        while i < n_ff {
+            if !wanted(i) {
+                i += 1;
+                continue;
+            }
+            let j = (i..n_ff).find(|&j| !wanted(j)).unwrap_or(n_ff);
+            self.stage1(f, rows(i, j), |k| (i + k) as u32, n, select, record.as_deref_mut())?;
+            i = j;
+        }
+        // Split layers take their down from the matrix, not from bundles.
+        let bundle = |i: usize| if split { &[][..] } else { &all[i * bb..(i + 1) * bb] };
+        self.finish(f, n, out, want, bundle, resident.down(l))
     }
 
     /// The FFN output of the neurons computed since the last call, added
