@@ -7,6 +7,7 @@ mod common;
 
 use std::path::{Path, PathBuf};
 
+use leanstream_runtime::cache::FfnBudget;
 use leanstream_runtime::engine::{ActiveTrace, CachePolicy, EngineOptions, FlashEngine, FlashModel, Policy};
 use leanstream_runtime::flash::{pack, pagecache, DownType, PackOptions};
 use leanstream_runtime::model::Model;
@@ -56,9 +57,21 @@ fn engine_cached(
     trace: Option<ActiveTrace>,
     cache_policy: CachePolicy,
 ) -> FlashEngine {
+    let cache_bytes = (fm.ffn_bytes() as f64 * budget_pct / 100.0) as u64;
+    engine_sized(fm, policy, cache_bytes, sparsity, trace, cache_policy)
+}
+
+fn engine_sized(
+    fm: &FlashModel,
+    policy: Policy,
+    cache_bytes: u64,
+    sparsity: f32,
+    trace: Option<ActiveTrace>,
+    cache_policy: CachePolicy,
+) -> FlashEngine {
     fm.engine_with(EngineOptions {
         policy,
-        cache_bytes: (fm.ffn_bytes() as f64 * budget_pct / 100.0) as u64,
+        cache_bytes,
         cache_policy,
         merge_gap_bytes: leanstream_runtime::engine::DEFAULT_MERGE_GAP,
         staging_bytes: None,
@@ -102,6 +115,7 @@ fn check_sparse_policies(fm: &FlashModel, prompt: &[u32], n: usize, sparsity: f3
 
     let n_calls = trace.n_calls();
     let oracle_trace = trace.clone();
+    check_held_whole_replay(fm, prompt, n, sparsity, trace.clone(), &reference);
     let mut oracle = engine(fm, Policy::Oracle, 25.0, sparsity, Some(trace));
     let replay = run(fm, &mut oracle, prompt, n);
     assert!(
@@ -152,6 +166,30 @@ fn check_sparse_policies(fm: &FlashModel, prompt: &[u32], n: usize, sparsity: f3
         gs.skipped_fraction()
     );
     assert!(gs.bytes_requested < stream_stats.bytes_requested);
+}
+
+/// With room for every neuron the oracle's layers are held whole, and its
+/// scattered kept sets are computed in runs that step over the neurons
+/// between them: still the recorded run, bit for bit, with nothing read.
+fn check_held_whole_replay(
+    fm: &FlashModel,
+    prompt: &[u32],
+    n: usize,
+    sparsity: f32,
+    trace: ActiveTrace,
+    reference: &Run,
+) {
+    let all = fm.cache_budget_bytes(FfnBudget::Percent(100.0));
+    let mut held = engine_sized(fm, Policy::Oracle, all, sparsity, Some(trace), CachePolicy::Lru);
+    assert!(held.whole_layers());
+    assert!(
+        same_bits(&run(fm, &mut held, prompt, n), reference),
+        "the oracle's replay over layers held whole differs from the recorded run"
+    );
+    let s = held.stats();
+    assert_eq!(s.bytes_read, 0, "{s:?}");
+    // Computed: the kept neurons and the short gaps between them, not every neuron.
+    assert!(s.rows_computed < s.considered, "{s:?}");
 }
 
 /// The hot set (calibrated scores, loaded at start) serves part of every
@@ -244,11 +282,12 @@ fn synthetic_sparse_policies_over_down_tiles() {
     let trace = dense.take_trace().unwrap();
     let mut stream = engine(&fm, Policy::DenseStream, 25.0, 0.5, None);
     assert!(same_bits(&run(&fm, &mut stream, &prompt, 6), &reference));
-    let mut oracle = engine(&fm, Policy::Oracle, 25.0, 0.5, Some(trace));
+    let mut oracle = engine(&fm, Policy::Oracle, 25.0, 0.5, Some(trace.clone()));
     assert!(
         same_bits(&run(&fm, &mut oracle, &prompt, 6), &reference),
         "the oracle's replay over tiles differs from the recorded run"
     );
+    check_held_whole_replay(&fm, &prompt, 6, 0.5, trace, &reference);
     let mut gate = engine(&fm, Policy::GateFirst, 25.0, 0.5, None);
     run(&fm, &mut gate, &prompt, 6);
     let (gs, ss) = (gate.stats(), stream.stats());

@@ -34,6 +34,9 @@ const TASK: usize = 32;
 const TASKS_PER_THREAD: usize = 4;
 /// Cache hits gathered per stage-1 call.
 const HIT_BATCH: usize = 256;
+/// Unwanted neurons a resident layer's stage-1 run steps over (computing
+/// them) rather than starting a new call.
+const RESIDENT_GAP: usize = 16;
 
 /// Which neurons a row keeps.
 #[derive(Clone, Copy)]
@@ -228,6 +231,8 @@ pub struct Tail {
     in_cache: Vec<u64>,
     /// What a streamed layer computes with (its stage's want, less what did not land).
     have: Vec<u64>,
+    /// A resident layer's want widened to whole down-tile groups.
+    grouped: Vec<u64>,
     /// Neurons computed since the last refinement, and the partial output.
     fresh: Vec<u32>,
     collect: bool,
@@ -261,6 +266,7 @@ impl Tail {
             scattered: Vec::with_capacity(n_ff),
             in_cache: vec![0; n_ff.div_ceil(64)],
             have: vec![0; n_ff.div_ceil(64)],
+            grouped: vec![0; n_ff.div_ceil(64)],
             fresh: Vec::new(),
             collect: false,
             partial: Vec::new(),
@@ -427,7 +433,7 @@ impl Tail {
                     };
                     let ids = &hits[k..k + count];
                     let run = Rows::Strided { bytes, stride, count };
-                    self.stage1(f, run, |j| ids[j] as u32, n, select, record.as_deref_mut())?;
+                    self.stage1(f, run, |j| ids[j] as u32, None, n, select, record.as_deref_mut())?;
                     for (j, &i) in ids.iter().enumerate() {
                         self.keep_hit(f, n, i, &bytes[j * stride..j * stride + bb])?;
                     }
@@ -447,6 +453,7 @@ impl Tail {
                         f,
                         Rows::Bundles(run),
                         |k| ids[k] as u32,
+                        None,
                         n,
                         select,
                         record.as_deref_mut(),
@@ -487,7 +494,7 @@ impl Tail {
                             .unwrap_or(neurons.len());
                         let ids = &neurons[p..q];
                         let run = Rows::Bundles(&bytes[p * bb..q * bb]);
-                        self.stage1(f, run, |k| ids[k], n, select, record.as_deref_mut())?;
+                        self.stage1(f, run, |k| ids[k], None, n, select, record.as_deref_mut())?;
                         for (k, &i) in ids.iter().enumerate() {
                             let at = (p + k) * bb;
                             self.keep_down(f, n, i as usize, &bytes[at..at + bb])?;
@@ -544,6 +551,20 @@ impl Tail {
         let all = &resident.bundles[l];
         let split = f.down_layout == DownLayout::Matrix;
         let (bb, gb, ub, n_ff) = (f.bundle_bytes(), f.gate_bytes(), f.up_bytes(), self.n_ff);
+        // Down tiles gathered into the matrix: a wanted neuron brings its
+        // group, as a streamed layer reads and computes it.
+        let mut grouped = std::mem::take(&mut self.grouped);
+        let g = if split { f.down_ty.block_size() } else { 1 };
+        let want = match want {
+            Some(w) if g > 1 => {
+                grouped.fill(0);
+                for grp in super::trace::groups_touched(w, n_ff, g) {
+                    (grp * g..((grp + 1) * g).min(n_ff)).for_each(|i| set_bit(&mut grouped, i));
+                }
+                Some(&grouped[..])
+            }
+            w => w,
+        };
         let wanted = |i: usize| want.is_none_or(|w| bit_is_set(w, i));
         let rows = |i: usize, j: usize| {
             if split {
@@ -556,20 +577,40 @@ impl Tail {
                 Rows::Bundles(&all[i * bb..j * bb])
             }
         };
-        // Maximal runs of wanted neurons (in id order, as stored).
+        // Runs of wanted neurons (in id order, as stored), joined across
+        // gaps of up to RESIDENT_GAP unwanted ones, which are computed and
+        // not kept: a scattered want would otherwise be hundreds of calls
+        // of a few neurons each, too short to share among threads.
         let mut i = 0;
         while i < n_ff {
             if !wanted(i) {
                 i += 1;
                 continue;
             }
-            let j = (i..n_ff).find(|&j| !wanted(j)).unwrap_or(n_ff);
-            self.stage1(f, rows(i, j), |k| (i + k) as u32, n, select, record.as_deref_mut())?;
+            let mut j = i + 1;
+            while let Some(next) = (j..(j + RESIDENT_GAP + 1).min(n_ff)).find(|&k| wanted(k)) {
+                j = next + 1;
+            }
+            let r = self.stage1(
+                f,
+                rows(i, j),
+                |k| (i + k) as u32,
+                want,
+                n,
+                select,
+                record.as_deref_mut(),
+            );
+            if r.is_err() {
+                self.grouped = grouped;
+                return r;
+            }
             i = j;
         }
         // Split layers take their down from the matrix, not from bundles.
         let bundle = |i: usize| if split { &[][..] } else { &all[i * bb..(i + 1) * bb] };
-        self.finish(f, n, out, want, bundle, resident.down(l))
+        let r = self.finish(f, n, out, want, bundle, resident.down(l));
+        self.grouped = grouped;
+        r
     }
 
     /// The FFN output of the neurons computed since the last call, added
@@ -718,12 +759,15 @@ impl Tail {
     }
 
     /// Stage 1 over `run` (whole bundles back to back; bundle k is neuron
-    /// `id(k)`), keeping by `select` into the activation rows.
+    /// `id(k)`), keeping by `select` into the activation rows, and only
+    /// neurons of `want` where given.
+    #[allow(clippy::too_many_arguments)]
     fn stage1(
         &mut self,
         f: &BundleFormat,
         run: Rows,
         id: impl Fn(usize) -> u32,
+        want: Option<&[u64]>,
         n: usize,
         select: Select,
         mut record: Option<&mut [u64]>,
@@ -765,6 +809,9 @@ impl Tail {
             self.stage1_rows += (count * n) as u64;
             for k in 0..count {
                 let i = id(c * piece + k) as usize;
+                if want.is_some_and(|w| !bit_is_set(w, i)) {
+                    continue;
+                }
                 if self.collect {
                     self.fresh.push(i as u32);
                 }

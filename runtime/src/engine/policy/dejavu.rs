@@ -63,9 +63,14 @@ impl FfnPolicy for DejaVu {
             .request(self.own_input, l, call.resid, n, streamer(source)?)?;
         if l + 1 < self.n_layer {
             let s = streamer(source)?;
-            let r = &mut self.ranking;
-            r.rank(self.speculate, l + 1, call.resid, n, 1.0)?;
-            s.prefetch_ranked(l + 1, Want::Set(&r.bits), Some(&r.urgency))?;
+            if s.holds_layer(l + 1) {
+                // Nothing to read: a ranking would decide nothing.
+                s.prefetch(l + 1, Want::All)?;
+            } else {
+                let r = &mut self.ranking;
+                r.rank(self.speculate, l + 1, call.resid, n, 1.0)?;
+                s.prefetch_ranked(l + 1, Want::Set(&r.bits), Some(&r.urgency))?;
+            }
         }
         Ok(Plan::new(Select::Threshold(call.threshold), None))
     }

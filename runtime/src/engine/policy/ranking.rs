@@ -123,10 +123,15 @@ impl Ranking {
 
     /// Unless layer `layer` is queued already: ranks it for `use_` from `n`
     /// rows `rows` at breadth 1 and asks `s` for the selection, most likely
-    /// first (what the policies that predict and then wait do).
+    /// first (what the policies that predict and then wait do). A layer the
+    /// cache holds whole is asked for whole, unranked: nothing is read, so
+    /// a ranking would decide nothing.
     pub fn request(&mut self, use_: usize, layer: usize, rows: &[f32], n: usize, s: &mut Streamer) -> Result<()> {
         if s.is_queued(layer) {
             return Ok(());
+        }
+        if s.holds_layer(layer) {
+            return s.ensure(layer, Want::All);
         }
         self.rank(use_, layer, rows, n, 1.0)?;
         s.ensure_ranked(layer, Want::Set(&self.bits), Some(&self.urgency))
