@@ -318,7 +318,8 @@ pub(crate) struct FlashArgs {
     pub(crate) flash_attn: FlashAttn,
     /// FFN policy of a .lsflash model: dense, dense-stream, oracle,
     /// gate-first, speculate, or the prior systems dejavu, llm-in-a-flash,
-    /// powerinfer2.
+    /// powerinfer2. Default: speculate where a predictor is named or sits
+    /// beside the model (a tune's output), else dense.
     #[arg(long)]
     pub(crate) policy: Option<Policy>,
     /// The predictor (.lspred) of the predicting policies. Default: <model

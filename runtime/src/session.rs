@@ -15,7 +15,8 @@ use crate::{Result, RuntimeError};
 /// How a `.lsflash` model streams its FFN; the defaults suit a first run.
 #[derive(Debug, Clone, Default, PartialEq)]
 pub struct StreamSettings {
-    /// Default: `dense`.
+    /// Default: `speculate` where a predictor is named or sits beside the
+    /// model (a tuned directory's artifacts), else `dense`.
     pub policy: Option<Policy>,
     /// The neuron cache's budget (default 25% of the FFN); exclusive with `mem_budget`.
     pub ffn_budget: Option<FfnBudget>,
@@ -52,8 +53,22 @@ impl StreamSettings {
             }
     }
 
+    /// The policy set, else `dense` (see [`policy_for`](Self::policy_for)).
     pub fn policy(&self) -> Policy {
         self.policy.unwrap_or(Policy::Dense)
+    }
+
+    /// The policy to run the `.lsflash` model at `model` with: the one set;
+    /// else `speculate` where its artifacts are at hand (a predictor named,
+    /// or one beside the model, as a tune leaves it), else `dense`.
+    pub fn policy_for(&self, model: &Path) -> Policy {
+        self.policy.unwrap_or_else(|| {
+            if self.predictor.is_some() || crate::artifacts::predictor_beside(model).is_some() {
+                Policy::Speculate
+            } else {
+                Policy::Dense
+            }
+        })
     }
 
     /// Bytes of the neuron cache for `policy` on `fm` with run state `st`
@@ -213,7 +228,7 @@ impl Session {
             let st = state(&fm.model)?;
             // The oracle's engine is made once its trace is recorded; until
             // then a dense-stream engine of the same budget stands in.
-            let policy = match settings.policy() {
+            let policy = match settings.policy_for(path) {
                 Policy::Oracle => Policy::DenseStream,
                 p => p,
             };
@@ -281,5 +296,34 @@ impl Session {
             Self::Flash(fm, Some(e)) => Ok((&fm.model, &mut **e)),
             Self::Flash(..) => Err(RuntimeError::Invalid("the flash engine is being replaced".into())),
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A tune's output runs `speculate` without flags; a bare file `dense`;
+    /// a policy set is kept.
+    #[test]
+    fn the_default_policy_follows_the_artifacts_beside_the_model() {
+        let dir = std::env::temp_dir().join(format!("leanstream-policy-default-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let model = dir.join("model.lsflash");
+        let settings = StreamSettings::default();
+        assert_eq!(settings.policy_for(&model), Policy::Dense);
+        let named = StreamSettings {
+            predictor: Some(dir.join("elsewhere.lspred")),
+            ..StreamSettings::default()
+        };
+        assert_eq!(named.policy_for(&model), Policy::Speculate);
+        std::fs::write(dir.join("predictor.lspred"), b"").unwrap();
+        assert_eq!(settings.policy_for(&model), Policy::Speculate);
+        let set = StreamSettings {
+            policy: Some(Policy::DenseStream),
+            ..StreamSettings::default()
+        };
+        assert_eq!(set.policy_for(&model), Policy::DenseStream);
+        std::fs::remove_dir_all(&dir).unwrap();
     }
 }
