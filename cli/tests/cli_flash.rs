@@ -122,9 +122,16 @@ fn sweep_writes_json_and_plot() {
             _ => assert!(read > 0.0, "{r}"),
         }
     }
-    // A larger cache means more memory, never less.
-    let mem = |i: usize| runs[i]["memory"]["total"].as_u64().unwrap();
-    assert!(mem(1) < mem(2), "25% vs 100% budget");
+    // A larger cache holds more. (The total need not grow on a model this
+    // small: layers held whole need none of the streaming scratch, which
+    // here outweighs the cache's growth.)
+    let cache = |i: usize| runs[i]["memory"]["ffn_cache"].as_u64().unwrap();
+    assert!(
+        cache(1) < cache(2),
+        "25% vs 100% budget: {} {}",
+        runs[1]["memory"],
+        runs[2]["memory"]
+    );
     let svg = std::fs::read_to_string(out.join("sweep.svg")).unwrap();
     // Series lines and legend samples are the 2-pixel polylines (axes and
     // ticks are 1 pixel): a line per policy with two budgets (3), a legend
