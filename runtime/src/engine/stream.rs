@@ -422,7 +422,8 @@ impl Streamer {
             signal: Mutex::new(0),
             arrived: Condvar::new(),
         });
-        let cfg = Self::io_config(m, staging_bytes);
+        // Layers held whole read nothing: the least pool the engine takes.
+        let cfg = Self::io_config(m, if whole.is_some() { Some(0) } else { staging_bytes });
         let engine = match backend {
             None => IoEngine::open(f.path(), cfg)?,
             Some(make) => {
