@@ -240,6 +240,7 @@ pub fn run(a: BenchArgs) -> Result<()> {
         report["reads_per_token"] = json!(s.reads as f64 / tokens);
         report["read_bw_bytes_s"] = json!(s.bytes_read as f64 / run_s);
         report["cache_miss_ratio"] = json!(s.cache_miss_ratio());
+        report["io_mean_depth"] = json!(s.io_mean_depth);
         // Over every token row the FFN ran (prompt and decode): compute is
         // FFN time not spent blocked on reads; overlap is I/O busy time that
         // compute did not wait for.

@@ -94,6 +94,8 @@ fn check_policies(fm: &FlashModel, prompt: &[u32], n: usize, budgets: &[&str]) -
         }
         if *b == "0%" {
             assert_eq!(s.cache_hits, 0);
+            // Reads were in flight while the I/O thread waited, never more than its depth.
+            assert!(s.io_mean_depth > 0.0 && s.io_mean_depth <= 16.0, "{s:?}");
             assert!(s.bytes_read >= fm.ffn_bytes() * s.tokens / (prompt.len() + n) as u64);
         }
         if *b == "100%" {

@@ -442,6 +442,8 @@ pub struct EngineStats {
     pub io_wait_seconds: f64,
     /// Time the I/O thread had at least one read in flight.
     pub io_busy_seconds: f64,
+    /// Reads in flight on average over that time.
+    pub io_mean_depth: f64,
     /// Bundles requested for a layer that had not landed by its deadline
     /// (skipped, not waited for).
     pub late_skipped: u64,

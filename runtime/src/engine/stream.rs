@@ -607,6 +607,7 @@ impl Streamer {
             cache_misses: c.misses,
             io_wait_seconds: self.wait_ns as f64 * 1e-9,
             io_busy_seconds: self.io.busy_seconds(),
+            io_mean_depth: self.io.mean_depth(),
             late_skipped: self.late_skipped,
             ..EngineStats::default()
         }

@@ -322,6 +322,8 @@ pub struct IoEngine {
     spare_members: Vec<Vec<Request>>,
     in_flight: usize,
     bytes_in_flight: u64,
+    /// Reads in flight while the last [`poll`](Self::poll) waited.
+    polled_depth: usize,
     ready: VecDeque<std::result::Result<Completed, ReadFailure>>,
     flags: Option<Arc<ReadyFlags>>,
     latencies: Option<Arc<Mutex<LatencyLog>>>,
@@ -432,6 +434,7 @@ impl IoEngine {
             pending: PendingQueue::default(),
             in_flight: 0,
             bytes_in_flight: 0,
+            polled_depth: 0,
             ready: VecDeque::new(),
             flags: None,
             latencies: None,
@@ -482,6 +485,12 @@ impl IoEngine {
 
     pub fn in_flight(&self) -> usize {
         self.in_flight
+    }
+
+    /// Reads that were in flight while the last [`poll`](Self::poll)
+    /// waited for completions (what the device was working on).
+    pub fn polled_depth(&self) -> usize {
+        self.polled_depth
     }
 
     /// Sets the reads (1 to the pool's buffers) and bytes (0: no limit) in
@@ -544,6 +553,7 @@ impl IoEngine {
     /// nothing is ready yet. Returns the number of results ready to `pop`.
     pub fn poll(&mut self, wait: bool) -> Result<usize> {
         self.submit()?;
+        self.polled_depth = self.in_flight;
         if self.in_flight > 0 {
             let min = usize::from(wait && self.ready.is_empty());
             let mut results = std::mem::take(&mut self.results);

@@ -59,8 +59,11 @@ struct Shared {
     inbox: Mutex<Inbox>,
     wake: Condvar,
     stats: Mutex<IoStats>,
-    /// Nanoseconds with at least one read in flight.
+    /// Nanoseconds with at least one read in flight, and the same time
+    /// weighted by the reads in flight (their ratio: the mean depth the
+    /// device saw while busy).
     busy_ns: AtomicU64,
+    depth_ns: AtomicU64,
     latencies: Arc<Mutex<LatencyLog>>,
 }
 
@@ -86,6 +89,7 @@ impl IoWorker {
             wake: Condvar::new(),
             stats: Mutex::new(IoStats::default()),
             busy_ns: AtomicU64::new(0),
+            depth_ns: AtomicU64::new(0),
             latencies: Arc::new(Mutex::new(LatencyLog::default())),
         });
         engine.set_latency_log(Arc::clone(&shared.latencies));
@@ -144,6 +148,15 @@ impl IoWorker {
     /// Seconds with at least one read in flight, since the start.
     pub fn busy_seconds(&self) -> f64 {
         self.shared.busy_ns.load(Ordering::Relaxed) as f64 * 1e-9
+    }
+
+    /// Reads in flight on average while busy (0 before any read).
+    pub fn mean_depth(&self) -> f64 {
+        let busy = self.shared.busy_ns.load(Ordering::Relaxed);
+        if busy == 0 {
+            return 0.0;
+        }
+        self.shared.depth_ns.load(Ordering::Relaxed) as f64 / busy as f64
     }
 
     pub fn config(&self) -> &IoConfig {
@@ -215,6 +228,7 @@ fn run(mut io: IoEngine, mut sink: impl Sink, shared: &Shared) {
             busy_since = Some(Instant::now());
         }
         let polled = io.poll(true);
+        let depth = io.polled_depth() as u64;
         if let Err(e) = polled {
             // The backend itself broke: every outstanding request fails with its error.
             let msg = e.to_string();
@@ -267,7 +281,9 @@ fn run(mut io: IoEngine, mut sink: impl Sink, shared: &Shared) {
         // dry: a streamer that keeps layers queued ahead may never let it.
         if let Some(t) = busy_since.take() {
             let now = Instant::now();
-            shared.busy_ns.fetch_add((now - t).as_nanos() as u64, Ordering::Relaxed);
+            let ns = (now - t).as_nanos() as u64;
+            shared.busy_ns.fetch_add(ns, Ordering::Relaxed);
+            shared.depth_ns.fetch_add(depth * ns, Ordering::Relaxed);
             if io.in_flight() > 0 {
                 busy_since = Some(now);
             }
