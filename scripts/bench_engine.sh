@@ -6,7 +6,8 @@
 #     compute speed and (b) fio's sequential-read bandwidth (dense-stream
 #     reads each layer front to back) at the request size the engine issues
 #     (same file, O_DIRECT, io_uring, QD16) divided by the bytes it reads per
-#     decoded token, measured right after each dense-stream run;
+#     decoded token, measured right before and right after each dense-stream
+#     run (their mean: the virtual disk changes speed within seconds);
 #  3. the engine's time split per token (compute, waiting on reads, overlap).
 #
 # Usage: scripts/bench_engine.sh [MODEL...]   (default: smollm2 gemma3)
@@ -62,10 +63,13 @@ PY
   }
   # Interleaved repetitions: the machine is shared and its speed drifts (the
   # virtual disk's by 2x from one minute to the next), so each dense-stream
-  # run is followed by its own fio bound and ratios are taken per repetition.
+  # run sits between two fio measurements and ratios are taken per repetition.
+  # A short first run tells fio the request size the engine issues.
+  P=0 gen=8 bench warmup "$flash" --policy dense-stream --ffn-budget "$budget"
   for _ in $(seq "$reps"); do
     bench gguf "$gguf"
     bench dense "$flash" --policy dense
+    fio_bound
     # Decode only: a prompt batch shares each layer's reads across its rows,
     # which would hide the bytes a decoded token costs.
     P=0 bench dense-stream "$flash" --policy dense-stream --ffn-budget "$budget"
@@ -80,9 +84,11 @@ for r in rows:
 med = lambda label, key: statistics.median(r[key] for r in by[label])
 g_pp, g_tg = med("gguf", "prompt_tok_s"), med("gguf", "decode_tok_s")
 d_pp, d_tg = med("dense", "prompt_tok_s"), med("dense", "decode_tok_s")
-# Per repetition: dense-stream against the lower of that repetition's two bounds.
+# Per repetition: dense-stream against the lower of that repetition's two
+# bounds, fio's the mean of the measurements before and after the run.
 per_rep = []
-for d, s, f in zip(by["dense"], by["dense-stream"], by["fio"]):
+fio = [{**a, "bw": (a["bw"] + b["bw"]) / 2} for a, b in zip(by["fio"][0::2], by["fio"][1::2])]
+for d, s, f in zip(by["dense"], by["dense-stream"], fio):
     io_bound = f["bw"] / s["bytes_read_per_token"] if s["bytes_read_per_token"] > 0 else float("inf")
     per_rep.append((s["decode_tok_s"], d["decode_tok_s"], io_bound, f))
 s_tg = statistics.median(p[0] for p in per_rep)
@@ -103,5 +109,9 @@ print(f"  bounds: (a) dense compute {d_tg:.2f} tok/s, (b) fio {statistics.median
 t = ds["time_per_token"]
 print(f"  per token (last run): ffn {t['ffn_s']*1e3:.2f} ms = compute {t['compute_s']*1e3:.2f} + waiting on reads "
       f"{t['io_wait_s']*1e3:.2f}; I/O busy {t['io_busy_s']*1e3:.2f}, overlapped with compute {t['overlap_s']*1e3:.2f}")
+engine_bw = ", ".join(f"{r['read_bw_bytes_s'] / 1e6:.0f}" for r in by["dense-stream"])
+fio_bw = ", ".join(f"{a['bw'] / 1e6:.0f}/{b['bw'] / 1e6:.0f}" for a, b in zip(by["fio"][0::2], by["fio"][1::2]))
+depth = ", ".join(f"{r.get('io_mean_depth', 0):.1f}" for r in by["dense-stream"])
+print(f"  read speed per run (MB/s): engine {engine_bw}; fio before/after {fio_bw}; reads in flight {depth}")
 PY
 done
