@@ -534,8 +534,9 @@ impl Tail {
         Ok(())
     }
 
-    /// Layer `l` of `resident`: stage 1 over the maximal runs of wanted
-    /// neurons where they lie, stage 2 from the bundles or the down matrix.
+    /// Layer `l` of `resident`: stage 1 over the wanted neurons where they
+    /// lie (runs joined across short gaps), stage 2 from the bundles or the
+    /// down matrix.
     #[allow(clippy::too_many_arguments)]
     fn run_resident(
         &mut self,
