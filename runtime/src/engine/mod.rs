@@ -544,7 +544,7 @@ impl FlashEngine {
 
     /// Whether every layer's FFN is held whole in memory, in the source's
     /// matrices (`Dense`, or a streaming policy whose cache has room for
-    /// every neuron and would never evict one): nothing is read after open.
+    /// every neuron): nothing is read after open.
     pub fn whole_layers(&self) -> bool {
         match &self.source {
             Source::Resident(_) => true,

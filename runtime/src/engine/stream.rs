@@ -273,9 +273,9 @@ pub struct Streamer {
     held: Option<HeldPrefix>,
     landings: Arc<Landings>,
     cache: NeuronCache,
-    /// Every layer in memory as `dense` holds it, where the budget holds
-    /// the whole FFN under a policy that would never evict (the cache is
-    /// then empty): see [`holds_everything`].
+    /// Every layer in memory as `dense` holds it, where the budget has a
+    /// slot for every neuron (the cache is then empty): see
+    /// [`holds_everything`].
     whole: Option<Resident>,
     /// Bundles served from `whole` (cache hits by another name).
     whole_hits: u64,
@@ -405,7 +405,7 @@ impl Streamer {
                 Box::new(StaticHot::new(ranking))
             }
         };
-        let whole = holds_everything(&shape, budget, policy);
+        let whole = holds_everything(&shape, budget);
         // The empty cache still names the policy (reports show which it was).
         let cache_budget = if whole { 0 } else { budget };
         let mut cache =
@@ -1232,17 +1232,17 @@ impl Streamer {
         }
     }
 }
-/// Whether a cache of `budget` bytes under `policy` would come to hold every
-/// neuron and then never change: it has a slot for each, and the policy
-/// evicts only for room (the sliding window releases what the last tokens
-/// did not use, so it keeps its slots). Such a cache is better held as
-/// `dense` holds the FFN: the source's gate, up and down matrices, which
-/// stage 1 streams without the down parts in between and stage 2 takes
-/// as they are, where slots would have every down tile gathered anew each
-/// token; the bytes are no more than the slots'.
-fn holds_everything(shape: &CacheShape, budget: u64, policy: CachePolicy) -> bool {
+/// Whether a cache of `budget` bytes would come to hold every neuron and
+/// then never change: it has a slot for each, and every eviction policy
+/// here evicts only for room (the sliding window too: it does not release
+/// early, see `engine/policy/current_layer.rs`). Such a cache is better
+/// held as `dense` holds the FFN: the source's gate, up and down matrices,
+/// which stage 1 streams without the down parts in between and stage 2
+/// takes as they are, where slots would have every down tile gathered anew
+/// each token; the bytes are no more than the slots'.
+fn holds_everything(shape: &CacheShape, budget: u64) -> bool {
     let all = shape.total_slot_bytes();
-    all > 0 && budget >= all && !matches!(policy, CachePolicy::Window(_))
+    all > 0 && budget >= all
 }
 
 /// Loads the bundles the cache's policy wants up front (a static hot set),
