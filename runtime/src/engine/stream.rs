@@ -28,7 +28,7 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Condvar, Mutex};
 
 use super::tail::Resident;
-use super::trace::{bit_is_set, groups_touched, set_bit};
+use super::trace::{bit_is_set, set_bit, widen_to_groups};
 use super::{EngineStats, FlashModel};
 use crate::cache::{
     CacheShape, EvictionPolicy, Learned, Lru, NeuronCache, NeuronFreq, RetentionTable, SlidingWindow, StaticHot,
@@ -648,10 +648,7 @@ impl Streamer {
         let g = self.group[l];
         if let (Want::Set(bits), true) = (want, g > 1) {
             let mut grouped = std::mem::take(&mut self.grouped);
-            grouped.fill(0);
-            for grp in groups_touched(bits, self.n_ff, g) {
-                (grp * g..(grp + 1) * g).for_each(|i| set_bit(&mut grouped, i));
-            }
+            widen_to_groups(bits, self.n_ff, g, &mut grouped);
             let r = f(self, Want::Set(&grouped));
             self.grouped = grouped;
             return r;
@@ -968,8 +965,10 @@ impl Streamer {
     fn unpin(&mut self, k: usize) {
         let s = &mut self.stages[k];
         // Neurons served by `whole` hold no slot.
-        for &i in s.pinned.iter().filter(|_| self.whole.is_none()) {
-            self.cache.unpin(s.layer, i);
+        if self.whole.is_none() {
+            for &i in &s.pinned {
+                self.cache.unpin(s.layer, i);
+            }
         }
         s.pinned.clear();
         s.layer = usize::MAX;

@@ -22,7 +22,7 @@ use leanstream_kernels::ActBuffer;
 use rayon::prelude::*;
 
 use super::stream::{LandedRun, Streamer};
-use super::trace::{bit_is_set, set_bit};
+use super::trace::{bit_is_set, set_bit, widen_to_groups};
 use crate::Result;
 
 /// Stage-1 values per piece of a run (bundles × rows): bounds the scratch
@@ -536,9 +536,40 @@ impl Tail {
 
     /// Layer `l` of `resident`: stage 1 over the wanted neurons where they
     /// lie (runs joined across short gaps), stage 2 from the bundles or the
-    /// down matrix.
+    /// down matrix. Down tiles gathered into the matrix: a wanted neuron
+    /// brings its group, as a streamed layer reads and computes it.
     #[allow(clippy::too_many_arguments)]
     fn run_resident(
+        &mut self,
+        resident: &Resident,
+        l: usize,
+        n: usize,
+        out: &mut [f32],
+        want: Option<&[u64]>,
+        select: Select,
+        record: Option<&mut [u64]>,
+    ) -> Result<()> {
+        let f = &resident.formats[l];
+        let g = if f.down_layout == DownLayout::Matrix {
+            f.down_ty.block_size()
+        } else {
+            1
+        };
+        match want {
+            Some(w) if g > 1 => {
+                let mut grouped = std::mem::take(&mut self.grouped);
+                widen_to_groups(w, self.n_ff, g, &mut grouped);
+                let r = self.run_resident_set(resident, l, n, out, Some(&grouped), select, record);
+                self.grouped = grouped;
+                r
+            }
+            w => self.run_resident_set(resident, l, n, out, w, select, record),
+        }
+    }
+
+    /// [`run_resident`](Self::run_resident) over `want` as it is.
+    #[allow(clippy::too_many_arguments)]
+    fn run_resident_set(
         &mut self,
         resident: &Resident,
         l: usize,
@@ -552,20 +583,6 @@ impl Tail {
         let all = &resident.bundles[l];
         let split = f.down_layout == DownLayout::Matrix;
         let (bb, gb, ub, n_ff) = (f.bundle_bytes(), f.gate_bytes(), f.up_bytes(), self.n_ff);
-        // Down tiles gathered into the matrix: a wanted neuron brings its
-        // group, as a streamed layer reads and computes it.
-        let mut grouped = std::mem::take(&mut self.grouped);
-        let g = if split { f.down_ty.block_size() } else { 1 };
-        let want = match want {
-            Some(w) if g > 1 => {
-                grouped.fill(0);
-                for grp in super::trace::groups_touched(w, n_ff, g) {
-                    (grp * g..((grp + 1) * g).min(n_ff)).for_each(|i| set_bit(&mut grouped, i));
-                }
-                Some(&grouped[..])
-            }
-            w => w,
-        };
         let wanted = |i: usize| want.is_none_or(|w| bit_is_set(w, i));
         let rows = |i: usize, j: usize| {
             if split {
@@ -592,7 +609,7 @@ impl Tail {
             while let Some(next) = (j..(j + RESIDENT_GAP + 1).min(n_ff)).find(|&k| wanted(k)) {
                 j = next + 1;
             }
-            let r = self.stage1(
+            self.stage1(
                 f,
                 rows(i, j),
                 |k| (i + k) as u32,
@@ -600,18 +617,12 @@ impl Tail {
                 n,
                 select,
                 record.as_deref_mut(),
-            );
-            if r.is_err() {
-                self.grouped = grouped;
-                return r;
-            }
+            )?;
             i = j;
         }
         // Split layers take their down from the matrix, not from bundles.
         let bundle = |i: usize| if split { &[][..] } else { &all[i * bb..(i + 1) * bb] };
-        let r = self.finish(f, n, out, want, bundle, resident.down(l));
-        self.grouped = grouped;
-        r
+        self.finish(f, n, out, want, bundle, resident.down(l))
     }
 
     /// The FFN output of the neurons computed since the last call, added

@@ -189,6 +189,15 @@ pub fn groups_touched(bits: &[u64], n_ff: usize, g: usize) -> impl Iterator<Item
     (0..n_ff / g).filter(move |grp| (grp * g..(grp + 1) * g).any(|i| bit_is_set(bits, i)))
 }
 
+/// `bits` widened to whole groups of `g` into `out` (cleared first): every
+/// neuron of each group [`groups_touched`].
+pub fn widen_to_groups(bits: &[u64], n_ff: usize, g: usize, out: &mut [u64]) {
+    out.fill(0);
+    for grp in groups_touched(bits, n_ff, g) {
+        (grp * g..(grp + 1) * g).for_each(|i| set_bit(out, i));
+    }
+}
+
 #[inline]
 pub fn bit_is_set(bits: &[u64], i: usize) -> bool {
     bits[i / 64] & (1 << (i % 64)) != 0

@@ -16,7 +16,6 @@ use std::sync::Arc;
 
 use super::ranking::Ranking;
 use super::{streamer, FfnPolicy, LayerCall, Plan, Policy, Shape};
-use crate::engine::stream::Want;
 use crate::engine::tail::{Select, Source, Tail};
 use crate::predict::Predictor;
 use crate::Result;
@@ -62,15 +61,8 @@ impl FfnPolicy for DejaVu {
         self.ranking
             .request(self.own_input, l, call.resid, n, streamer(source)?)?;
         if l + 1 < self.n_layer {
-            let s = streamer(source)?;
-            if s.holds_layer(l + 1) {
-                // Nothing to read: a ranking would decide nothing.
-                s.prefetch(l + 1, Want::All)?;
-            } else {
-                let r = &mut self.ranking;
-                r.rank(self.speculate, l + 1, call.resid, n, 1.0)?;
-                s.prefetch_ranked(l + 1, Want::Set(&r.bits), Some(&r.urgency))?;
-            }
+            self.ranking
+                .prefetch(self.speculate, l + 1, call.resid, n, streamer(source)?)?;
         }
         Ok(Plan::new(Select::Threshold(call.threshold), None))
     }

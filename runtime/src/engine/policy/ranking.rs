@@ -137,6 +137,18 @@ impl Ranking {
         s.ensure_ranked(layer, Want::Set(&self.bits), Some(&self.urgency))
     }
 
+    /// Unless layer `layer` is queued already: ranks it for `use_` from `n`
+    /// rows `rows` at breadth 1 and queues the selection behind the stages
+    /// `s` holds, most likely first (a look-ahead). A layer the cache holds
+    /// whole is queued whole, unranked, as in [`request`](Self::request).
+    pub fn prefetch(&mut self, use_: usize, layer: usize, rows: &[f32], n: usize, s: &mut Streamer) -> Result<()> {
+        if s.holds_layer(layer) {
+            return s.prefetch(layer, Want::All);
+        }
+        self.rank(use_, layer, rows, n, 1.0)?;
+        s.prefetch_ranked(layer, Want::Set(&self.bits), Some(&self.urgency))
+    }
+
     /// Bytes of scratch (the predictor's weights are counted where it is held).
     pub fn scratch_bytes(&self) -> u64 {
         (self.predictor.scratch_bytes()
