@@ -61,6 +61,11 @@ pub fn synthetic_model(dir: &Path) -> PathBuf {
 
 /// `leanstream-synth tune` on `model` into `out` with `budget`.
 pub fn tune_command(model: &Path, out: &Path, budget: &str) -> Command {
+    tune_command_with(model, out, budget, &bin("leanstream"))
+}
+
+/// The same, measuring the engine binary `engine`.
+pub fn tune_command_with(model: &Path, out: &Path, budget: &str, engine: &Path) -> Command {
     let (train, heldout) = prose();
     let mut c = Command::new(bin("leanstream-synth"));
     c.arg("tune")
@@ -76,7 +81,7 @@ pub fn tune_command(model: &Path, out: &Path, budget: &str) -> Command {
         // A short trace keeps the tests' disk and time small.
         .args(["--max-trace-tokens", "2048"])
         .arg("--leanstream-bin")
-        .arg(bin("leanstream"));
+        .arg(engine);
     c
 }
 

@@ -1,6 +1,7 @@
 //! `tune` end to end on a small synthetic model: every artifact made, the
-//! engine driven by them, exact at sparsity 0, and a second run of the same
-//! command skips every step.
+//! engine driven by them, exact at sparsity 0, a second run of the same
+//! command skips every step, and another engine binary redoes the steps
+//! that time it.
 
 use leanstream_e2e::*;
 
@@ -31,6 +32,38 @@ fn tune_makes_artifacts_the_engine_uses_and_a_rerun_skips_every_step() {
     let m2 = json_file(&out.join("tune.json"));
     assert_eq!(m2["steps"], m["steps"]);
     assert_eq!(m2["sessions"], 2);
+
+    // Another engine build (the same binary with a byte appended: another
+    // SHA-256, and it still runs): the steps that time the engine run
+    // again, the ones that compute are kept.
+    let engine = dir.join("leanstream-rebuilt");
+    std::fs::copy(bin("leanstream"), &engine).unwrap();
+    std::fs::OpenOptions::new()
+        .append(true)
+        .open(&engine)
+        .and_then(|mut f| std::io::Write::write_all(&mut f, b"\0"))
+        .unwrap();
+    check(tune_command_with(&model, &out, "60s", &engine));
+    let m3 = json_file(&out.join("tune.json"));
+    for step in ["engine-probe", "verify"] {
+        assert_ne!(
+            m3["steps"][step]["inputs_key"], m2["steps"][step]["inputs_key"],
+            "{step}"
+        );
+        assert_eq!(m3["steps"][step]["sessions"], 1, "{step}");
+    }
+    for step in [
+        "text",
+        "activations",
+        "placement",
+        "pack",
+        "profile-io",
+        "profile-compute",
+        "predictor",
+        "eviction",
+    ] {
+        assert_eq!(m3["steps"][step], m2["steps"][step], "{step} ran again");
+    }
 
     // Another model in the same directory is refused, naming the manifest.
     let other = dir.join("other");

@@ -225,7 +225,8 @@ enum Cmd {
         /// decisions are sensitive, a 45th of that, at least 30 s).
         #[arg(long, default_value = "uniform")]
         profiling: leanstream_synth::tune::Profiling,
-        /// The leanstream binary for the verification (default: beside this one).
+        /// The leanstream binary the engine probe and the verification run
+        /// (default: beside this one); its SHA-256 is among their inputs.
         #[arg(long)]
         leanstream_bin: Option<PathBuf>,
         /// No progress bar (one line per step instead).

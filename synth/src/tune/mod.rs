@@ -104,6 +104,32 @@ pub struct Ctx<'a> {
     pub shape: ModelShape,
     pub manifest: Manifest,
     pub cores: usize,
+    pub code: CodeHashes,
+}
+
+/// The code whose speed a step measures, by the SHA-256 of its binary: a
+/// timing taken by another build says nothing about this one (the engine
+/// probe found the table of a tune made before an engine change ranked
+/// 56th of 82 actions, a fresh tune's 4th). Steps that compute rather than
+/// time (traces, placement, pack, predictor) do not depend on it: their
+/// results are fixed by the formats, which carry versions of their own.
+#[derive(Debug, Clone)]
+pub struct CodeHashes {
+    /// The `leanstream` binary the engine probe and the verification run.
+    pub engine: String,
+    /// This binary: the compute kernels the compute profiles time are
+    /// compiled into it.
+    pub profiler: String,
+}
+
+impl CodeHashes {
+    fn of(opts: &TuneOptions) -> Result<Self> {
+        let exe = std::env::current_exe().map_err(|e| SynthError::io("current executable", e))?;
+        Ok(Self {
+            engine: leanstream_runtime::fetch::sha256_file(&leanstream_bin(opts)?)?,
+            profiler: leanstream_runtime::fetch::sha256_file(&exe)?,
+        })
+    }
 }
 
 /// What sizing needs to know of the model.
@@ -176,6 +202,9 @@ pub fn tune(opts: &TuneOptions) -> Result<TuneOutcome> {
         sha256: leanstream_runtime::fetch::sha256_file(&opts.model)?,
     };
     let device = leanstream_runtime::control::device_fingerprint();
+    // Before any step: a missing engine binary stops the run now, not
+    // hours later at the verification.
+    let code = CodeHashes::of(opts)?;
     let mut manifest = match Manifest::load(&out)? {
         Some(m) if m.model_sha256 == shape.sha256 => m,
         Some(m) => {
@@ -199,6 +228,7 @@ pub fn tune(opts: &TuneOptions) -> Result<TuneOutcome> {
         shape,
         manifest,
         cores,
+        code,
     };
 
     let pipeline = Step::pipeline(opts.profiling);

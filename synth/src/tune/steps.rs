@@ -545,6 +545,7 @@ impl Step {
                 "stages": Self::compute_grid(ctx).stages,
                 "threads": ctx.cores,
                 "budget_s": ctx.budget_of(self),
+                "profiler": ctx.code.profiler,
             }),
             Step::ProfileAdaptive => json!({
                 "device": ctx.manifest.device,
@@ -555,8 +556,10 @@ impl Step {
                 "w_skip_us": o.w_skip_us,
                 "budget_s": Self::adaptive_budget(ctx),
                 "predictor": ctx.hash_of(PREDICTOR)?,
+                "profiler": ctx.code.profiler,
             }),
             Step::EngineProbe => json!({
+                "engine": ctx.code.engine,
                 "flash": ctx.hash_of(MODEL)?,
                 "predictor": ctx.hash_of(PREDICTOR)?,
                 "sparsity": o.sparsity,
@@ -595,6 +598,7 @@ impl Step {
                 "replay_tokens": Self::replay_tokens(ctx),
             }),
             Step::Verify => json!({
+                "engine": ctx.code.engine,
                 "flash": ctx.hash_of(MODEL)?,
                 "controller": ctx.hash_of(CONTROLLER)?,
                 "predictor": ctx.hash_of(PREDICTOR)?,
