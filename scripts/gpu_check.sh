@@ -2,7 +2,8 @@
 # The GPU backend's device checks (issue 16), built here and run on a lent
 # GPU machine (see ../.library/device): the kernels against the CPU kernels,
 # greedy tokens of the device engine against the CPU engine (synthetic
-# 7B-shape models and the two real models), a packed model on the device,
+# 7B-shape models and the two real models), a packed model on the device
+# (its bundles resident, and streamed from flash),
 # the compute profile of the device's kernels, Table 3, and decode tokens/s
 # against llama.cpp's CUDA build of the same GGUF (the reference llama.cpp
 # source, built there with the device's nvcc while the other checks run).
@@ -100,6 +101,25 @@ run)
     .gpu/leanstream synthetic --shape mistral-7b --layers "$layers" -o "$m"
     .gpu/greedy "$m" "The license grants" 16 | tee -a "$out/greedy.jsonl"
   done
+  # The streamed FFN: a 2-layer 7B-shape model packed, its bundles read
+  # from flash each token through a quarter-size cache and landed while the
+  # kernels poll, against the same bundles resident on the device (the
+  # same slots in the same order: the same text).
+  .gpu/test-stream_emulated
+  if [ -f /tmp/mistral-2.gguf ]; then
+    p=/tmp/mistral-2.lsflash
+    .gpu/leanstream pack --model /tmp/mistral-2.gguf -o "$p" --down q8_0
+    for how in resident streamed; do
+      opts=()
+      [ "$how" = streamed ] && opts=(--policy dense-stream --ffn-budget 25%)
+      .gpu/leanstream run --model "$p" --prompt "The license grants" -n 16 --temp 0 --device cuda "${opts[@]}" \
+        >"$out/ffn-$how.txt" 2>"$out/ffn-$how.err"
+      tail -2 "$out/ffn-$how.err"
+    done
+    cmp "$out/ffn-resident.txt" "$out/ffn-streamed.txt" && echo "streamed FFN: the text of the resident bundles"
+    .gpu/leanstream bench --model "$p" --device cuda --policy dense-stream --ffn-budget 25% \
+      --prompt-tokens 16 --gen-tokens 16 --reps 2 | tee -a "$out/bench-streamed.json"
+  fi
   [ -n "${NO_TABLE3:-}" ] || .gpu/table3 20 | tee "$out/table3.jsonl"
   ;;
 stash)

@@ -306,7 +306,7 @@ fn device_bench(a: &BenchArgs, path: &Path, ordinal: usize) -> Result<()> {
     }
     let t0 = Instant::now();
     let loaded = crate::gpu::DeviceModel::load(path, &a.flash)?;
-    if a.llama_bench.is_some() && matches!(loaded, crate::gpu::DeviceModel::Flash(_)) {
+    if a.llama_bench.is_some() && matches!(loaded, crate::gpu::DeviceModel::Flash(..)) {
         bail!("--llama-bench needs a GGUF model, not a .lsflash file");
     }
     let model = loaded.model();
@@ -358,6 +358,18 @@ fn device_bench(a: &BenchArgs, path: &Path, ordinal: usize) -> Result<()> {
     let weights_bytes = loaded.weight_bytes();
     let mut report = speed_report(path, c.arch.name(), a, (&pp, &tg), load_s, weights_bytes);
     report["device"] = json!(device);
+    if let Some(s) = g.streamed() {
+        let (fed, io) = (s.fed, s.streamer().stats());
+        report["ffn_stream"] = json!({
+            "cache_policy": s.streamer().cache_policy_name(),
+            "cache_budget_bytes": s.streamer().budget_bytes(),
+            "bundles_from_cache": fed.hits,
+            "bundles_read": fed.read,
+            "bundles_skipped_late": fed.missing,
+            "bytes_read": io.bytes_read,
+            "reads": io.reads,
+        });
+    }
     if a.llama_bench.is_some() {
         add_llama_cpp(&mut report, (&pp, &tg), (&theirs_pp, &theirs_tg), theirs_build);
     }

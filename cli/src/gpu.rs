@@ -2,7 +2,8 @@
 //! engine on a CUDA device (`leanstream-cuda`), sampling on the host from its
 //! logits in the runtime's generation loop (`serve` and `chat` run it in
 //! `leanstream-server`). `run` and `bench` also take a packed `.lsflash`
-//! model, its bundles all resident in device memory.
+//! model, its bundles all resident in device memory, or with `--policy
+//! dense-stream` streamed from flash each token through the neuron cache.
 
 use std::io::Write;
 use std::ops::ControlFlow;
@@ -12,10 +13,11 @@ use std::time::Instant;
 use anyhow::{bail, Context, Result};
 use leanstream_cuda::device::Gpu;
 use leanstream_cuda::engine::GpuModel;
-use leanstream_runtime::engine::FlashModel;
+use leanstream_runtime::engine::{FlashModel, Policy};
 use leanstream_runtime::fetch::resolve_model;
 use leanstream_runtime::generate::decode_until;
 use leanstream_runtime::model::Model;
+use leanstream_runtime::session::StreamSettings;
 use leanstream_runtime::tokenizer::StreamDecoder;
 use leanstream_runtime::RuntimeError;
 
@@ -33,13 +35,17 @@ pub(crate) fn ordinal(device: &str) -> Result<Option<usize>> {
     }
 }
 
-/// Refuses the CPU streaming engine's options, which the device engine does not have.
-fn refuse_streaming_options(flash: &FlashArgs) -> Result<()> {
+/// Refuses the CPU streaming engine's options the device engine does not
+/// have. A packed model (`packed`) may stream with `--policy dense-stream`
+/// and its neuron cache's `--ffn-budget`, or run `--policy dense`.
+fn refuse_streaming_options(flash: &FlashArgs, packed: bool) -> Result<()> {
+    let streams = packed && flash.policy == Some(Policy::DenseStream);
+    let device_policy = |p: Policy| packed && matches!(p, Policy::Dense | Policy::DenseStream);
     let given = [
-        (flash.policy.is_some(), "--policy"),
+        (flash.policy.is_some_and(|p| !device_policy(p)), "--policy"),
         (flash.predictor.is_some(), "--predictor"),
         (flash.controller.is_some(), "--controller"),
-        (flash.ffn_budget.is_some(), "--ffn-budget"),
+        (flash.ffn_budget.is_some() && !streams, "--ffn-budget"),
         (flash.mem_budget.is_some(), "--mem-budget"),
         (flash.sparsity != 0.0, "--sparsity"),
     ]
@@ -47,7 +53,10 @@ fn refuse_streaming_options(flash: &FlashArgs) -> Result<()> {
     .find(|(set, _)| *set)
     .map(|(_, name)| name);
     match given {
-        Some(flag) => bail!("{flag} is an option of the CPU streaming engine; --device cuda runs the dense engine"),
+        Some(flag) => bail!(
+            "{flag} is an option of the CPU streaming engine; --device cuda runs the dense engine, or a packed \
+             model's --policy dense-stream with its --ffn-budget"
+        ),
         None => Ok(()),
     }
 }
@@ -96,25 +105,49 @@ pub(crate) fn run(
         stats.generated_tokens,
         stats.decode_tok_s(),
     );
+    if let Some(s) = stream_summary(&g) {
+        eprintln!("{s}");
+    }
     Ok(())
 }
 
+/// What the streamed FFN landed and read, for a run's last line.
+pub(crate) fn stream_summary(g: &GpuModel) -> Option<String> {
+    let s = g.streamed()?;
+    let (fed, io) = (s.fed, s.streamer().stats());
+    Some(format!(
+        "streamed FFN ({} cache, {}): {} bundles from the cache, {} read, {} skipped late | {:.1} MiB read in {} reads",
+        s.streamer().cache_policy_name(),
+        leanstream_runtime::cache::fmt_bytes(s.streamer().budget_bytes()),
+        fed.hits,
+        fed.read,
+        fed.missing,
+        io.bytes_read as f64 / (1 << 20) as f64,
+        io.reads
+    ))
+}
+
 /// A model the device engine runs: a GGUF's, or a packed model's (its
-/// bundles all resident on the device).
+/// bundles all resident on the device, or streamed under these settings).
 // One per command: the variants' sizes do not matter.
 #[allow(clippy::large_enum_variant)]
 pub(crate) enum DeviceModel {
     Gguf(Model),
-    Flash(FlashModel),
+    Flash(FlashModel, Option<StreamSettings>),
 }
 
 impl DeviceModel {
     /// Loads `path`, refusing the CPU streaming engine's options.
     pub(crate) fn load(path: &Path, flash: &FlashArgs) -> Result<Self> {
-        refuse_streaming_options(flash)?;
-        if is_lsflash(path)? {
+        let packed = is_lsflash(path)?;
+        refuse_streaming_options(flash, packed)?;
+        if packed {
             let fm = FlashModel::open(path).with_context(|| format!("{}: opening the packed model", path.display()))?;
-            return Ok(Self::Flash(fm));
+            let stream = match flash.policy {
+                Some(Policy::DenseStream) => Some(flash.settings()?),
+                _ => None,
+            };
+            return Ok(Self::Flash(fm, stream));
         }
         Ok(Self::Gguf(load_path(path)?))
     }
@@ -122,7 +155,7 @@ impl DeviceModel {
     pub(crate) fn model(&self) -> &Model {
         match self {
             Self::Gguf(m) => m,
-            Self::Flash(fm) => &fm.model,
+            Self::Flash(fm, _) => &fm.model,
         }
     }
 
@@ -130,7 +163,7 @@ impl DeviceModel {
     pub(crate) fn weight_bytes(&self) -> usize {
         match self {
             Self::Gguf(m) => m.weights.matrix_bytes(),
-            Self::Flash(fm) => fm.model.weights.matrix_bytes() + fm.ffn_bytes() as usize,
+            Self::Flash(fm, _) => fm.model.weights.matrix_bytes() + fm.ffn_bytes() as usize,
         }
     }
 
@@ -145,7 +178,16 @@ impl DeviceModel {
         let batch = prompt.clamp(1, 512);
         let g = match self {
             Self::Gguf(m) => GpuModel::new(gpu, m, ctx, batch)?,
-            Self::Flash(fm) => GpuModel::from_flash(gpu, fm, ctx, batch)?,
+            Self::Flash(fm, None) => GpuModel::from_flash(gpu, fm, ctx, batch)?,
+            Self::Flash(fm, Some(settings)) => {
+                let streamer = settings.streamer(fm, Policy::DenseStream)?;
+                if streamer.holds_whole() {
+                    // The cache would hold every bundle: resident on the device instead.
+                    GpuModel::from_flash(gpu, fm, ctx, batch)?
+                } else {
+                    GpuModel::from_flash_streamed(gpu, fm, streamer, ctx, batch)?
+                }
+            }
         };
         Ok((g, device))
     }
@@ -154,7 +196,7 @@ impl DeviceModel {
 /// Refuses what the server's device engine does not run: the CPU streaming
 /// engine's options and packed `.lsflash` models.
 pub(crate) fn check_dense_gguf(path: &Path, flash: &FlashArgs) -> Result<()> {
-    refuse_streaming_options(flash)?;
+    refuse_streaming_options(flash, false)?;
     if is_lsflash(path)? {
         bail!(
             "{}: a packed .lsflash model streams on the CPU engine; the server's --device cuda runs a GGUF \

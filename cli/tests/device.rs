@@ -100,22 +100,47 @@ fn packed(down: &str) -> PathBuf {
 
 #[test]
 fn cuda_runs_a_packed_model_or_says_why_not() {
-    for (down, refusal) in [("q8_0", None), ("source", Some("pack with --down q8_0"))] {
-        let o = Command::new(env!("CARGO_BIN_EXE_leanstream"))
-            .args(["run", "--model"])
-            .arg(packed(down))
-            .args(["--prompt", "a b", "-n", "4", "--temp", "0", "--device", "cuda"])
-            .output()
-            .unwrap();
-        let err = stderr(&o);
-        assert!(!err.contains("panicked"), "{err}");
-        match (o.status.success(), refusal) {
-            (true, None) => assert!(err.contains("decode 4 tokens"), "{err}"),
-            (false, _) if err.contains("no CUDA device") => {}
-            (false, Some(why)) => assert!(err.contains(why), "{down}: {err}"),
-            _ => panic!("{down}: {err}"),
+    // Resident, and streamed from flash through a quarter-size cache.
+    let streamed = ["--policy", "dense-stream", "--ffn-budget", "25%"];
+    for how in [&[][..], &streamed[..]] {
+        for (down, refusal) in [("q8_0", None), ("source", Some("pack with --down q8_0"))] {
+            let o = Command::new(env!("CARGO_BIN_EXE_leanstream"))
+                .args(["run", "--model"])
+                .arg(packed(down))
+                .args(["--prompt", "a b", "-n", "4", "--temp", "0", "--device", "cuda"])
+                .args(how)
+                .output()
+                .unwrap();
+            let err = stderr(&o);
+            assert!(!err.contains("panicked"), "{err}");
+            match (o.status.success(), refusal) {
+                (true, None) => {
+                    assert!(err.contains("decode 4 tokens"), "{err}");
+                    assert_eq!(err.contains("streamed FFN"), !how.is_empty(), "{err}");
+                }
+                (false, _) if err.contains("no CUDA device") => {}
+                (false, Some(why)) => assert!(err.contains(why), "{down} {how:?}: {err}"),
+                _ => panic!("{down} {how:?}: {err}"),
+            }
         }
     }
+    // The other policies are the CPU engine's.
+    let o = Command::new(env!("CARGO_BIN_EXE_leanstream"))
+        .args(["run", "--model"])
+        .arg(packed("q8_0"))
+        .args([
+            "--prompt",
+            "a b",
+            "-n",
+            "4",
+            "--device",
+            "cuda",
+            "--policy",
+            "speculate",
+        ])
+        .output()
+        .unwrap();
+    assert_refused(&o, "--policy is an option of the CPU streaming engine");
 }
 
 fn bench(args: &[&str]) -> Output {

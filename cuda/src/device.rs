@@ -607,26 +607,27 @@ macro_rules! scalar_arg {
 }
 scalar_arg!(i32, u32, u64, f32);
 
-/// Flags in pinned host memory mapped into the device's address space:
-/// the host publishes them ([`FlagBoard`](crate::flags::FlagBoard) over
-/// [`MappedFlags::host`]) while a kernel polls them at [`MappedFlags::device_ptr`].
-pub struct MappedFlags {
-    host: *mut std::sync::atomic::AtomicU32,
+/// Pinned host memory mapped into the device's address space: the host
+/// writes it while kernels read it at [`MappedMemory::device_ptr`], over
+/// the bus, without a copy.
+pub struct MappedMemory {
+    host: *mut u8,
     device: u64,
-    len: usize,
+    bytes: usize,
     _ctx: Arc<CudaContext>,
 }
 
-// SAFETY: the memory is owned by this value and accessed through atomics.
-unsafe impl Send for MappedFlags {}
-unsafe impl Sync for MappedFlags {}
+// SAFETY: the memory is owned by this value; who writes what when is the
+// users' protocol (flags published by release stores).
+unsafe impl Send for MappedMemory {}
+unsafe impl Sync for MappedMemory {}
 
-impl MappedFlags {
-    /// `len` flags, all 0.
-    pub fn new(gpu: &Gpu, len: usize) -> Result<Self> {
+impl MappedMemory {
+    /// `bytes` bytes, all 0.
+    pub fn new(gpu: &Gpu, bytes: usize) -> Result<Self> {
         use cudarc::driver::{result, sys};
         gpu.ctx.bind_to_thread().map_err(driver_error("bind context"))?;
-        let bytes = len.max(1) * 4;
+        let bytes = bytes.max(4);
         // SAFETY: a fresh allocation of `bytes`, zeroed before any use.
         let host = unsafe { result::malloc_host(bytes, sys::CU_MEMHOSTALLOC_DEVICEMAP) }
             .map_err(driver_error("cuMemHostAlloc"))?;
@@ -643,33 +644,93 @@ impl MappedFlags {
             return Err(CudaError::Driver(format!("cuMemHostGetDevicePointer: {status:?}")));
         }
         Ok(Self {
-            host: host as *mut std::sync::atomic::AtomicU32,
+            host: host as *mut u8,
             device,
-            len,
+            bytes,
             _ctx: gpu.ctx.clone(),
+        })
+    }
+
+    pub fn len(&self) -> usize {
+        self.bytes
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.bytes == 0
+    }
+
+    /// Its address on the device.
+    pub fn device_ptr(&self) -> u64 {
+        self.device
+    }
+
+    /// Copies `data` to the bytes at device address `at`.
+    ///
+    /// # Safety
+    /// No kernel reads those bytes until the host publishes them (a flag
+    /// stored after this call), and no other thread writes them meanwhile.
+    pub unsafe fn write_at(&self, at: u64, data: &[u8]) -> Result<()> {
+        let start = at
+            .checked_sub(self.device)
+            .and_then(|o| usize::try_from(o).ok())
+            .filter(|&o| o.checked_add(data.len()).is_some_and(|e| e <= self.bytes));
+        let Some(start) = start else {
+            return Err(CudaError::Invalid(format!(
+                "mapped bytes {at:#x}..+{} outside {:#x}..+{}",
+                data.len(),
+                self.device,
+                self.bytes
+            )));
+        };
+        // SAFETY: in bounds (checked); exclusive by the caller's guarantee.
+        unsafe { std::ptr::copy_nonoverlapping(data.as_ptr(), self.host.add(start), data.len()) };
+        Ok(())
+    }
+}
+
+impl Drop for MappedMemory {
+    fn drop(&mut self) {
+        // SAFETY: allocated by cuMemHostAlloc in `new`; no kernel may still
+        // read it (callers synchronize before dropping).
+        unsafe {
+            let _ = cudarc::driver::result::free_host(self.host as *mut std::ffi::c_void);
+        }
+    }
+}
+
+/// Flags in mapped memory: the host publishes them
+/// ([`FlagBoard`](crate::flags::FlagBoard) over [`MappedFlags::host`])
+/// while a kernel polls them at [`MappedFlags::device_ptr`].
+pub struct MappedFlags {
+    memory: MappedMemory,
+    len: usize,
+}
+
+impl MappedFlags {
+    /// `len` flags, all 0.
+    pub fn new(gpu: &Gpu, len: usize) -> Result<Self> {
+        Ok(Self {
+            memory: MappedMemory::new(gpu, len.max(1) * 4)?,
+            len,
         })
     }
 
     /// The flags as the host sees them.
     pub fn host(&self) -> &[std::sync::atomic::AtomicU32] {
-        // SAFETY: `len` u32s owned by self, 4-byte aligned (page-aligned
-        // allocation); AtomicU32 has u32's layout.
-        unsafe { std::slice::from_raw_parts(self.host, self.len) }
+        // SAFETY: `len` u32s owned by `memory`, 4-byte aligned (page-aligned
+        // allocation); AtomicU32 has u32's layout, and every access to them
+        // is atomic.
+        unsafe { std::slice::from_raw_parts(self.memory.host as *const std::sync::atomic::AtomicU32, self.len) }
     }
 
     /// Their address on the device.
     pub fn device_ptr(&self) -> u64 {
-        self.device
+        self.memory.device
     }
-}
 
-impl Drop for MappedFlags {
-    fn drop(&mut self) {
-        // SAFETY: allocated by cuMemHostAlloc in `new`; no kernel may still
-        // poll it (callers synchronize before dropping).
-        unsafe {
-            let _ = cudarc::driver::result::free_host(self.host as *mut std::ffi::c_void);
-        }
+    /// Flag `i`'s address on the device.
+    pub fn flag_ptr(&self, i: usize) -> u64 {
+        self.memory.device + 4 * i as u64
     }
 }
 

@@ -20,6 +20,7 @@ use std::time::{Duration, Instant};
 use leanstream_kernels::sparse_ffn::{axpy_down, neuron_activation, BundleFormat, DownLayout, FfnActivation, FfnInput};
 
 use crate::flags::{FlagBoard, Slot};
+use crate::stream::Landing;
 use crate::{CudaError, Result};
 
 /// Bundle bytes written by storage workers and read by the compute side,
@@ -201,4 +202,63 @@ pub fn down(
         axpy_down(format.down_ty, a, column, y)?;
     }
     Ok(())
+}
+
+/// Landings into the emulation's staging and flag board, for `epoch`.
+pub struct EmulatedLanding<'a> {
+    pub staging: &'a Staging,
+    pub board: &'a FlagBoard<'a>,
+    pub epoch: u32,
+}
+
+impl Landing for EmulatedLanding<'_> {
+    fn land(&self, slot: &Slot, bundle: &[u8]) -> Result<()> {
+        // SAFETY: a slot lands once an epoch, before its flag is published
+        // (below), and no warp reads it before seeing the flag.
+        unsafe { self.staging.write(slot.bundle, bundle)? };
+        self.release(slot)
+    }
+
+    fn release(&self, slot: &Slot) -> Result<()> {
+        let flag = usize::try_from(slot.flag).map_err(|_| CudaError::Invalid(format!("flag index {}", slot.flag)))?;
+        self.board.publish(flag, self.epoch)
+    }
+}
+
+/// One layer through the emulated device as the device engine runs it:
+/// stage 1 on `warps` threads polls the flags while `feed` lands bundles on
+/// this thread, then stage 2 adds `Σ act · down` over `slots` in `order`
+/// into `y`. Returns stage 1's result and what `feed` returned.
+#[allow(clippy::too_many_arguments)]
+pub fn stream_layer<T>(
+    layer: &StreamLayer,
+    slots: &[Slot],
+    order: &[u32],
+    landing: &EmulatedLanding,
+    deadline: Option<Duration>,
+    warps: usize,
+    y: &mut [f32],
+    feed: impl FnOnce(&EmulatedLanding) -> Result<T>,
+) -> Result<(Stage1, T)> {
+    let (stage1, fed) = std::thread::scope(|scope| {
+        let device = scope.spawn(|| {
+            activations(
+                layer,
+                slots,
+                landing.epoch,
+                landing.board,
+                landing.staging,
+                deadline,
+                warps,
+            )
+        });
+        let fed = feed(landing);
+        let stage1 = device
+            .join()
+            .unwrap_or_else(|_| Err(CudaError::Invalid("an emulated warp panicked".into())));
+        (stage1, fed)
+    });
+    let (stage1, fed) = (stage1?, fed?);
+    down(&layer.format, slots, order, &stage1.act, landing.staging, y)?;
+    Ok((stage1, fed))
 }

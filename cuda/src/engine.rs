@@ -4,8 +4,9 @@
 //! memory and every buffer allocated once. Activations are quantized to
 //! each weight's vec-dot type before its product, as on the CPU, so logits
 //! agree with the CPU engine's to rounding. The FFN is a GGUF's three
-//! matrices ([`GpuModel::new`]) or a packed model's bundles, all resident
-//! ([`GpuModel::from_flash`]).
+//! matrices ([`GpuModel::new`]), a packed model's bundles all resident
+//! ([`GpuModel::from_flash`]), or its bundles streamed from flash each
+//! token ([`GpuModel::from_flash_streamed`]).
 
 use cudarc::driver::CudaSlice;
 use leanstream_kernels::ops::RopeStyle;
@@ -16,7 +17,8 @@ use leanstream_runtime::model::{Config, MatRef, Model};
 use leanstream_runtime::RuntimeError;
 
 use crate::device::{activation_id, AttentionAt, AttentionHeads, DevPtr, Gpu, StreamInput};
-use crate::ffn::{FfnScratch, ResidentBundles};
+use crate::ffn::{FfnScratch, ResidentBundles, RowFfn};
+use crate::streamed::StreamedFfn;
 use crate::{CudaError, Result};
 
 /// A weight matrix in device memory.
@@ -52,6 +54,16 @@ enum LayerFfn {
     Matrices { gate: Mat, up: Mat, down: Mat },
     /// A packed model's bundles, every neuron resident.
     Bundles(ResidentBundles),
+    /// A packed model's bundles, streamed ([`GpuModel::streamed`]).
+    Streamed,
+}
+
+/// Where the FFN of a model being uploaded comes from.
+#[derive(Clone, Copy)]
+enum FfnSource<'a> {
+    Matrices,
+    Resident(&'a FlashModel),
+    Streamed,
 }
 
 /// Activation buffers, `[max_batch][width]`.
@@ -106,6 +118,8 @@ pub struct GpuModel {
     /// kernel looks up below ±10, including the inputs that round to ±10).
     gelu: CudaSlice<f32>,
     buf: Buffers,
+    /// The streamed FFN's host side (its layers are `LayerFfn::Streamed`).
+    streamed: Option<StreamedFfn>,
     /// The last logits on the host, for the generation loop ([`Decoder`]).
     host_logits: Vec<f32>,
     pub ctx: usize,
@@ -119,16 +133,44 @@ impl GpuModel {
     /// Uploads `model` (a GGUF's, with its FFN matrices) to `gpu` for
     /// contexts of `ctx` tokens run in batches of up to `max_batch`.
     pub fn new(gpu: Gpu, model: &Model, ctx: usize, max_batch: usize) -> Result<Self> {
-        Self::build(gpu, model, None, ctx, max_batch)
+        Self::build(gpu, model, FfnSource::Matrices, ctx, max_batch)
     }
 
     /// Uploads a packed model: its resident tensors and every layer's
     /// bundles (the down parts must be Q8_0 or F16 columns).
     pub fn from_flash(gpu: Gpu, fm: &FlashModel, ctx: usize, max_batch: usize) -> Result<Self> {
-        Self::build(gpu, &fm.model, Some(fm), ctx, max_batch)
+        Self::build(gpu, &fm.model, FfnSource::Resident(fm), ctx, max_batch)
     }
 
-    fn build(gpu: Gpu, model: &Model, flash: Option<&FlashModel>, ctx: usize, max_batch: usize) -> Result<Self> {
+    /// Uploads a packed model's resident tensors; its FFN bundles stream
+    /// from the file each token through `streamer` (see [`StreamedFfn`]).
+    pub fn from_flash_streamed(
+        gpu: Gpu,
+        fm: &FlashModel,
+        streamer: leanstream_runtime::engine::Streamer,
+        ctx: usize,
+        max_batch: usize,
+    ) -> Result<Self> {
+        let streamed = StreamedFfn::new(&gpu, fm, streamer)?;
+        let mut m = Self::build(gpu, &fm.model, FfnSource::Streamed, ctx, max_batch)?;
+        m.streamed = Some(streamed);
+        Ok(m)
+    }
+
+    /// The streamed FFN's host side (what it read, landed and skipped).
+    pub fn streamed(&self) -> Option<&StreamedFfn> {
+        self.streamed.as_ref()
+    }
+
+    /// Bundles not landed this long after a layer's first launch are
+    /// skipped (`None`, the default: every one is waited for).
+    pub fn set_deadline(&mut self, deadline: Option<std::time::Duration>) {
+        if let Some(s) = &mut self.streamed {
+            s.deadline = deadline;
+        }
+    }
+
+    fn build(gpu: Gpu, model: &Model, source: FfnSource, ctx: usize, max_batch: usize) -> Result<Self> {
         let c = &model.config;
         let file = model.gguf.data();
         let mat = |m: &MatRef| -> Result<Mat> {
@@ -152,9 +194,10 @@ impl GpuModel {
                     .ok_or_else(|| CudaError::Invalid(format!("layer {il} has no {what} matrix")))
                     .and_then(&mat)
             };
-            let ffn = match flash {
-                Some(fm) => LayerFfn::Bundles(ResidentBundles::upload(&gpu, fm, il)?),
-                None => LayerFfn::Matrices {
+            let ffn = match source {
+                FfnSource::Resident(fm) => LayerFfn::Bundles(ResidentBundles::upload(&gpu, fm, il)?),
+                FfnSource::Streamed => LayerFfn::Streamed,
+                FfnSource::Matrices => LayerFfn::Matrices {
                     gate: matrix(&l.ffn_gate, "ffn_gate")?,
                     up: matrix(&l.ffn_up, "ffn_up")?,
                     down: matrix(&l.ffn_down, "ffn_down")?,
@@ -216,6 +259,7 @@ impl GpuModel {
             gelu: gpu.upload(leanstream_kernels::ops::gelu_table())?,
             layers,
             buf,
+            streamed: None,
             host_logits: Vec::new(),
             gpu,
             config: model.config.clone(),
@@ -223,6 +267,42 @@ impl GpuModel {
             max_batch: b,
             threads,
         })
+    }
+
+    fn ffn_scratch(&self) -> FfnScratch {
+        FfnScratch {
+            start_ns: self.gpu.ptr(&self.buf.start_ns),
+            skipped: self.gpu.ptr(&self.buf.skipped),
+        }
+    }
+
+    /// A bundle FFN over the `n` rows of `xb`, token by token (the
+    /// streaming kernels take one row): `proj` zeroed, then for each row
+    /// its input quantized to the gate and up rows' dot types and `row(t,
+    /// input, acts_t, proj_t)` launched.
+    fn bundle_rows(
+        &self,
+        format: &leanstream_kernels::sparse_ffn::BundleFormat,
+        n: usize,
+        mut row: impl FnMut(usize, StreamInput, DevPtr, DevPtr) -> Result<()>,
+    ) -> Result<()> {
+        let (g, c) = (&self.gpu, &self.config);
+        let (d, ff) = (c.n_embd, c.n_ff);
+        let (xb, gate, proj) = (g.ptr(&self.buf.xb), g.ptr(&self.buf.gate), g.ptr(&self.buf.proj));
+        g.zero_at(proj, n * d * 4)?;
+        let (gate_dot, up_dot) = (format.gate_ty.vec_dot_type(), format.up_ty.vec_dot_type());
+        let (x_gate, x_up) = (g.ptr(&self.buf.acts), g.ptr(&self.buf.acts_up));
+        let x_up = if up_dot == gate_dot { x_gate } else { x_up };
+        for t in 0..n {
+            let x = xb.offset(t * d * 4);
+            g.quantize_at(gate_dot, x, d, x_gate)?;
+            if up_dot != gate_dot {
+                g.quantize_at(up_dot, x, d, x_up)?;
+            }
+            let input = StreamInput { gate: x_gate, up: x_up };
+            row(t, input, gate.offset(t * ff * 4), proj.offset(t * d * 4))?;
+        }
+        Ok(())
     }
 
     fn config(&self) -> &Config {
@@ -316,7 +396,22 @@ impl GpuModel {
         Ok(())
     }
 
-    fn run(&mut self, tokens: &[u32], pos0: usize, mut trace: Option<&mut Vec<Probe>>) -> Result<()> {
+    fn run(&mut self, tokens: &[u32], pos0: usize, trace: Option<&mut Vec<Probe>>) -> Result<()> {
+        // Out of `self` while the layers run, so the layers can land bundles
+        // through it while reading the model's buffers.
+        let mut streamed = self.streamed.take();
+        let r = self.run_layers(tokens, pos0, trace, streamed.as_mut());
+        self.streamed = streamed;
+        r
+    }
+
+    fn run_layers(
+        &mut self,
+        tokens: &[u32],
+        pos0: usize,
+        mut trace: Option<&mut Vec<Probe>>,
+        mut streamed: Option<&mut StreamedFfn>,
+    ) -> Result<()> {
         let c = self.config.clone();
         let n = tokens.len();
         if n == 0 || n > self.max_batch {
@@ -442,26 +537,51 @@ impl GpuModel {
                     self.product(w_down, gate, n, proj)?;
                 }
                 LayerFfn::Bundles(rb) => {
-                    // Token by token: the streaming kernels take one row.
-                    g.zero_at(proj, n * d * 4)?;
-                    let f = &rb.format;
-                    let (gate_dot, up_dot) = (f.gate_ty.vec_dot_type(), f.up_ty.vec_dot_type());
-                    let (x_gate, x_up) = (g.ptr(&self.buf.acts), g.ptr(&self.buf.acts_up));
-                    let x_up = if up_dot == gate_dot { x_gate } else { x_up };
-                    let scratch = FfnScratch {
-                        start_ns: g.ptr(&self.buf.start_ns),
-                        skipped: g.ptr(&self.buf.skipped),
-                    };
-                    for t in 0..n {
-                        let row = xb.offset(t * d * 4);
-                        g.quantize_at(gate_dot, row, d, x_gate)?;
-                        if up_dot != gate_dot {
-                            g.quantize_at(up_dot, row, d, x_up)?;
+                    let (gelu, scratch) = (g.ptr(&self.gelu), self.ffn_scratch());
+                    self.bundle_rows(&rb.format, n, |_, input, acts, y| {
+                        rb.forward_row(
+                            g,
+                            RowFfn {
+                                input,
+                                act_kind: act,
+                                gelu_table: gelu,
+                                scratch,
+                                act: acts,
+                                y,
+                            },
+                        )
+                    })?;
+                    self.probe(&mut trace, il, "act", &self.buf.gate, n, ff)?;
+                }
+                LayerFfn::Streamed => {
+                    let sf = streamed
+                        .as_deref_mut()
+                        .ok_or_else(|| CudaError::Invalid(format!("layer {il} streams without a streamer")))?;
+                    let format = *sf.format(il)?;
+                    let (gelu, scratch) = (g.ptr(&self.gelu), self.ffn_scratch());
+                    sf.begin(il)?;
+                    let rows = self.bundle_rows(&format, n, |t, input, acts, y| {
+                        let row = RowFfn {
+                            input,
+                            act_kind: act,
+                            gelu_table: gelu,
+                            scratch,
+                            act: acts,
+                            y,
+                        };
+                        sf.stage(g, t == 0, row)?;
+                        // The first row's kernels poll while its bundles land;
+                        // the later rows find them all.
+                        if t == 0 {
+                            sf.feed()?;
                         }
-                        let input = StreamInput { gate: x_gate, up: x_up };
-                        let acts = gate.offset(t * ff * 4);
-                        rb.forward_row(g, input, act, g.ptr(&self.gelu), scratch, acts, proj.offset(t * d * 4))?;
+                        Ok(())
+                    });
+                    if let Err(e) = rows {
+                        sf.abandon();
+                        return Err(e);
                     }
+                    sf.end(g, il + 1 == c.n_layer)?;
                     self.probe(&mut trace, il, "act", &self.buf.gate, n, ff)?;
                 }
             }

@@ -60,56 +60,34 @@ impl ResidentBundles {
 
     /// The whole layer's FFN of one token: `act[i]` for every neuron, then
     /// `y += Σ act[i] * down_i` in neuron order (`y` zeroed by the caller).
-    #[allow(clippy::too_many_arguments)]
-    pub fn forward_row(
-        &self,
-        gpu: &Gpu,
-        input: StreamInput,
-        act_kind: i32,
-        gelu_table: DevPtr,
-        scratch: FfnScratch,
-        act: DevPtr,
-        y: DevPtr,
-    ) -> Result<()> {
+    pub fn forward_row(&self, gpu: &Gpu, row: RowFfn) -> Result<()> {
         let table = SlotTable {
             slots: gpu.ptr(&self.slots),
             order: gpu.ptr(&self.order),
             n: self.n_ff,
         };
-        self.stage(gpu, table, input, act_kind, gelu_table, scratch, act, y)
+        self.stage(gpu, table, row)
     }
 
     /// One stage of one token over the slots of `table` (of this layer's
     /// [`slot`](Self::slot)s), asynchronously: stage 1's `act[s]`, then
     /// `y += Σ act[s] * down_s` in `table.order`.
-    #[allow(clippy::too_many_arguments)]
-    pub fn stage(
-        &self,
-        gpu: &Gpu,
-        table: SlotTable,
-        input: StreamInput,
-        act_kind: i32,
-        gelu_table: DevPtr,
-        scratch: FfnScratch,
-        act: DevPtr,
-        y: DevPtr,
-    ) -> Result<()> {
-        gpu.zero_at(scratch.start_ns, 8)?;
-        gpu.ffn_stream_activations(
-            table.slots,
-            table.n,
-            1,
-            input,
-            &self.format,
-            act_kind,
-            gelu_table,
-            scratch.start_ns,
-            0,
-            act,
-            scratch.skipped,
-        )?;
-        gpu.ffn_stream_down(table.slots, table.order, table.n, act, &self.format, y)
+    pub fn stage(&self, gpu: &Gpu, table: SlotTable, row: RowFfn) -> Result<()> {
+        table.launch(gpu, &self.format, 1, 0, row)
     }
+}
+
+/// One token's row through the streaming kernels: its input in the gate
+/// and up rows' dot types, the gated activation's kind and GELU table, the
+/// kernels' scratch, where the activations go and the output it adds to.
+#[derive(Debug, Clone, Copy)]
+pub struct RowFfn {
+    pub input: StreamInput,
+    pub act_kind: i32,
+    pub gelu_table: DevPtr,
+    pub scratch: FfnScratch,
+    pub act: DevPtr,
+    pub y: DevPtr,
 }
 
 /// A slot table in device memory: `n` slots and the order stage 2 sums them in.
@@ -118,6 +96,31 @@ pub struct SlotTable {
     pub slots: DevPtr,
     pub order: DevPtr,
     pub n: usize,
+}
+
+impl SlotTable {
+    /// One stage of one token over these slots, launched asynchronously:
+    /// stage 1's `act[s]` once slot `s`'s flag reaches `epoch` (or skipped
+    /// `deadline_ns` after the first warp starts; 0: wait for every flag),
+    /// then `y += Σ act[s] * down_s` in `order`.
+    pub fn launch(&self, gpu: &Gpu, format: &BundleFormat, epoch: u32, deadline_ns: u64, row: RowFfn) -> Result<()> {
+        let scratch = row.scratch;
+        gpu.zero_at(scratch.start_ns, 8)?;
+        gpu.ffn_stream_activations(
+            self.slots,
+            self.n,
+            epoch,
+            row.input,
+            format,
+            row.act_kind,
+            row.gelu_table,
+            scratch.start_ns,
+            deadline_ns,
+            row.act,
+            scratch.skipped,
+        )?;
+        gpu.ffn_stream_down(self.slots, self.order, self.n, row.act, format, row.y)
+    }
 }
 
 /// Neuron `i`'s slot in bundles at device address `base`, its flag at `flag`.

@@ -6,6 +6,9 @@
 //! - [`flags`]: the host side of the streaming FFN's hand-off: storage
 //!   workers publish per-slot flags that the device's warps poll, instead of
 //!   the host synchronizing the device between stages.
+//! - [`stream`]: the host's half of a streamed layer, whoever computes it:
+//!   the wanted neurons as slots, then each bundle landed (staging write,
+//!   flag publish) as the neuron cache and the runtime's reads supply it.
 //! - [`emulate`]: the device kernels of that hand-off run on CPU threads
 //!   against the same flags, which is how the protocol is tested without a GPU.
 //! - [`device`]: a CUDA device with every kernel compiled and loaded, and
@@ -14,7 +17,8 @@
 //! - [`engine`]: the dense forward pass on the device (weights and the KV
 //!   cache in device memory), greedy decoding; of a GGUF's matrices or of a
 //!   packed model's bundles ([`ffn`]: every neuron resident in device
-//!   memory, computed by the streaming kernels).
+//!   memory, computed by the streaming kernels; [`streamed`]: read from
+//!   flash each token, landed in mapped memory while those kernels poll).
 //!
 //! CUDA's libraries are loaded at run time (cudarc's dynamic loading) and
 //! looked for first ([`library`]): cudarc panics where one is missing, and a
@@ -29,5 +33,7 @@ pub mod flags;
 pub mod library;
 pub mod nvrtc;
 pub mod sources;
+pub mod stream;
+pub mod streamed;
 
 pub use error::{CudaError, Result};

@@ -25,7 +25,7 @@ use std::time::Instant;
 use cudarc::driver::CudaSlice;
 use leanstream_cuda::device::{activation_id, Gpu, StreamInput};
 use leanstream_cuda::engine::GpuModel;
-use leanstream_cuda::ffn::{FfnScratch, ResidentBundles, SlotTable};
+use leanstream_cuda::ffn::{FfnScratch, ResidentBundles, RowFfn, SlotTable};
 use leanstream_cuda::flags::{down_order, Slot};
 use leanstream_runtime::engine::FlashModel;
 use rand::rngs::StdRng;
@@ -123,10 +123,15 @@ impl GpuComputeExecutor {
             start_ns: g.ptr(&self.start_ns),
             skipped: g.ptr(&self.skipped),
         };
-        let (act, y) = (g.ptr(&self.act), g.ptr(&self.y));
-        self.layer
-            .stage(g, table, input, self.act_kind, g.ptr(&self.gelu), scratch, act, y)
-            .map_err(device)
+        let row = RowFfn {
+            input,
+            act_kind: self.act_kind,
+            gelu_table: g.ptr(&self.gelu),
+            scratch,
+            act: g.ptr(&self.act),
+            y: g.ptr(&self.y),
+        };
+        self.layer.stage(g, table, row).map_err(device)
     }
 
     /// One timed call of `c`, finished on the device; returns bytes of

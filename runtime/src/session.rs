@@ -7,7 +7,7 @@ use std::sync::Arc;
 
 use crate::cache::{fmt_bytes, FfnBudget, RetentionTable};
 use crate::engine::{
-    is_lsflash, ActiveTrace, CachePolicy, EngineOptions, FlashEngine, FlashModel, Policy, DEFAULT_MERGE_GAP,
+    is_lsflash, ActiveTrace, CachePolicy, EngineOptions, FlashEngine, FlashModel, Policy, Streamer, DEFAULT_MERGE_GAP,
 };
 use crate::model::{DenseFfn, FlashAttn, LayerHook, Model, RunState};
 use crate::{Result, RuntimeError};
@@ -153,6 +153,30 @@ impl StreamSettings {
             speculation,
             retention: retention.map(Arc::new),
         })
+    }
+
+    /// A streamer for `fm` under these settings, for an engine that
+    /// computes elsewhere (the GPU backend's `dense-stream`): the cache by
+    /// the FFN budget (default 25%), its policy and the I/O settings as the
+    /// CPU engine takes them. A memory budget is refused: it counts the CPU
+    /// engine's own buffers.
+    pub fn streamer(&self, fm: &FlashModel, policy: Policy) -> Result<Streamer> {
+        if self.mem_budget.is_some() {
+            return Err(RuntimeError::Invalid(
+                "--mem-budget counts the CPU engine's memory; give the neuron cache's --ffn-budget".into(),
+            ));
+        }
+        let (cache_policy, retention) = self.eviction(fm, policy)?;
+        let budget = fm.cache_budget_bytes(self.ffn_budget.unwrap_or(FfnBudget::Percent(25.0)));
+        Streamer::new(
+            fm,
+            budget,
+            cache_policy,
+            retention.map(Arc::new),
+            self.merge_gap.unwrap_or(DEFAULT_MERGE_GAP),
+            self.staging,
+            None,
+        )
     }
 
     /// The cache policy of a `policy` engine over `fm` and, for `learned`,

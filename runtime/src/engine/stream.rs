@@ -586,6 +586,12 @@ impl Streamer {
         self.whole.as_ref()
     }
 
+    /// Whether every layer is held whole (the budget has a slot for every
+    /// neuron): nothing is read, and hits have no cache slot to copy from.
+    pub fn holds_whole(&self) -> bool {
+        self.whole.is_some()
+    }
+
     /// The I/O engine's read buffers (the staging) and the run scratch.
     pub fn buffer_bytes(&self) -> u64 {
         self.staging_bytes() + self.assembled.len() as u64

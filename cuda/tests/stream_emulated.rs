@@ -1,0 +1,234 @@
+//! A streamed layer as the device engine runs it, with everything but the
+//! device real: a packed model's bundles read from the file by the
+//! runtime's streamer (its I/O thread, its neuron cache), landed slot by
+//! slot (`leanstream_cuda::stream::feed`) while the emulated device polls
+//! the flags and computes. The result must be the CPU engine's bits over
+//! the neurons that landed in time, whatever the arrival order, the cache
+//! and the deadline.
+
+use std::path::PathBuf;
+use std::sync::atomic::AtomicU32;
+use std::time::{Duration, Instant};
+
+use leanstream_cuda::emulate::{stream_layer, EmulatedLanding, Staging, StreamLayer};
+use leanstream_cuda::flags::{Epochs, FlagBoard};
+use leanstream_cuda::stream::{feed, Fed, SlotAddresses, SlotPlan};
+use leanstream_kernels::sparse_ffn::{activations, axpy_down, FfnActivation, FfnInput, LayerActivations};
+use leanstream_kernels::{ActBuffer, GgmlType};
+use leanstream_runtime::engine::{BackendFactory, CachePolicy, FlashModel, Streamer, Want};
+use leanstream_runtime::flash::io::{make_backend, Backend, Fault, FaultyBackend, IoConfig};
+use leanstream_runtime::flash::{pack, DownType, PackOptions};
+use leanstream_runtime::synthetic::SyntheticSpec;
+
+mod common;
+
+use common::Rng;
+
+const N_EMBD: usize = 256;
+const N_FF: usize = 1024;
+const N_LAYER: usize = 3;
+
+fn model(name: &str) -> FlashModel {
+    let dir = PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join("stream_emulated");
+    std::fs::create_dir_all(&dir).unwrap();
+    let mut spec = SyntheticSpec::tiny("llama");
+    spec.weight_type = GgmlType::Q8_0;
+    (spec.n_embd, spec.n_ff, spec.n_layer) = (N_EMBD, N_FF, N_LAYER);
+    let src = dir.join(format!("{name}.gguf"));
+    std::fs::write(&src, spec.build().unwrap().to_bytes()).unwrap();
+    let out = dir.join(format!("{name}.lsflash"));
+    // Q8_0 down columns: the layout the streaming kernels read.
+    let opts = PackOptions {
+        down: DownType::Q8_0,
+        ..PackOptions::default()
+    };
+    pack(&src, &out, &opts).unwrap();
+    FlashModel::open(&out).unwrap()
+}
+
+/// The CPU engine's FFN output of layer `l` over the neurons `keep` says,
+/// from the file's bundles: stage 1 by the blocked kernels, stage 2 in
+/// ascending neuron id.
+fn reference(fm: &FlashModel, l: usize, x: &ActBuffer, keep: impl Fn(usize) -> bool) -> Vec<f32> {
+    let format = fm.formats[l];
+    let bb = format.bundle_bytes();
+    let bytes = fm.flash.layer_by_neuron(l).unwrap();
+    let input = FfnInput::new(&format, x, x, 0).unwrap();
+    let bundles: Vec<(usize, &[u8])> = (0..N_FF)
+        .filter(|&i| keep(i))
+        .map(|i| (i, &bytes[i * bb..(i + 1) * bb]))
+        .collect();
+    let mut acts = LayerActivations::new(N_FF);
+    let mut abs = vec![0.0; bundles.len()];
+    activations(&format, &input, FfnActivation::Silu, &bundles, &mut acts, &mut abs).unwrap();
+    let mut y = vec![0.0f32; N_EMBD];
+    let offset = format.gate_bytes() + format.up_bytes();
+    for (id, a) in acts.iter() {
+        if a != 0.0 {
+            axpy_down(format.down_ty, a, &bytes[id * bb + offset..(id + 1) * bb], &mut y).unwrap();
+        }
+    }
+    y
+}
+
+fn input(rng: &mut Rng, ty: GgmlType) -> ActBuffer {
+    let x = rng.floats(N_EMBD);
+    let mut b = ActBuffer::with_capacity(N_EMBD, 1);
+    b.quantize(ty, &x, 1, N_EMBD).unwrap();
+    b
+}
+
+fn bits(v: &[f32]) -> Vec<u32> {
+    v.iter().map(|x| x.to_bits()).collect()
+}
+
+/// One layer of one token: the stage asked for every neuron, one layer
+/// read ahead; the emulated device computes while the host lands.
+struct Layer {
+    y: Vec<f32>,
+    skipped: Vec<bool>,
+    fed: Fed,
+    plan: SlotPlan,
+}
+
+fn run_layer(
+    fm: &FlashModel,
+    s: &mut Streamer,
+    epochs: &mut Epochs,
+    l: usize,
+    x: &ActBuffer,
+    deadline: Option<Duration>,
+) -> leanstream_cuda::Result<Layer> {
+    let format = fm.formats[l];
+    s.ensure(l, Want::All)?;
+    if l + 1 < N_LAYER {
+        s.prefetch(l + 1, Want::All)?;
+    }
+    let at = SlotAddresses {
+        staging: 0,
+        flags: 0,
+        flag_stride: 1,
+    };
+    let plan = SlotPlan::new(s, l, N_FF, format.bundle_bytes(), at);
+    let cells: Vec<AtomicU32> = plan.slots.iter().map(|_| AtomicU32::new(0)).collect();
+    let board = FlagBoard::new(&cells);
+    // Garbage until landed: a read that beats its write changes the bits.
+    let staging = Staging::new(plan.slots.len() * format.bundle_bytes(), 0xee);
+    let landing = EmulatedLanding {
+        staging: &staging,
+        board: &board,
+        epoch: epochs.advance()?,
+    };
+    let layer = StreamLayer {
+        format,
+        input: FfnInput::new(&format, x, x, 0)?,
+        act: FfnActivation::Silu,
+    };
+    let mut y = vec![0.0f32; N_EMBD];
+    let host_deadline = deadline.map(|d| Instant::now() + d);
+    let (stage1, fed) = stream_layer(
+        &layer,
+        &plan.slots,
+        &plan.down_order(),
+        &landing,
+        deadline,
+        3,
+        &mut y,
+        |to| feed(s, &plan, host_deadline, to),
+    )?;
+    s.finish(l, l + 1 == N_LAYER);
+    Ok(Layer {
+        y,
+        skipped: stage1.skipped,
+        fed,
+        plan,
+    })
+}
+
+/// The file's reads with `faults` injected (by submission index), handed
+/// out in a shuffled order when `shuffle` seeds one.
+fn faulty(faults: Vec<(u64, Fault)>, shuffle: Option<u64>) -> BackendFactory {
+    Box::new(move |cfg: &IoConfig| {
+        let mut b = FaultyBackend::new(make_backend(cfg)?, faults);
+        if let Some(seed) = shuffle {
+            b = b.shuffled(seed, Duration::from_micros(300));
+        }
+        Ok(Box::new(b) as Box<dyn Backend>)
+    })
+}
+
+/// EIO, without a libc dependency for one constant.
+const EIO: i32 = 5;
+
+#[test]
+fn streamed_layers_give_the_cpu_engines_bits_read_or_cached_in_any_arrival_order() {
+    let fm = model("bits");
+    let dot = fm.formats[0].gate_ty.vec_dot_type();
+    let ffn_bytes = fm.ffn_bytes();
+    // No cache; then 40% of the FFN in an LRU cache (hits from the token
+    // before, the rest read), with reads landing shuffled and late.
+    for (budget, seed) in [(0u64, None), (ffn_bytes * 2 / 5, Some(3u64))] {
+        let backend = faulty(Vec::new(), seed);
+        let mut s = Streamer::new(&fm, budget, CachePolicy::Lru, None, 0, Some(256 << 10), Some(backend)).unwrap();
+        assert!(!s.holds_whole());
+        let (mut epochs, mut rng) = (Epochs::new(), Rng(11));
+        let mut hits = 0;
+        for token in 0..3 {
+            for l in 0..N_LAYER {
+                let x = input(&mut rng, dot);
+                let r = run_layer(&fm, &mut s, &mut epochs, l, &x, None).unwrap();
+                let what = format!("budget {budget}, token {token}, layer {l}");
+                assert_eq!(r.plan.slots.len(), N_FF, "{what}");
+                assert!(
+                    r.skipped.iter().all(|&k| !k),
+                    "{what}: nothing skipped without a deadline"
+                );
+                assert_eq!(
+                    (r.fed.hits + r.fed.read, r.fed.missing),
+                    (N_FF, 0),
+                    "{what}: {:?}",
+                    r.fed
+                );
+                assert_eq!(bits(&r.y), bits(&reference(&fm, l, &x, |_| true)), "{what}");
+                hits += r.fed.hits;
+            }
+        }
+        assert_eq!(hits > 0, budget > 0, "budget {budget}: {hits} hits");
+    }
+}
+
+#[test]
+fn a_stalled_read_is_skipped_at_the_deadline_and_the_rest_is_exact() {
+    let fm = model("deadline");
+    let dot = fm.formats[0].gate_ty.vec_dot_type();
+    // Layer 0's second read stalls far past the deadline.
+    let backend = faulty(vec![(1, Fault::Stall(Duration::from_secs(3)))], None);
+    let mut s = Streamer::new(&fm, 0, CachePolicy::Lru, None, 0, Some(256 << 10), Some(backend)).unwrap();
+    let mut epochs = Epochs::new();
+    let x = input(&mut Rng(5), dot);
+    let r = run_layer(&fm, &mut s, &mut epochs, 0, &x, Some(Duration::from_millis(300))).unwrap();
+    assert!(r.fed.missing > 0, "{:?}", r.fed);
+    let skipped: Vec<usize> = (0..r.skipped.len()).filter(|&k| r.skipped[k]).collect();
+    // A slot the host did not land is skipped; one it landed after the
+    // device's deadline may be too (late flags do not count).
+    assert!(skipped.len() >= r.fed.missing, "{} skipped, {:?}", skipped.len(), r.fed);
+    let kept = |i: usize| !r.skipped[r.plan.slots.iter().position(|s| s.neuron as usize == i).unwrap()];
+    assert_eq!(bits(&r.y), bits(&reference(&fm, 0, &x, kept)));
+}
+
+#[test]
+fn a_failed_read_is_an_error_naming_the_file_and_the_device_is_let_go() {
+    let fm = model("failed");
+    let dot = fm.formats[0].gate_ty.vec_dot_type();
+    let backend = faulty(vec![(1, Fault::Errno(EIO))], None);
+    let mut s = Streamer::new(&fm, 0, CachePolicy::Lru, None, 0, Some(256 << 10), Some(backend)).unwrap();
+    let mut epochs = Epochs::new();
+    let x = input(&mut Rng(6), dot);
+    // No deadline: without the release of every slot the emulated warps
+    // would poll forever and this would hang.
+    let err = match run_layer(&fm, &mut s, &mut epochs, 0, &x, None) {
+        Ok(_) => panic!("a failed read must fail the layer"),
+        Err(e) => e.to_string(),
+    };
+    assert!(err.contains("failed.lsflash"), "{err}");
+}
