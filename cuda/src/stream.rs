@@ -95,7 +95,11 @@ impl SlotPlan {
 /// it finish; for a layer abandoned before it was fed (its result is
 /// thrown away).
 pub fn release_all(plan: &SlotPlan, to: &dyn Landing) {
-    for slot in &plan.slots {
+    release(to, &plan.slots);
+}
+
+fn release<'a>(to: &dyn Landing, slots: impl IntoIterator<Item = &'a Slot>) {
+    for slot in slots {
         // Best effort: the layer has already failed.
         let _ = to.release(slot);
     }
@@ -120,10 +124,8 @@ impl Lander<'_> {
     }
 
     fn release_rest(&self) {
-        for (slot, _) in self.plan.slots.iter().zip(&self.landed).filter(|(_, &l)| !l) {
-            // Best effort: the layer has already failed.
-            let _ = self.to.release(slot);
-        }
+        let rest = self.plan.slots.iter().zip(&self.landed).filter(|(_, &l)| !l);
+        release(self.to, rest.map(|(slot, _)| slot));
     }
 }
 

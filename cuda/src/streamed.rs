@@ -59,6 +59,17 @@ struct Set {
     done: Option<CudaEvent>,
 }
 
+impl Set {
+    /// Landings into this set for `epoch`.
+    fn landing(&self, epoch: u32) -> MappedLanding<'_> {
+        MappedLanding {
+            staging: &self.staging,
+            flags: &self.flags,
+            epoch,
+        }
+    }
+}
+
 /// The layer between [`StreamedFfn::begin`] and [`StreamedFfn::end`].
 struct Current {
     plan: SlotPlan,
@@ -208,12 +219,7 @@ impl StreamedFfn {
             return Err(CudaError::Invalid(format!("layer {} was fed already", c.plan.layer)));
         }
         c.fed = true;
-        let set = &self.sets[c.set];
-        let landing = MappedLanding {
-            staging: &set.staging,
-            flags: &set.flags,
-            epoch: c.epoch,
-        };
+        let landing = self.sets[c.set].landing(c.epoch);
         let fed = feed(&mut self.streamer, &c.plan, deadline, &landing)?;
         self.fed.hits += fed.hits;
         self.fed.read += fed.read;
@@ -250,13 +256,7 @@ impl StreamedFfn {
     pub fn abandon(&mut self) {
         let Some(c) = self.current.take() else { return };
         if !c.fed {
-            let set = &self.sets[c.set];
-            let landing = MappedLanding {
-                staging: &set.staging,
-                flags: &set.flags,
-                epoch: c.epoch,
-            };
-            release_all(&c.plan, &landing);
+            release_all(&c.plan, &self.sets[c.set].landing(c.epoch));
         }
     }
 

@@ -77,8 +77,7 @@ impl StreamSettings {
     /// each part when nothing is left).
     pub fn cache_bytes(&self, fm: &FlashModel, policy: Policy, st: &RunState, trace_bytes: u64) -> Result<u64> {
         let Some(total) = self.mem_budget else {
-            let budget = self.ffn_budget.unwrap_or(FfnBudget::Percent(25.0));
-            return Ok(fm.cache_budget_bytes(budget));
+            return Ok(fm.cache_budget_bytes(self.ffn_budget()));
         };
         let weights = fm.flash.resident_range().1 + fm.model.tokenizer.heap_bytes();
         let state = st.bytes() as u64;
@@ -155,6 +154,11 @@ impl StreamSettings {
         })
     }
 
+    /// The neuron cache's budget as a share or size of the FFN (default 25%).
+    fn ffn_budget(&self) -> FfnBudget {
+        self.ffn_budget.unwrap_or(FfnBudget::Percent(25.0))
+    }
+
     /// A streamer for `fm` under these settings, for an engine that
     /// computes elsewhere (the GPU backend's `dense-stream`): the cache by
     /// the FFN budget (default 25%), its policy and the I/O settings as the
@@ -167,7 +171,7 @@ impl StreamSettings {
             ));
         }
         let (cache_policy, retention) = self.eviction(fm, policy)?;
-        let budget = fm.cache_budget_bytes(self.ffn_budget.unwrap_or(FfnBudget::Percent(25.0)));
+        let budget = fm.cache_budget_bytes(self.ffn_budget());
         Streamer::new(
             fm,
             budget,
