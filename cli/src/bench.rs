@@ -46,6 +46,11 @@ pub struct BenchArgs {
     quality_ctx: usize,
     #[arg(long, default_value_t = 4)]
     quality_chunks: usize,
+    /// The GGUF the `.lsflash` was packed from (checked by its SHA-256):
+    /// quality is also reported against its dense engine, bit-exact with
+    /// llama.cpp, which counts what the packed down columns cost too.
+    #[arg(long, requires = "quality_file")]
+    quality_reference: Option<PathBuf>,
     /// Run every policy at every budget (each in its own process, so each
     /// peak RSS is its own) and write sweep.json and sweep.svg to --out.
     #[arg(long, requires = "out")]
@@ -284,6 +289,7 @@ pub fn run(a: BenchArgs) -> Result<()> {
             &settings,
             cache_bytes,
             file,
+            a.quality_reference.as_deref(),
             a.quality_ctx,
             a.quality_chunks,
         )?;
@@ -425,12 +431,16 @@ fn add_llama_cpp(report: &mut Value, ours: (&[f64], &[f64]), theirs: (&[f64], &[
 /// through the streaming engine. The dense reference streams too (it is
 /// bit-identical to `dense`, tested); the oracle's numbers are those of
 /// `dense-stream` at the same thresholds, which keeps the same neurons.
+/// With `reference` (the source GGUF), both are also scored against that
+/// model's dense engine.
+#[allow(clippy::too_many_arguments)]
 fn quality(
     fm: &FlashModel,
     policy: Policy,
     settings: &StreamSettings,
     cache_bytes: u64,
     file: &PathBuf,
+    reference: Option<&Path>,
     ctx: usize,
     chunks: usize,
 ) -> Result<Value> {
@@ -464,6 +474,32 @@ fn quality(
         _ => Policy::DenseStream,
     };
     let (ours, skipped) = eval(same_as, fm.sparsity_level(sparsity)?)?;
+    let reference = match reference {
+        None => Value::Null,
+        Some(path) => {
+            leanstream_runtime::artifacts::check_source_gguf(path, fm)?;
+            let mut model = leanstream_runtime::model::Model::load(path)
+                .with_context(|| format!("loading the quality reference {}", path.display()))?;
+            model.flash_attn = fm.model.flash_attn;
+            let p = perplexity_in_batches(
+                &model,
+                &text,
+                ctx,
+                Some(chunks),
+                false,
+                &mut leanstream_runtime::model::DenseFfn,
+                512,
+            )?;
+            json!({
+                "file": path.display().to_string(),
+                "ppl": p.ppl,
+                "ppl_ratio": ours.ppl / p.ppl,
+                "top1_agreement": ours.top1_agreement(&p),
+                "ppl_dense_ratio": dense.ppl / p.ppl,
+                "top1_agreement_dense": dense.top1_agreement(&p),
+            })
+        }
+    };
     Ok(json!({
         "file": file.display().to_string(),
         "ctx": ctx,
@@ -475,6 +511,7 @@ fn quality(
         "ppl_ratio": ours.ppl / dense.ppl,
         "top1_agreement": ours.top1_agreement(&dense),
         "skipped_fraction": skipped,
+        "reference": reference,
     }))
 }
 
@@ -523,6 +560,9 @@ fn sweep(a: &BenchArgs) -> Result<()> {
                 cmd.arg("--quality-file").arg(q);
                 cmd.args(["--quality-ctx", &a.quality_ctx.to_string()]);
                 cmd.args(["--quality-chunks", &a.quality_chunks.to_string()]);
+                if let Some(r) = &a.quality_reference {
+                    cmd.arg("--quality-reference").arg(r);
+                }
             }
             eprintln!("sweep: {policy} at {budget} ...");
             let o = cmd.output().with_context(|| format!("starting {}", exe.display()))?;

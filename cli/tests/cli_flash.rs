@@ -75,6 +75,66 @@ fn bad_flash_settings_are_refused_with_the_reason() {
     assert!(e.contains("gate-first"), "{e}");
 }
 
+/// `--quality-reference`: scored against the source GGUF's dense engine,
+/// which an exactly packed file (source down blocks) equals at sparsity 0;
+/// a GGUF the file was not packed from is refused by name.
+#[test]
+fn quality_is_scored_against_the_source_gguf() {
+    let src = dir().join("exact.gguf");
+    std::fs::write(&src, SyntheticSpec::tiny("llama").build().unwrap().to_bytes()).unwrap();
+    let m = dir().join("exact.lsflash");
+    let opts = PackOptions {
+        down: DownType::Source,
+        ..PackOptions::default()
+    };
+    pack(&src, &m, &opts).unwrap();
+    let text = concat!(env!("CARGO_MANIFEST_DIR"), "/../data/text/apache-2.0.txt");
+    let bench = |reference: &Path| {
+        leanstream(&[
+            "bench",
+            "--model",
+            m.to_str().unwrap(),
+            "--policy",
+            "dense-stream",
+            "--prompt-tokens",
+            "4",
+            "--gen-tokens",
+            "2",
+            "--reps",
+            "1",
+            "--quality-file",
+            text,
+            "--quality-ctx",
+            "32",
+            "--quality-chunks",
+            "2",
+            "--quality-reference",
+            reference.to_str().unwrap(),
+        ])
+    };
+    let q = json_of(&bench(&src))["quality"].clone();
+    let r = &q["reference"];
+    assert_eq!(r["ppl"].as_f64(), q["ppl_dense"].as_f64(), "{q}");
+    assert_eq!(r["ppl_ratio"].as_f64(), Some(1.0), "{q}");
+    assert_eq!(r["ppl_dense_ratio"].as_f64(), Some(1.0), "{q}");
+    assert_eq!(r["top1_agreement"].as_f64(), Some(1.0), "{q}");
+
+    let other = dir().join("other.gguf");
+    // The same shape with other weights: the same length, another SHA-256.
+    let spec = SyntheticSpec {
+        seed: 8,
+        ..SyntheticSpec::tiny("llama")
+    };
+    std::fs::write(&other, spec.build().unwrap().to_bytes()).unwrap();
+    let o = bench(&other);
+    assert!(!o.status.success());
+    let e = String::from_utf8_lossy(&o.stderr);
+    assert!(
+        e.contains("other.gguf") && e.contains("not the GGUF") && e.contains("exact.lsflash") && e.contains("SHA-256"),
+        "{e}"
+    );
+}
+
 #[test]
 fn sweep_writes_json_and_plot() {
     let m = tiny();

@@ -96,6 +96,33 @@ fn check_source(sha: Option<String>, path: &Path, what: &str, fm: &FlashModel) -
     }
 }
 
+/// Checks that `gguf` is the file `fm` was packed from (its length, then
+/// its SHA-256 against the header's), so that a quality reference or a
+/// comparison run uses the model the packed file stands for.
+pub fn check_source_gguf(gguf: &Path, fm: &FlashModel) -> Result<()> {
+    let h = fm.flash.header();
+    let refuse = |what: String| {
+        Err(RuntimeError::Invalid(format!(
+            "{}: not the GGUF {} was packed from ({what})",
+            gguf.display(),
+            fm.flash.path().display()
+        )))
+    };
+    let len = std::fs::metadata(gguf).map_err(|e| RuntimeError::io(gguf, e))?.len();
+    if len != h.source_len {
+        return refuse(format!("{len} bytes; the packed file records {}", h.source_len));
+    }
+    let (sha, _) = crate::flash::format::sha256_file(gguf)?;
+    if sha != h.source_sha256 {
+        return refuse(format!(
+            "SHA-256 {}; the packed file records {}",
+            crate::fetch::hex(&sha),
+            crate::fetch::hex(&h.source_sha256)
+        ));
+    }
+    Ok(())
+}
+
 /// Refuses an artifact whose provenance names another model than `fm`'s source GGUF.
 fn check_named_source(sha: &str, origin: &str, what: &str, fm: &FlashModel) -> Result<()> {
     let source = crate::fetch::hex(&fm.flash.header().source_sha256);

@@ -116,7 +116,9 @@ pub(super) fn write(ctx: &Ctx) -> Result<(Vec<String>, Value)> {
         r,
         "\n## Tuned against default, in the real engine\n\n`tuned` is `speculate` with this run's table and \
          predictor; `default` is `dense-stream`, what the same file does without them. Sparsity {}, decode of \
-         {} tokens after one warm-up, each run its own process.\n",
+         {} tokens after one warm-up, each run its own process. Perplexity is held-out text's, against the \
+         packed file's dense run (ppl ratio, top-1) and against the source GGUF's dense engine, which also \
+         counts the packed down columns' rounding.\n",
         ctx.opts.sparsity, verify["plan"]["gen_tokens"]
     );
     if verify["plan"]["quality_chunks"].as_u64() == Some(0) {
@@ -128,13 +130,13 @@ pub(super) fn write(ctx: &Ctx) -> Result<(Vec<String>, Value)> {
     }
     let _ = writeln!(
         r,
-        "| run | FFN budget | memory (MiB) | decode tok/s | MiB read/token | skipped | ppl ratio | top-1 |\n|---|---|---|---|---|---|---|---|"
+        "| run | FFN budget | memory (MiB) | decode tok/s | MiB read/token | skipped | ppl ratio | top-1 | ppl ratio to the source |\n|---|---|---|---|---|---|---|---|---|"
     );
     let mib = |v: &Value| f(v) / (1u64 << 20) as f64;
     for v in &runs {
         let _ = writeln!(
             r,
-            "| {} | {} | {:.1} | {} | {:.2} | {:.3} | {} | {} |",
+            "| {} | {} | {:.1} | {} | {:.2} | {:.3} | {} | {} | {} |",
             v["label"].as_str().unwrap_or("?"),
             v["budget"].as_str().unwrap_or("?"),
             mib(&v["memory"]["total"]),
@@ -143,6 +145,7 @@ pub(super) fn write(ctx: &Ctx) -> Result<(Vec<String>, Value)> {
             f(&v["skipped_fraction"]),
             cell(&v["quality"]["ppl_ratio"], 3),
             cell(&v["quality"]["top1_agreement"], 3),
+            cell(&v["quality"]["reference"]["ppl_ratio"], 3),
         );
     }
     // Points in run order: by budget for the memory sweep, by deadline factor for the curve.

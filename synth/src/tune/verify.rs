@@ -64,6 +64,10 @@ pub(super) fn verify(ctx: &Ctx) -> Result<(Vec<String>, Value)> {
                 plan.quality_ctx.to_string(),
                 "--quality-chunks".into(),
                 plan.quality_chunks.to_string(),
+                // Scored against the source model too: the packed down
+                // columns are not its arithmetic.
+                "--quality-reference".into(),
+                ctx.opts.model.display().to_string(),
             ]);
         }
         let mut v = bench(ctx, &bin, &r.label, &r.budget, plan.gen_tokens, plan.reps, &extra)?;
@@ -186,6 +190,7 @@ fn summarize(rows: &[Value]) -> Value {
                 "memory_total": r["memory"]["total"],
                 "ppl_ratio": r["quality"]["ppl_ratio"],
                 "top1_agreement": r["quality"]["top1_agreement"],
+                "ppl_ratio_source": r["quality"]["reference"]["ppl_ratio"],
             })
         })
         .collect();
