@@ -369,6 +369,8 @@ fn device_bench(a: &BenchArgs, path: &Path, ordinal: usize) -> Result<()> {
         report["ffn_stream"] = json!({
             "cache_policy": s.streamer().cache_policy_name(),
             "cache_budget_bytes": s.streamer().budget_bytes(),
+            "device_cache_bytes": s.device_cache_bytes(),
+            "bundles_in_place": fed.in_place,
             "bundles_from_cache": fed.hits,
             "bundles_read": fed.read,
             "bundles_skipped_late": fed.missing,

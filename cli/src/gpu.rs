@@ -116,9 +116,12 @@ pub(crate) fn stream_summary(g: &GpuModel) -> Option<String> {
     let s = g.streamed()?;
     let (fed, io) = (s.fed, s.streamer().stats());
     Some(format!(
-        "streamed FFN ({} cache, {}): {} bundles from the cache, {} read, {} skipped late | {:.1} MiB read in {} reads",
+        "streamed FFN ({} cache, {}, mirrored in {} of device memory): {} bundles read in place on the device, {} \
+         landed from the host's cache, {} read, {} skipped late | {:.1} MiB read in {} reads",
         s.streamer().cache_policy_name(),
         leanstream_runtime::cache::fmt_bytes(s.streamer().budget_bytes()),
+        leanstream_runtime::cache::fmt_bytes(s.device_cache_bytes()),
+        fed.in_place,
         fed.hits,
         fed.read,
         fed.missing,

@@ -513,6 +513,19 @@ impl Gpu {
         )
     }
 
+    /// The device's neuron cache taking bundles (`ffn_cache_fill`): `n`
+    /// copies of `bytes` each, `pairs` holding (from, to) device addresses.
+    pub fn ffn_cache_fill(&self, pairs: DevPtr, n: usize, bytes: u64) -> Result<()> {
+        if n == 0 {
+            return Ok(());
+        }
+        self.launch(
+            "ffn_cache_fill",
+            blocks_of(n as u32, ROW_BLOCK),
+            &[&pairs, &(n as i32), &bytes],
+        )
+    }
+
     /// Floats of split-route scratch for one query of `heads` in `chunks` parts.
     pub fn partials_len(heads: AttentionHeads, chunks: usize) -> usize {
         heads.n_head * chunks * (heads.head_dim + 2)

@@ -20,7 +20,7 @@ use std::time::{Duration, Instant};
 use leanstream_kernels::sparse_ffn::{axpy_down, neuron_activation, BundleFormat, DownLayout, FfnActivation, FfnInput};
 
 use crate::flags::{FlagBoard, Slot};
-use crate::stream::Landing;
+use crate::stream::{CacheFill, Landing};
 use crate::{CudaError, Result};
 
 /// Bundle bytes written by storage workers and read by the compute side,
@@ -200,6 +200,24 @@ pub fn down(
         // and the stage-1 threads were joined before this runs.
         let column = unsafe { staging.read(slot.bundle + offset, format.down_bytes())? };
         axpy_down(format.down_ty, a, column, y)?;
+    }
+    Ok(())
+}
+
+/// The device cache taking bundles (`ffn_cache_fill`): each fill copies
+/// `bytes` within `staging` (the emulation keeps its device cache there too).
+///
+/// # Safety
+/// As on the device, this runs after the layer's stage 2, with no warp
+/// running and no landing in flight for those bytes.
+pub unsafe fn cache_fill(staging: &Staging, fills: &[CacheFill], bytes: usize) -> Result<()> {
+    for f in fills {
+        // SAFETY: nothing else touches staging now (the caller's guarantee);
+        // the copy goes through a buffer, so overlap cannot corrupt it.
+        unsafe {
+            let from = staging.read(f.from, bytes)?.to_vec();
+            staging.write(f.to, &from)?;
+        }
     }
     Ok(())
 }

@@ -5,6 +5,11 @@
 //! [`Streamer`] reaps it, in arrival order. Meanwhile the device (or
 //! [`crate::emulate`]) computes each slot whose flag has turned, so compute
 //! starts on the first bundle that lands, not after the last.
+//!
+//! With a [`DeviceCache`] the device keeps its own copy of the neuron cache:
+//! a hit whose copy is there is read in place and lands nothing, and a hit
+//! landed from the host's cache is copied into the device's after the layer
+//! ([`CacheFill`]), so a bundle that stays cached crosses the bus once.
 
 use std::time::Instant;
 
@@ -35,6 +40,83 @@ pub trait Landing {
     fn release(&self, slot: &Slot) -> Result<()>;
 }
 
+/// The device's copy of the runtime's neuron cache: the host's cache slot
+/// `s` is mirrored at `base + s × stride`. Which bundle a device slot holds
+/// is tracked here, by (layer, neuron): bundles never change, so a copy is
+/// good for as long as the host's cache keeps that bundle in that slot, and
+/// a slot the host has given to another bundle simply stops matching.
+#[derive(Debug, Clone)]
+pub struct DeviceCache {
+    /// Device address of slot 0 (in the emulation, an offset into its staging).
+    pub base: u64,
+    /// Bytes from one slot to the next (at least the widest bundle).
+    pub stride: u64,
+    /// A flag fixed at [`crate::flags::ALWAYS_READY`]: what every slot read
+    /// in place points at (in the emulation, its index on the board).
+    pub ready_flag: u64,
+    /// Per host cache slot: the (layer, neuron) whose bundle the device copy holds.
+    holds: Vec<Option<(u32, u32)>>,
+}
+
+/// A copy the device makes after a layer's kernels: a bundle landed from
+/// the host's cache, from its staging into the device's cache slot.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct CacheFill {
+    pub from: u64,
+    pub to: u64,
+}
+
+impl DeviceCache {
+    /// A device cache of `slots` slots (the streamer's
+    /// [`cache_slots`](Streamer::cache_slots)), holding nothing yet.
+    pub fn new(base: u64, stride: u64, ready_flag: u64, slots: usize) -> Self {
+        Self {
+            base,
+            stride,
+            ready_flag,
+            holds: vec![None; slots],
+        }
+    }
+
+    /// Device bytes for `slots` slots of `stride`.
+    pub fn bytes(slots: usize, stride: u64) -> u64 {
+        slots as u64 * stride
+    }
+
+    /// The (layer, neuron) whose bundle the device copy of host cache slot
+    /// `slot` holds.
+    pub fn held(&self, slot: usize) -> Option<(u32, u32)> {
+        self.holds.get(slot).copied().flatten()
+    }
+
+    fn address(&self, slot: u32) -> u64 {
+        self.base + slot as u64 * self.stride
+    }
+
+    /// Whether the device's copy of host cache slot `slot` is neuron `i` of layer `l`.
+    fn holds(&self, slot: u32, l: usize, i: usize) -> bool {
+        self.held(slot as usize) == Some((l as u32, i as u32))
+    }
+
+    /// After `plan` was fed without error (every hit landed): the copies
+    /// that put its hits landed from the host into the device's cache, each
+    /// recorded as held from now on (the device runs them, in stream order,
+    /// before any later layer's kernels).
+    pub fn fills(&mut self, plan: &SlotPlan) -> Vec<CacheFill> {
+        plan.fills
+            .iter()
+            .map(|&(k, slot)| {
+                let s = &plan.slots[k as usize];
+                self.holds[slot as usize] = Some((plan.layer as u32, s.neuron));
+                CacheFill {
+                    from: s.bundle,
+                    to: self.address(slot),
+                }
+            })
+            .collect()
+    }
+}
+
 /// One layer's slots: one per neuron the streamer was asked for, in
 /// ascending neuron id, so stage 2 sums them in slot order, as the CPU
 /// engine sums in neuron order.
@@ -42,6 +124,10 @@ pub trait Landing {
 pub struct SlotPlan {
     pub layer: usize,
     pub slots: Vec<Slot>,
+    /// Per slot: read in place from the device's cache (nothing lands).
+    pub in_place: Vec<bool>,
+    /// Hits the device's cache does not hold yet: (slot, host cache slot).
+    fills: Vec<(u32, u32)>,
     /// By neuron id: its slot, or `u32::MAX` when not wanted.
     slot_of: Vec<u32>,
 }
@@ -49,7 +135,9 @@ pub struct SlotPlan {
 /// What [`feed`] landed.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct Fed {
-    /// From the neuron cache.
+    /// Read in place from the device's copy of the neuron cache (not landed).
+    pub in_place: usize,
+    /// From the host's neuron cache.
     pub hits: usize,
     /// From reads.
     pub read: usize,
@@ -59,23 +147,49 @@ pub struct Fed {
 
 impl SlotPlan {
     /// The slots of layer `layer`, whose stage `streamer` holds (a policy
-    /// asked for it), bundles of `bundle_bytes` at `at`.
-    pub fn new(streamer: &Streamer, layer: usize, n_ff: usize, bundle_bytes: usize, at: SlotAddresses) -> Self {
+    /// asked for it), bundles of `bundle_bytes` at `at`; a hit that `cache`
+    /// (the device's copy of the streamer's cache) holds is read in place.
+    pub fn new(
+        streamer: &Streamer,
+        layer: usize,
+        n_ff: usize,
+        bundle_bytes: usize,
+        at: SlotAddresses,
+        cache: Option<&DeviceCache>,
+    ) -> Self {
         let mut slot_of = vec![u32::MAX; n_ff];
-        let mut slots = Vec::new();
+        let (mut slots, mut in_place, mut fills) = (Vec::new(), Vec::new(), Vec::new());
         for (i, s) in slot_of.iter_mut().enumerate() {
-            if streamer.is_wanted(layer, i) {
-                let k = slots.len() as u64;
-                *s = k as u32;
-                slots.push(Slot {
-                    bundle: at.staging + k * bundle_bytes as u64,
-                    flag: at.flags + k * at.flag_stride,
-                    neuron: i as u32,
-                    pad: 0,
-                });
+            if !streamer.is_wanted(layer, i) {
+                continue;
             }
+            let k = slots.len() as u64;
+            *s = k as u32;
+            let mut slot = Slot {
+                bundle: at.staging + k * bundle_bytes as u64,
+                flag: at.flags + k * at.flag_stride,
+                neuron: i as u32,
+                pad: 0,
+            };
+            let cached = cache.zip(streamer.cache_slot(layer, i));
+            let here = cached.is_some_and(|(c, cs)| c.holds(cs, layer, i));
+            if let Some((c, cs)) = cached {
+                if here {
+                    (slot.bundle, slot.flag) = (c.address(cs), c.ready_flag);
+                } else {
+                    fills.push((k as u32, cs));
+                }
+            }
+            slots.push(slot);
+            in_place.push(here);
         }
-        Self { layer, slots, slot_of }
+        Self {
+            layer,
+            slots,
+            in_place,
+            fills,
+            slot_of,
+        }
     }
 
     /// Stage 2's order: the slots are in neuron order already.
@@ -93,9 +207,10 @@ impl SlotPlan {
 
 /// Publishes every slot of `plan` without bytes, so kernels launched for
 /// it finish; for a layer abandoned before it was fed (its result is
-/// thrown away).
+/// thrown away). Slots read in place are ready already.
 pub fn release_all(plan: &SlotPlan, to: &dyn Landing) {
-    release(to, &plan.slots);
+    let landing = plan.slots.iter().zip(&plan.in_place);
+    release(to, landing.filter(|(_, &here)| !here).map(|(slot, _)| slot));
 }
 
 fn release<'a>(to: &dyn Landing, slots: impl IntoIterator<Item = &'a Slot>) {
@@ -135,10 +250,12 @@ impl Lander<'_> {
 /// deadline). On an error every slot not landed is released so that no
 /// kernel waits forever, and the error is returned.
 pub fn feed(streamer: &mut Streamer, plan: &SlotPlan, deadline: Option<Instant>, to: &dyn Landing) -> Result<Fed> {
+    // A slot read in place counts as landed: nothing may write over the
+    // device's cache through it.
     let mut lander = Lander {
         plan,
         to,
-        landed: vec![false; plan.slots.len()],
+        landed: plan.in_place.clone(),
     };
     let r = land_layer(streamer, &mut lander, deadline);
     if r.is_err() {
@@ -154,7 +271,10 @@ fn land_layer(streamer: &mut Streamer, lander: &mut Lander, deadline: Option<Ins
             "layer {l}: the cache holds every layer whole; upload the bundles resident instead of streaming them"
         )));
     }
-    let mut fed = Fed::default();
+    let mut fed = Fed {
+        in_place: lander.plan.in_place.iter().filter(|&&h| h).count(),
+        ..Fed::default()
+    };
     for &i in streamer.hits(l)? {
         let bundle = streamer.cached(l, i);
         if bundle.is_empty() {

@@ -10,6 +10,11 @@
 //! Layers take turns with two sets of staging, flags and slot tables, so
 //! layer l+1 lands while layer l's down kernel still reads its bundles; an
 //! event per set says when its last layer is done with it.
+//!
+//! The neuron cache is mirrored in device memory ([`DeviceCache`]): a hit
+//! the device holds is read in place; one it does not is landed from the
+//! host's cache like a read and copied into the device's slot after the
+//! layer, so a bundle that stays cached crosses the bus once, not each token.
 
 use std::time::{Duration, Instant};
 
@@ -19,8 +24,8 @@ use leanstream_runtime::engine::{FlashModel, Streamer, Want, STAGES};
 
 use crate::device::{check_down_columns, DevPtr, Gpu, MappedFlags, MappedMemory};
 use crate::ffn::{RowFfn, SlotTable};
-use crate::flags::{Epochs, FlagBoard, Slot};
-use crate::stream::{feed, release_all, Fed, Landing, SlotAddresses, SlotPlan};
+use crate::flags::{Epochs, FlagBoard, Slot, ALWAYS_READY};
+use crate::stream::{feed, release_all, DeviceCache, Fed, Landing, SlotAddresses, SlotPlan};
 use crate::{CudaError, Result};
 
 /// Landings into mapped staging and flags, for one epoch.
@@ -55,6 +60,8 @@ struct Set {
     flags: MappedFlags,
     /// The slot table, read by the kernels over the bus.
     table: MappedMemory,
+    /// The device cache's (from, to) copies after the layer.
+    fills: MappedMemory,
     /// Recorded after the last layer that used the set.
     done: Option<CudaEvent>,
 }
@@ -70,6 +77,15 @@ impl Set {
     }
 }
 
+/// The device's copy of the neuron cache.
+struct OnDevice {
+    /// Its slots, the host cache's slot `s` at `s × stride`.
+    slots: CudaSlice<u8>,
+    /// The flag in-place slots point at, fixed at [`ALWAYS_READY`].
+    _ready: CudaSlice<u32>,
+    map: DeviceCache,
+}
+
 /// The layer between [`StreamedFfn::begin`] and [`StreamedFfn::end`].
 struct Current {
     plan: SlotPlan,
@@ -83,6 +99,8 @@ pub struct StreamedFfn {
     formats: Vec<BundleFormat>,
     n_ff: usize,
     sets: [Set; 2],
+    /// The neuron cache's copy on the device (`None`: the streamer has no cache).
+    cache: Option<OnDevice>,
     /// The set the next layer takes (they alternate).
     next_set: usize,
     /// `0..n_ff`: the slots are in neuron order, and stage 2 sums in it.
@@ -117,8 +135,23 @@ impl StreamedFfn {
                 staging: MappedMemory::new(gpu, n_ff * widest)?,
                 flags: MappedFlags::new(gpu, n_ff)?,
                 table: MappedMemory::new(gpu, n_ff * std::mem::size_of::<Slot>())?,
+                fills: MappedMemory::new(gpu, n_ff * 2 * std::mem::size_of::<u64>())?,
                 done: None,
             })
+        };
+        let cache = match streamer.cache_slots() {
+            0 => None,
+            n => {
+                let stride = widest as u64;
+                let slots = gpu.zeros::<u8>(DeviceCache::bytes(n, stride) as usize)?;
+                let ready = gpu.upload(&[ALWAYS_READY])?;
+                let map = DeviceCache::new(gpu.ptr(&slots).0, stride, gpu.ptr(&ready).0, n);
+                Some(OnDevice {
+                    slots,
+                    _ready: ready,
+                    map,
+                })
+            }
         };
         let order: Vec<u32> = (0..n_ff as u32).collect();
         Ok(Self {
@@ -126,6 +159,7 @@ impl StreamedFfn {
             formats: fm.formats.clone(),
             n_ff,
             sets: [set()?, set()?],
+            cache,
             next_set: 0,
             order: gpu.upload(&order)?,
             epochs: Epochs::new(),
@@ -137,6 +171,11 @@ impl StreamedFfn {
 
     pub fn streamer(&self) -> &Streamer {
         &self.streamer
+    }
+
+    /// Device memory the neuron cache's copy takes.
+    pub fn device_cache_bytes(&self) -> u64 {
+        self.cache.as_ref().map_or(0, |c| c.slots.len() as u64)
     }
 
     pub fn format(&self, layer: usize) -> Result<&BundleFormat> {
@@ -167,7 +206,8 @@ impl StreamedFfn {
             flags: set.flags.device_ptr(),
             flag_stride: 4,
         };
-        let plan = SlotPlan::new(&self.streamer, layer, self.n_ff, bb, at);
+        let cache = self.cache.as_ref().map(|c| &c.map);
+        let plan = SlotPlan::new(&self.streamer, layer, self.n_ff, bb, at, cache);
         // SAFETY: the set's last kernels are done (the event above), and no
         // kernel of this layer is launched yet.
         unsafe {
@@ -221,13 +261,15 @@ impl StreamedFfn {
         c.fed = true;
         let landing = self.sets[c.set].landing(c.epoch);
         let fed = feed(&mut self.streamer, &c.plan, deadline, &landing)?;
+        self.fed.in_place += fed.in_place;
         self.fed.hits += fed.hits;
         self.fed.read += fed.read;
         self.fed.missing += fed.missing;
         Ok(fed)
     }
 
-    /// After the current layer's last launch: marks its set busy until the
+    /// After the current layer's last launch: copies the hits landed from
+    /// the host into the device's cache, marks the set busy until the
     /// device is done with it, and lets the streamer go on.
     pub fn end(&mut self, gpu: &Gpu, end_of_token: bool) -> Result<()> {
         let c = self
@@ -239,6 +281,21 @@ impl StreamedFfn {
                 "layer {} ended without landing",
                 c.plan.layer
             )));
+        }
+        if let Some(cache) = &mut self.cache {
+            let fills = cache.map.fills(&c.plan);
+            let pairs: Vec<u64> = fills.iter().flat_map(|f| [f.from, f.to]).collect();
+            let set = &self.sets[c.set];
+            // SAFETY: the set's previous layer is done with its fill list
+            // (`begin` waited on its event), and the copy kernel that reads
+            // it is launched after this write, in stream order after the
+            // layer's kernels, which saw every staged bundle's flag.
+            unsafe {
+                set.fills
+                    .write_at(set.fills.device_ptr(), bytemuck::cast_slice(&pairs))?
+            };
+            let bb = self.formats[c.plan.layer].bundle_bytes() as u64;
+            gpu.ffn_cache_fill(DevPtr(set.fills.device_ptr()), fills.len(), bb)?;
         }
         let event = gpu
             .stream

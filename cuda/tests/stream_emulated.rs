@@ -4,15 +4,16 @@
 //! slot (`leanstream_cuda::stream::feed`) while the emulated device polls
 //! the flags and computes. The result must be the CPU engine's bits over
 //! the neurons that landed in time, whatever the arrival order, the cache
-//! and the deadline.
+//! (on the host, or mirrored on the device and read in place) and the
+//! deadline.
 
 use std::path::PathBuf;
 use std::sync::atomic::AtomicU32;
 use std::time::{Duration, Instant};
 
-use leanstream_cuda::emulate::{stream_layer, EmulatedLanding, Staging, StreamLayer};
+use leanstream_cuda::emulate::{cache_fill, stream_layer, EmulatedLanding, Staging, StreamLayer};
 use leanstream_cuda::flags::{Epochs, FlagBoard};
-use leanstream_cuda::stream::{feed, Fed, SlotAddresses, SlotPlan};
+use leanstream_cuda::stream::{feed, DeviceCache, Fed, SlotAddresses, SlotPlan};
 use leanstream_kernels::sparse_ffn::{activations, axpy_down, FfnActivation, FfnInput, LayerActivations};
 use leanstream_kernels::{ActBuffer, GgmlType};
 use leanstream_runtime::engine::{BackendFactory, CachePolicy, FlashModel, Streamer, Want};
@@ -91,33 +92,72 @@ struct Layer {
     plan: SlotPlan,
 }
 
-fn run_layer(
+/// The emulated device's memory, kept across layers and tokens: staging
+/// for one layer's slots, then (with a device cache) the cache's slots; a
+/// flag per slot, then the one fixed at always-ready.
+struct Device {
+    staging: Staging,
+    cells: Vec<AtomicU32>,
+    cache: Option<DeviceCache>,
+    epochs: Epochs,
+}
+
+impl Device {
+    /// A device for `fm` streamed through `s`; `mirror`: the neuron cache
+    /// is mirrored in device memory.
+    fn new(fm: &FlashModel, s: &Streamer, mirror: bool) -> Self {
+        let bb = fm.formats.iter().map(|f| f.bundle_bytes()).max().unwrap() as u64;
+        let cache_slots = if mirror { s.cache_slots() } else { 0 };
+        let cache_base = N_FF as u64 * bb;
+        let cells: Vec<AtomicU32> = (0..=N_FF).map(|_| AtomicU32::new(0)).collect();
+        FlagBoard::new(&cells).pin(N_FF).unwrap();
+        Self {
+            // Garbage until landed: a read that beats its write changes the bits.
+            staging: Staging::new((cache_base + DeviceCache::bytes(cache_slots, bb)) as usize, 0xee),
+            cells,
+            cache: mirror.then(|| DeviceCache::new(cache_base, bb, N_FF as u64, cache_slots)),
+            epochs: Epochs::new(),
+        }
+    }
+}
+
+/// Layer `l` of a token: every neuron with the next layer read ahead, or
+/// only those `subset` has (a bitmap), asked for when the layer begins.
+fn run_layer_of(
     fm: &FlashModel,
     s: &mut Streamer,
-    epochs: &mut Epochs,
+    dev: &mut Device,
     l: usize,
     x: &ActBuffer,
     deadline: Option<Duration>,
+    subset: Option<&[u64]>,
 ) -> leanstream_cuda::Result<Layer> {
     let format = fm.formats[l];
-    s.ensure(l, Want::All)?;
-    if l + 1 < N_LAYER {
-        s.prefetch(l + 1, Want::All)?;
+    let bb = format.bundle_bytes();
+    match subset {
+        Some(bits) => s.ensure(l, Want::Set(bits))?,
+        None => {
+            s.ensure(l, Want::All)?;
+            if l + 1 < N_LAYER {
+                s.prefetch(l + 1, Want::All)?;
+            }
+        }
     }
     let at = SlotAddresses {
         staging: 0,
         flags: 0,
         flag_stride: 1,
     };
-    let plan = SlotPlan::new(s, l, N_FF, format.bundle_bytes(), at);
-    let cells: Vec<AtomicU32> = plan.slots.iter().map(|_| AtomicU32::new(0)).collect();
-    let board = FlagBoard::new(&cells);
-    // Garbage until landed: a read that beats its write changes the bits.
-    let staging = Staging::new(plan.slots.len() * format.bundle_bytes(), 0xee);
+    let plan = SlotPlan::new(s, l, N_FF, bb, at, dev.cache.as_ref());
+    // The last layer's bundles back to garbage, so a slot read before it
+    // landed shows.
+    // SAFETY: no warp runs and nothing lands between layers.
+    unsafe { dev.staging.write(0, &vec![0xee; N_FF * bb])? };
+    let board = FlagBoard::new(&dev.cells);
     let landing = EmulatedLanding {
-        staging: &staging,
+        staging: &dev.staging,
         board: &board,
-        epoch: epochs.advance()?,
+        epoch: dev.epochs.advance()?,
     };
     let layer = StreamLayer {
         format,
@@ -136,6 +176,10 @@ fn run_layer(
         &mut y,
         |to| feed(s, &plan, host_deadline, to),
     )?;
+    if let Some(cache) = &mut dev.cache {
+        // SAFETY: stage 2 has run and every landing is done.
+        unsafe { cache_fill(&dev.staging, &cache.fills(&plan), bb)? };
+    }
     s.finish(l, l + 1 == N_LAYER);
     Ok(Layer {
         y,
@@ -143,6 +187,17 @@ fn run_layer(
         fed,
         plan,
     })
+}
+
+fn run_layer(
+    fm: &FlashModel,
+    s: &mut Streamer,
+    dev: &mut Device,
+    l: usize,
+    x: &ActBuffer,
+    deadline: Option<Duration>,
+) -> leanstream_cuda::Result<Layer> {
+    run_layer_of(fm, s, dev, l, x, deadline, None)
 }
 
 /// The file's reads with `faults` injected (by submission index), handed
@@ -171,12 +226,12 @@ fn streamed_layers_give_the_cpu_engines_bits_read_or_cached_in_any_arrival_order
         let backend = faulty(Vec::new(), seed);
         let mut s = Streamer::new(&fm, budget, CachePolicy::Lru, None, 0, Some(256 << 10), Some(backend)).unwrap();
         assert!(!s.holds_whole());
-        let (mut epochs, mut rng) = (Epochs::new(), Rng(11));
+        let (mut dev, mut rng) = (Device::new(&fm, &s, false), Rng(11));
         let mut hits = 0;
         for token in 0..3 {
             for l in 0..N_LAYER {
                 let x = input(&mut rng, dot);
-                let r = run_layer(&fm, &mut s, &mut epochs, l, &x, None).unwrap();
+                let r = run_layer(&fm, &mut s, &mut dev, l, &x, None).unwrap();
                 let what = format!("budget {budget}, token {token}, layer {l}");
                 assert_eq!(r.plan.slots.len(), N_FF, "{what}");
                 assert!(
@@ -184,8 +239,8 @@ fn streamed_layers_give_the_cpu_engines_bits_read_or_cached_in_any_arrival_order
                     "{what}: nothing skipped without a deadline"
                 );
                 assert_eq!(
-                    (r.fed.hits + r.fed.read, r.fed.missing),
-                    (N_FF, 0),
+                    (r.fed.in_place, r.fed.hits + r.fed.read, r.fed.missing),
+                    (0, N_FF, 0),
                     "{what}: {:?}",
                     r.fed
                 );
@@ -198,15 +253,115 @@ fn streamed_layers_give_the_cpu_engines_bits_read_or_cached_in_any_arrival_order
 }
 
 #[test]
+fn the_device_cache_reads_a_static_hot_set_in_place_from_the_second_token_on() {
+    let fm = model("device_cache_hot");
+    let dot = fm.formats[0].gate_ty.vec_dot_type();
+    let budget = fm.ffn_bytes() * 2 / 5;
+    let mut s = Streamer::new(
+        &fm,
+        budget,
+        CachePolicy::Hot,
+        None,
+        0,
+        Some(256 << 10),
+        Some(faulty(Vec::new(), Some(5))),
+    )
+    .unwrap();
+    let (mut dev, mut rng) = (Device::new(&fm, &s, true), Rng(13));
+    let mut first_hits = [0usize; N_LAYER];
+    for token in 0..3 {
+        for (l, first) in first_hits.iter_mut().enumerate() {
+            let x = input(&mut rng, dot);
+            let r = run_layer(&fm, &mut s, &mut dev, l, &x, None).unwrap();
+            let what = format!("token {token}, layer {l}: {:?}", r.fed);
+            assert_eq!(
+                (r.fed.in_place + r.fed.hits + r.fed.read, r.fed.missing),
+                (N_FF, 0),
+                "{what}"
+            );
+            assert_eq!(r.plan.in_place.iter().filter(|&&h| h).count(), r.fed.in_place, "{what}");
+            assert_eq!(bits(&r.y), bits(&reference(&fm, l, &x, |_| true)), "{what}");
+            if token == 0 {
+                // Nothing is on the device yet: each hit crosses the bus once.
+                assert_eq!(r.fed.in_place, 0, "{what}");
+                assert!(r.fed.hits > 0, "{what}");
+                *first = r.fed.hits;
+            } else {
+                // The same hits, now all read in place.
+                assert_eq!((r.fed.in_place, r.fed.hits), (*first, 0), "{what}");
+            }
+        }
+    }
+}
+
+#[test]
+fn the_device_cache_stays_exact_while_the_host_cache_gives_its_slots_to_other_bundles() {
+    let fm = model("device_cache_lru");
+    let dot = fm.formats[0].gate_ty.vec_dot_type();
+    // An LRU cache of 70% of the FFN, and each token a different 60% of
+    // each layer's neurons: many bundles are hits again, while others are
+    // evicted and their slots reused, so a device copy used after its host
+    // slot moved on to another bundle (or before it was filled) would
+    // change the bits.
+    let budget = fm.ffn_bytes() * 7 / 10;
+    let mut s = Streamer::new(
+        &fm,
+        budget,
+        CachePolicy::Lru,
+        None,
+        0,
+        Some(256 << 10),
+        Some(faulty(Vec::new(), Some(9))),
+    )
+    .unwrap();
+    let (mut dev, mut rng) = (Device::new(&fm, &s, true), Rng(17));
+    let (mut in_place, mut landed_hits, mut taken_over) = (0, 0, 0);
+    for token in 0..8 {
+        for l in 0..N_LAYER {
+            let mut subset = vec![0u64; N_FF / 64];
+            for i in 0..N_FF {
+                if rng.below(10) < 6 {
+                    subset[i / 64] |= 1 << (i % 64);
+                }
+            }
+            let wanted = |i: usize| subset[i / 64] >> (i % 64) & 1 == 1;
+            let x = input(&mut rng, dot);
+            let cache = dev.cache.as_ref().unwrap();
+            let before: Vec<_> = (0..s.cache_slots()).map(|k| cache.held(k)).collect();
+            let r = run_layer_of(&fm, &mut s, &mut dev, l, &x, None, Some(&subset)).unwrap();
+            let cache = dev.cache.as_ref().unwrap();
+            taken_over += (0..s.cache_slots())
+                .filter(|&k| before[k].is_some() && cache.held(k) != before[k])
+                .count();
+            let what = format!("token {token}, layer {l}: {:?}", r.fed);
+            let n = (0..N_FF).filter(|&i| wanted(i)).count();
+            assert_eq!(
+                (r.fed.in_place + r.fed.hits + r.fed.read, r.fed.missing),
+                (n, 0),
+                "{what}"
+            );
+            assert_eq!(bits(&r.y), bits(&reference(&fm, l, &x, wanted)), "{what}");
+            in_place += r.fed.in_place;
+            landed_hits += r.fed.hits;
+        }
+    }
+    // Device slots that went from one bundle to another: what the test is for.
+    assert!(
+        in_place > 0 && landed_hits > 0 && taken_over > 0,
+        "in place {in_place}, hits landed from the host {landed_hits}, device slots taken over {taken_over}"
+    );
+}
+
+#[test]
 fn a_stalled_read_is_skipped_at_the_deadline_and_the_rest_is_exact() {
     let fm = model("deadline");
     let dot = fm.formats[0].gate_ty.vec_dot_type();
     // Layer 0's second read stalls far past the deadline.
     let backend = faulty(vec![(1, Fault::Stall(Duration::from_secs(3)))], None);
     let mut s = Streamer::new(&fm, 0, CachePolicy::Lru, None, 0, Some(256 << 10), Some(backend)).unwrap();
-    let mut epochs = Epochs::new();
+    let mut dev = Device::new(&fm, &s, false);
     let x = input(&mut Rng(5), dot);
-    let r = run_layer(&fm, &mut s, &mut epochs, 0, &x, Some(Duration::from_millis(300))).unwrap();
+    let r = run_layer(&fm, &mut s, &mut dev, 0, &x, Some(Duration::from_millis(300))).unwrap();
     assert!(r.fed.missing > 0, "{:?}", r.fed);
     let skipped: Vec<usize> = (0..r.skipped.len()).filter(|&k| r.skipped[k]).collect();
     // A slot the host did not land is skipped; one it landed after the
@@ -222,11 +377,11 @@ fn a_failed_read_is_an_error_naming_the_file_and_the_device_is_let_go() {
     let dot = fm.formats[0].gate_ty.vec_dot_type();
     let backend = faulty(vec![(1, Fault::Errno(EIO))], None);
     let mut s = Streamer::new(&fm, 0, CachePolicy::Lru, None, 0, Some(256 << 10), Some(backend)).unwrap();
-    let mut epochs = Epochs::new();
+    let mut dev = Device::new(&fm, &s, false);
     let x = input(&mut Rng(6), dot);
     // No deadline: without the release of every slot the emulated warps
     // would poll forever and this would hang.
-    let err = match run_layer(&fm, &mut s, &mut epochs, 0, &x, None) {
+    let err = match run_layer(&fm, &mut s, &mut dev, 0, &x, None) {
         Ok(_) => panic!("a failed read must fail the layer"),
         Err(e) => e.to_string(),
     };

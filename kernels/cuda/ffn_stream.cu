@@ -105,6 +105,18 @@ extern "C" __global__ void ffn_stream_down(const Slot* __restrict__ slots, const
     y[j] = acc;
 }
 
+// The device's neuron cache: after a layer's kernels, bundles that were
+// landed from the host's cache are copied from their staging into the
+// device's cache slots (`pairs[2k]` from, `pairs[2k + 1]` to; one block per
+// bundle), so the next time they are hits they are read in place.
+extern "C" __global__ void ffn_cache_fill(const u64* __restrict__ pairs, int n, u64 bytes) {
+    int k = blockIdx.x;
+    if (k >= n) return;
+    const u8* from = (const u8*)pairs[2 * k];
+    u8* to = (u8*)pairs[2 * k + 1];
+    for (u64 i = threadIdx.x; i < bytes; i += blockDim.x) to[i] = from[i];
+}
+
 // Table 3's hand-off: stage `k` of `n_stages` waits for `flags[k]` to reach
 // `epoch` and then does `work` rounds of the FFN-like arithmetic over its
 // share of `data`; the host either publishes flags while one launch runs

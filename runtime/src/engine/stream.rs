@@ -1089,6 +1089,17 @@ impl Streamer {
         self.cache.peek(l, i).unwrap_or(&[])
     }
 
+    /// The cache slot that holds neuron `i` of layer `l`, if it is cached:
+    /// a device that mirrors the cache keeps its copy under the same slot.
+    pub fn cache_slot(&self, l: usize, i: usize) -> Option<u32> {
+        self.cache.slot_of(l, i)
+    }
+
+    /// Slots in the neuron cache (0 without a cache).
+    pub fn cache_slots(&self) -> usize {
+        self.cache.n_slots()
+    }
+
     /// The next run of layer `l` to land, in arrival order, blocking until
     /// one has; `None` once every requested run has been taken. A failed
     /// read is its error (naming the file, offset and length).
