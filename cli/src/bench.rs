@@ -38,19 +38,8 @@ pub struct BenchArgs {
     llama_bench: Option<PathBuf>,
     #[command(flatten)]
     flash: crate::FlashArgs,
-    /// Real text to measure quality against dense on (.lsflash models):
-    /// perplexity and top-1 agreement at the run's sparsity and policy.
-    #[arg(long)]
-    quality_file: Option<PathBuf>,
-    #[arg(long, default_value_t = 256)]
-    quality_ctx: usize,
-    #[arg(long, default_value_t = 4)]
-    quality_chunks: usize,
-    /// The GGUF the `.lsflash` was packed from (checked by its SHA-256):
-    /// quality is also reported against its dense engine, bit-exact with
-    /// llama.cpp, which counts what the packed down columns cost too.
-    #[arg(long, requires = "quality_file")]
-    quality_reference: Option<PathBuf>,
+    #[command(flatten)]
+    quality: QualityArgs,
     /// Run every policy at every budget (each in its own process, so each
     /// peak RSS is its own) and write sweep.json and sweep.svg to --out.
     #[arg(long, requires = "out")]
@@ -72,6 +61,24 @@ pub struct BenchArgs {
     /// model on CUDA device N; with --llama-bench, give it a CUDA build).
     #[arg(long, default_value = "cpu")]
     device: String,
+}
+
+/// What quality is measured on, and against what.
+#[derive(Args)]
+pub struct QualityArgs {
+    /// Real text to measure quality against dense on (.lsflash models):
+    /// perplexity and top-1 agreement at the run's sparsity and policy.
+    #[arg(long = "quality-file")]
+    file: Option<PathBuf>,
+    #[arg(long = "quality-ctx", default_value_t = 256)]
+    ctx: usize,
+    #[arg(long = "quality-chunks", default_value_t = 4)]
+    chunks: usize,
+    /// The GGUF the `.lsflash` was packed from (checked by its SHA-256):
+    /// quality is also reported against its dense engine, bit-exact with
+    /// llama.cpp, which counts what the packed down columns cost too.
+    #[arg(long = "quality-reference", requires = "file")]
+    reference: Option<PathBuf>,
 }
 
 pub use leanstream_runtime::cache::peak_rss_bytes;
@@ -281,19 +288,10 @@ pub fn run(a: BenchArgs) -> Result<()> {
     }
     // Peak RSS before the quality runs, which hold engines of their own.
     report["peak_rss_bytes"] = json!(peak_rss_bytes());
-    if let (Some(file), Some((fm, engine))) = (&a.quality_file, loaded.flash()) {
+    if let (Some(file), Some((fm, engine))) = (&a.quality.file, loaded.flash()) {
         let cache_bytes = engine.ffn_budget_bytes();
-        report["quality"] = quality(
-            fm,
-            engine.policy(),
-            &settings,
-            cache_bytes,
-            file,
-            a.quality_reference.as_deref(),
-            a.quality_ctx,
-            a.quality_chunks,
-        )?;
-    } else if a.quality_file.is_some() {
+        report["quality"] = quality(fm, engine.policy(), &settings, cache_bytes, file, &a.quality)?;
+    } else if a.quality.file.is_some() {
         bail!("--quality-file applies to .lsflash models");
     }
     if a.llama_bench.is_some() {
@@ -307,7 +305,7 @@ pub fn run(a: BenchArgs) -> Result<()> {
 /// device's dense engine (the logits copied back after each step, as a
 /// sampler needs them), with llama-bench interleaved as on the CPU.
 fn device_bench(a: &BenchArgs, path: &Path, ordinal: usize) -> Result<()> {
-    if a.quality_file.is_some() {
+    if a.quality.file.is_some() {
         bail!("--quality-file applies to .lsflash models on the CPU engine");
     }
     let t0 = Instant::now();
@@ -435,17 +433,15 @@ fn add_llama_cpp(report: &mut Value, ours: (&[f64], &[f64]), theirs: (&[f64], &[
 /// `dense-stream` at the same thresholds, which keeps the same neurons.
 /// With `reference` (the source GGUF), both are also scored against that
 /// model's dense engine.
-#[allow(clippy::too_many_arguments)]
 fn quality(
     fm: &FlashModel,
     policy: Policy,
     settings: &StreamSettings,
     cache_bytes: u64,
-    file: &PathBuf,
-    reference: Option<&Path>,
-    ctx: usize,
-    chunks: usize,
+    file: &Path,
+    q: &QualityArgs,
 ) -> Result<Value> {
+    let (ctx, chunks) = (q.ctx, q.chunks);
     let sparsity = settings.sparsity;
     let text = std::fs::read_to_string(file).with_context(|| format!("reading {}", file.display()))?;
     let eval = |policy: Policy, level: SparsityLevel| -> Result<_> {
@@ -476,7 +472,7 @@ fn quality(
         _ => Policy::DenseStream,
     };
     let (ours, skipped) = eval(same_as, fm.sparsity_level(sparsity)?)?;
-    let reference = match reference {
+    let reference = match q.reference.as_deref() {
         None => Value::Null,
         Some(path) => {
             leanstream_runtime::artifacts::check_source_gguf(path, fm)?;
@@ -558,11 +554,11 @@ fn sweep(a: &BenchArgs) -> Result<()> {
             if let Some(g) = &a.flash.staging {
                 cmd.args(["--staging", g]);
             }
-            if let Some(q) = &a.quality_file {
+            if let Some(q) = &a.quality.file {
                 cmd.arg("--quality-file").arg(q);
-                cmd.args(["--quality-ctx", &a.quality_ctx.to_string()]);
-                cmd.args(["--quality-chunks", &a.quality_chunks.to_string()]);
-                if let Some(r) = &a.quality_reference {
+                cmd.args(["--quality-ctx", &a.quality.ctx.to_string()]);
+                cmd.args(["--quality-chunks", &a.quality.chunks.to_string()]);
+                if let Some(r) = &a.quality.reference {
                     cmd.arg("--quality-reference").arg(r);
                 }
             }
