@@ -12,6 +12,31 @@ pub struct NeuronFreq {
     pub freq: f32,
 }
 
+/// The static hot set's ranking from calibrated scores (per layer, each
+/// neuron's mean |activation|, as a `.lsflash` header stores them): each
+/// score relative to its layer's mean, so that layers with larger
+/// activations do not take every slot.
+pub fn relative_ranking(scores: &[Vec<f32>]) -> Vec<NeuronFreq> {
+    scores
+        .iter()
+        .enumerate()
+        .flat_map(|(l, row)| {
+            let mean = (row.iter().map(|&v| v as f64).sum::<f64>() / row.len().max(1) as f64).max(1e-30);
+            row.iter().enumerate().map(move |(i, &v)| NeuronFreq {
+                layer: l as u32,
+                neuron: i as u32,
+                freq: (v as f64 / mean) as f32,
+            })
+        })
+        .collect()
+}
+
+/// `ranking` best first, as the hot set takes it: by frequency, highest
+/// first; ties (and NaNs, which [`StaticHot`] refuses) keep the given order.
+pub fn sort_ranking(ranking: &mut [NeuronFreq]) {
+    ranking.sort_by(|a, b| b.freq.partial_cmp(&a.freq).unwrap_or(std::cmp::Ordering::Equal));
+}
+
 /// The top-ranked neurons fill `(1 - lru_fraction)` of the slots and are never
 /// evicted once inserted (the engine loads them up front from
 /// [`EvictionPolicy::prefill_list`]); every other neuron competes LRU-style
@@ -97,8 +122,7 @@ impl EvictionPolicy for StaticHot {
         self.n_ff = n_ff;
         let lru_slots = ((n_slots as f64) * self.lru_fraction).floor() as usize;
         let hot_slots = n_slots - lru_slots.min(n_slots);
-        self.ranking
-            .sort_by(|a, b| b.freq.partial_cmp(&a.freq).expect("no NaN"));
+        sort_ranking(&mut self.ranking);
         self.hot = vec![0; (n_layer * n_ff).div_ceil(64)];
         self.hot_list.clear();
         for r in &self.ranking {

@@ -43,7 +43,7 @@ mod slab;
 mod window;
 
 pub use budget::{parse_bytes, BudgetError, FfnBudget};
-pub use hot::{NeuronFreq, StaticHot};
+pub use hot::{relative_ranking, sort_ranking, NeuronFreq, StaticHot};
 pub use learned::Learned;
 pub use lru::Lru;
 pub use memory::{fmt_bytes, peak_rss_bytes, rss_bytes, MemoryReport};

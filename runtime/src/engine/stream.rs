@@ -31,7 +31,8 @@ use super::tail::Resident;
 use super::trace::{bit_is_set, set_bit, widen_to_groups};
 use super::{EngineStats, FlashModel};
 use crate::cache::{
-    CacheShape, EvictionPolicy, Learned, Lru, NeuronCache, NeuronFreq, RetentionTable, SlidingWindow, StaticHot,
+    relative_ranking, CacheShape, EvictionPolicy, Learned, Lru, NeuronCache, NeuronFreq, RetentionTable,
+    SlidingWindow, StaticHot,
 };
 use crate::flash::io::{ArrivalLog, Completed, Delivery, IoConfig, IoEngine, IoWorker, Request, Sink};
 use crate::flash::runs::{max_run_bytes, RunRule};
@@ -387,21 +388,7 @@ impl Streamer {
                 Box::new(StaticHot::new(ranking))
             }
             CachePolicy::Hot => {
-                let scores = &f.header().neuron_scores;
-                let ranking = scores
-                    .iter()
-                    .enumerate()
-                    .flat_map(|(l, row)| {
-                        // Relative to the layer's mean, so that layers with
-                        // larger activations do not take every slot.
-                        let mean = (row.iter().map(|&v| v as f64).sum::<f64>() / row.len().max(1) as f64).max(1e-30);
-                        row.iter().enumerate().map(move |(i, &v)| NeuronFreq {
-                            layer: l as u32,
-                            neuron: i as u32,
-                            freq: (v as f64 / mean) as f32,
-                        })
-                    })
-                    .collect();
+                let ranking = relative_ranking(&f.header().neuron_scores);
                 Box::new(StaticHot::new(ranking))
             }
         };

@@ -525,6 +525,8 @@ impl Step {
             Step::Pack => json!({
                 "model": ctx.shape.sha256,
                 "placement": ctx.hash_of(PLACEMENT)?,
+                // The static hot set at this budget goes first in each layer.
+                "hot_prefix_budget": o.ffn_budget,
                 "calibration_text": ctx.hash_of(TRAIN_TEXT)?,
                 "calibration_tokens": Self::calib_tokens(ctx),
                 "sparsities": SPARSITIES,
@@ -724,6 +726,20 @@ fn placement(ctx: &Ctx) -> Result<(Vec<String>, Value)> {
     Ok((vec![PLACEMENT.into()], json!({ "heldout_reads": reads })))
 }
 
+/// The share of the FFN's neurons the static hot cache holds at `budget`
+/// (what the engine's cache would make of it: slots of the widest bundle).
+fn hot_fraction(model: &leanstream_runtime::model::Model, down: flash::DownType, budget: &str) -> Result<f64> {
+    use leanstream_runtime::cache::{CacheShape, FfnBudget};
+    let layouts = flash::pack::bundle_layouts(&model.gguf, &model.config, down)?;
+    let shape = CacheShape {
+        n_ff: model.config.n_ff,
+        bundle_bytes: layouts.iter().map(|l| l.bundle_bytes()).collect(),
+    };
+    let total = shape.total_slot_bytes();
+    let b = FfnBudget::parse(budget).map_err(|e| SynthError::Settings(format!("--ffn-budget {budget}: {e}")))?;
+    Ok((b.resolve(total) as f64 / total.max(1) as f64).min(1.0))
+}
+
 fn pack(ctx: &Ctx) -> Result<(Vec<String>, Value)> {
     use leanstream_runtime::sparsity::{calibrate_run, CalibrationRun};
     let model = leanstream_runtime::model::Model::load(&ctx.opts.model)?;
@@ -741,15 +757,18 @@ fn pack(ctx: &Ctx) -> Result<(Vec<String>, Value)> {
     )?;
     let calib_s = t.elapsed().as_secs_f64();
     let n_layer = model.config.n_layer;
+    let down = flash::DownType::Q8_0;
+    let hot = hot_fraction(&model, down, &ctx.opts.ffn_budget)?;
     drop(model);
     let sparsity = c
         .levels
         .iter()
         .map(|t| t.for_layers(n_layer))
         .collect::<std::result::Result<Vec<_>, _>>()?;
+    let learned = flash::pack::load_placement(&ctx.out.join(PLACEMENT))?;
     let opts = flash::PackOptions {
-        down: flash::DownType::Q8_0,
-        placement: Some(flash::pack::load_placement(&ctx.out.join(PLACEMENT))?),
+        down,
+        placement: Some(flash::pack::hot_prefix(&learned, &c.neuron_scores, hot)?),
         sparsity,
         neuron_scores: c.neuron_scores,
         progress: false,
