@@ -131,7 +131,7 @@ pub const ARTIFACTS: [&str; 6] = [
 /// Checks what a finished tune left in `out` and that the engine used it:
 /// the tuned verification run took its actions from the table and
 /// consulted the predictor beside the model, and the file is in the
-/// learned placement's order. `steps`: how many the run's pipeline has (11
+/// order tune packs: each layer's hot set first, then the learned placement. `steps`: how many the run's pipeline has (11
 /// with uniform profiling, 10 with adaptive). Returns the manifest.
 pub fn check_tuned(out: &Path, steps: usize) -> Value {
     for a in ARTIFACTS {
@@ -174,14 +174,36 @@ pub fn check_tuned(out: &Path, steps: usize) -> Value {
             .any(|l| l.iter().enumerate().any(|(i, &n)| n as usize != i)),
         "the packed file is in identity order, not the learned placement"
     );
-    let learned = json_file(&out.join("work/placement.json"));
-    let first: Vec<u32> = learned["layers"][0]
+    // Each layer: the static hot set of the pack step's budget (or the
+    // least share it packs that way) hottest first, then the learned order.
+    let learned: Vec<Vec<u32>> = json_file(&out.join("work/placement.json"))["layers"]
         .as_array()
-        .expect("placement layer 0")
+        .expect("placement layers")
         .iter()
-        .map(|v| v.as_u64().unwrap() as u32)
+        .map(|l| {
+            l.as_array()
+                .unwrap()
+                .iter()
+                .map(|v| v.as_u64().unwrap() as u32)
+                .collect()
+        })
         .collect();
-    assert_eq!(placement[0], first, "layer 0 of the file is not the learned order");
+    let inputs = &m["steps"]["pack"]["inputs"];
+    let budget = inputs["hot_prefix_budget"].as_str().expect("the pack step's budget");
+    let at_least = inputs["hot_prefix_at_least"]
+        .as_f64()
+        .expect("the pack step's least prefix");
+    let total = leanstream_runtime::cache::CacheShape::from_flash(&f).total_slot_bytes();
+    let held = leanstream_runtime::cache::FfnBudget::parse(budget)
+        .unwrap()
+        .resolve(total);
+    let share = (held as f64 / total as f64).min(1.0).max(at_least);
+    let want = leanstream_runtime::flash::pack::hot_prefix(&learned, &f.header().neuron_scores, share).unwrap();
+    assert!(want != learned, "a hot prefix that changes nothing tests nothing");
+    assert_eq!(
+        placement, &want,
+        "the file is not the hot prefix then the learned order"
+    );
 
     let report = std::fs::read_to_string(out.join("report.md")).expect("report");
     assert!(report.contains("## Tuned against default") && report.contains("plots/controller.svg"));

@@ -31,8 +31,8 @@ use super::tail::Resident;
 use super::trace::{bit_is_set, set_bit, widen_to_groups};
 use super::{EngineStats, FlashModel};
 use crate::cache::{
-    relative_ranking, CacheShape, EvictionPolicy, Learned, Lru, NeuronCache, NeuronFreq, RetentionTable,
-    SlidingWindow, StaticHot,
+    relative_ranking, CacheShape, EvictionPolicy, Learned, Lru, NeuronCache, NeuronFreq, RetentionTable, SlidingWindow,
+    StaticHot,
 };
 use crate::flash::io::{ArrivalLog, Completed, Delivery, IoConfig, IoEngine, IoWorker, Request, Sink};
 use crate::flash::runs::{max_run_bytes, RunRule};

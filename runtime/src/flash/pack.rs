@@ -130,7 +130,9 @@ pub fn hot_prefix(placement: &[Vec<u32>], scores: &[Vec<f32>], fraction: f64) ->
         )));
     }
     if !(0.0..=1.0).contains(&fraction) {
-        return Err(RuntimeError::Invalid(format!("hot prefix: fraction {fraction} is not in 0..=1")));
+        return Err(RuntimeError::Invalid(format!(
+            "hot prefix: fraction {fraction} is not in 0..=1"
+        )));
     }
     let mut ranking = crate::cache::relative_ranking(scores);
     crate::cache::sort_ranking(&mut ranking);
@@ -147,7 +149,11 @@ pub fn hot_prefix(placement: &[Vec<u32>], scores: &[Vec<f32>], fraction: f64) ->
         .zip(&is_hot)
         .map(|((order, mut first), hot)| {
             // An id out of range stays in; `pack` refuses the permutation.
-            first.extend(order.iter().filter(|&&i| !hot.get(i as usize).copied().unwrap_or(false)));
+            first.extend(
+                order
+                    .iter()
+                    .filter(|&&i| !hot.get(i as usize).copied().unwrap_or(false)),
+            );
             first
         })
         .collect())
