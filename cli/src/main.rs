@@ -162,9 +162,17 @@ enum Cmd {
         #[arg(long)]
         calibration: Option<PathBuf>,
         /// Order each layer's bundles by calibrated score, highest first, so the
-        /// hot set and most active neurons sit in one contiguous range.
-        #[arg(long, conflicts_with = "placement")]
+        /// hot set and most active neurons sit in one contiguous range: the
+        /// default whenever the file gets scores (--calibrate, --calibration)
+        /// and no --placement is given. With a --placement, by default the hot
+        /// set of half the FFN goes first and the rest keeps its order.
+        #[arg(long, conflicts_with_all = ["placement", "keep_order"])]
         hot_first: bool,
+        /// Store the --placement (or identity) order as given even when the file
+        /// gets scores: the static hot cache's neurons then sit scattered in
+        /// each layer, and reads merged over them read them again.
+        #[arg(long)]
+        keep_order: bool,
     },
     /// Write a GGUF of a published model's shape with seeded random weights (streamed to disk).
     Synthetic {
@@ -560,6 +568,7 @@ fn real_main(cli: Cli) -> Result<()> {
             calib_tokens,
             calibration,
             hot_first,
+            keep_order,
         } => {
             let thresholds = ThresholdSource {
                 text: calibrate,
@@ -571,7 +580,8 @@ fn real_main(cli: Cli) -> Result<()> {
                 },
                 file: calibration,
             };
-            pack(&model, &out, down, placement.as_deref(), &thresholds, hot_first)
+            let order = PackOrder { hot_first, keep_order };
+            pack(&model, &out, down, placement.as_deref(), &thresholds, order)
         }
         Cmd::Synthetic {
             shape,
@@ -731,29 +741,52 @@ impl ThresholdSource {
     }
 }
 
+/// `pack`'s ordering flags.
+#[derive(Debug, Clone, Copy)]
+struct PackOrder {
+    hot_first: bool,
+    keep_order: bool,
+}
+
 fn pack(
     model: &str,
     out: &Path,
     down: Option<flash::DownType>,
     placement: Option<&Path>,
     thresholds: &ThresholdSource,
-    hot_first: bool,
+    order: PackOrder,
 ) -> Result<()> {
     let path = resolve_model(model)?;
-    let mut placement = placement.map(flash::pack::load_placement).transpose()?;
+    let placement = placement.map(flash::pack::load_placement).transpose()?;
     let (sparsity, neuron_scores) = thresholds.levels(&path)?;
     let down = down.unwrap_or(if sparsity.is_empty() {
         flash::DownType::Source
     } else {
         flash::DownType::Q8_0
     });
-    if hot_first {
-        if neuron_scores.is_empty() {
-            bail!("--hot-first orders neurons by calibrated score: pass --calibrate TEXT or a --calibration file with scores");
-        }
-        let groups = flash::pack::neuron_groups(&path, down)?;
-        placement = Some(flash::pack::order_groups_by_score(&neuron_scores, &groups));
+    if order.hot_first && neuron_scores.is_empty() {
+        bail!(
+            "--hot-first orders neurons by calibrated score: pass --calibrate TEXT or a --calibration file with scores"
+        );
     }
+    // The static hot cache (the default) holds the best-scored neurons: kept
+    // in one piece at the front of each layer, reads skip them instead of
+    // merging over them.
+    let placement = if order.keep_order || neuron_scores.is_empty() {
+        placement
+    } else {
+        let groups = flash::pack::neuron_groups(&path, down)?;
+        match placement {
+            None => Some(flash::pack::order_groups_by_score(&neuron_scores, &groups)),
+            Some(p) if groups.iter().all(|&g| g == 1) => Some(flash::pack::hot_prefix(
+                &p,
+                &neuron_scores,
+                flash::pack::HOT_PREFIX_AT_LEAST,
+            )?),
+            // Down tiles: the placement's groups stay as given.
+            Some(p) => Some(p),
+        }
+    };
     let opts = flash::PackOptions {
         down,
         placement,

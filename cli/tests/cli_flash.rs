@@ -272,3 +272,56 @@ fn smollm2_stays_within_mem_budget() {
 fn gemma3_stays_within_mem_budget() {
     stays_within_mem_budget("gemma3", 310);
 }
+
+/// `pack` with scores stores each layer hottest first unless told to keep
+/// the order; with a placement, the hot set of half the FFN goes first and
+/// the rest keeps the placement's order.
+#[test]
+fn a_calibrated_pack_keeps_the_hot_set_in_one_piece_per_layer() {
+    let src = dir().join("order.gguf");
+    std::fs::write(&src, SyntheticSpec::tiny("llama").build().unwrap().to_bytes()).unwrap();
+    let text = concat!(env!("CARGO_MANIFEST_DIR"), "/../data/text/apache-2.0.txt");
+    let packed = |name: &str, extra: &[&str]| {
+        let out = dir().join(format!("{name}.lsflash"));
+        let mut args = vec!["pack", "--model", src.to_str().unwrap(), "-o", out.to_str().unwrap()];
+        args.extend_from_slice(&["--calibrate", text, "--calib-tokens", "256"]);
+        args.extend_from_slice(extra);
+        let o = leanstream(&args);
+        assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+        leanstream_runtime::flash::LsFlash::open(&out).unwrap()
+    };
+    let by_score = packed("order_default", &[]);
+    let h = by_score.header();
+    let n_ff = h.placement[0].len();
+    assert_eq!(
+        h.placement,
+        leanstream_runtime::flash::pack::order_by_score(&h.neuron_scores)
+    );
+    assert!(h
+        .placement
+        .iter()
+        .any(|l| l.iter().enumerate().any(|(i, &n)| n as usize != i)));
+
+    let kept = packed("order_kept", &["--keep-order"]);
+    let identity: Vec<u32> = (0..n_ff as u32).collect();
+    assert!(kept.header().placement.iter().all(|l| *l == identity));
+
+    // A placement: each layer reversed.
+    let reversed: Vec<Vec<u32>> = h
+        .placement
+        .iter()
+        .map(|_| identity.iter().rev().copied().collect())
+        .collect();
+    let p = dir().join("reversed.json");
+    std::fs::write(&p, serde_json::json!({ "layers": reversed }).to_string()).unwrap();
+    let placed = packed("order_placed", &["--placement", p.to_str().unwrap()]);
+    let ph = placed.header();
+    let want = leanstream_runtime::flash::pack::hot_prefix(&reversed, &ph.neuron_scores, 0.5).unwrap();
+    assert_eq!(ph.placement, want);
+    assert_ne!(want, reversed);
+    let kept = packed(
+        "order_placed_kept",
+        &["--placement", p.to_str().unwrap(), "--keep-order"],
+    );
+    assert_eq!(kept.header().placement, reversed);
+}

@@ -528,7 +528,7 @@ impl Step {
                 // The static hot set at this budget (at least half) goes
                 // first in each layer.
                 "hot_prefix_budget": o.ffn_budget,
-                "hot_prefix_at_least": HOT_PREFIX_AT_LEAST,
+                "hot_prefix_at_least": flash::pack::HOT_PREFIX_AT_LEAST,
                 "calibration_text": ctx.hash_of(TRAIN_TEXT)?,
                 "calibration_tokens": Self::calib_tokens(ctx),
                 "sparsities": SPARSITIES,
@@ -728,14 +728,6 @@ fn placement(ctx: &Ctx) -> Result<(Vec<String>, Value)> {
     Ok((vec![PLACEMENT.into()], json!({ "heldout_reads": reads })))
 }
 
-/// The least share of each layer packed hottest first: the static hot set
-/// of every budget the verification sweeps short of 100% (which holds the
-/// FFN whole) is then a prefix, since a smaller budget's set is a prefix of
-/// a larger one's. On SmolLM2 at a 50% budget a file with a 25% prefix read
-/// 44.0 MiB a token (merged over the scattered rest of the hot set), one
-/// with a 50% prefix 29.6, and both read 44.3 at 25%.
-const HOT_PREFIX_AT_LEAST: f64 = 0.5;
-
 /// The share of the FFN's neurons the static hot cache holds at `budget`
 /// (what the engine's cache would make of it: slots of the widest bundle).
 fn hot_fraction(model: &leanstream_runtime::model::Model, down: flash::DownType, budget: &str) -> Result<f64> {
@@ -768,7 +760,9 @@ fn pack(ctx: &Ctx) -> Result<(Vec<String>, Value)> {
     let calib_s = t.elapsed().as_secs_f64();
     let n_layer = model.config.n_layer;
     let down = flash::DownType::Q8_0;
-    let hot = hot_fraction(&model, down, &ctx.opts.ffn_budget)?.max(HOT_PREFIX_AT_LEAST);
+    // At least half: every budget the verification sweeps short of 100%
+    // (which holds the FFN whole) then finds its hot set in one piece.
+    let hot = hot_fraction(&model, down, &ctx.opts.ffn_budget)?.max(flash::pack::HOT_PREFIX_AT_LEAST);
     drop(model);
     let sparsity = c
         .levels
