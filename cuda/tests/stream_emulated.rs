@@ -212,6 +212,13 @@ fn faulty(faults: Vec<(u64, Fault)>, shuffle: Option<u64>) -> BackendFactory {
     })
 }
 
+/// A streamer of `fm` through a cache of `budget` bytes, its reads landing
+/// in an order `shuffle` seeds (in submission order without one).
+fn streamer(fm: &FlashModel, budget: u64, policy: CachePolicy, shuffle: Option<u64>) -> Streamer {
+    let backend = faulty(Vec::new(), shuffle);
+    Streamer::new(fm, budget, policy, None, 0, Some(256 << 10), Some(backend)).unwrap()
+}
+
 /// EIO, without a libc dependency for one constant.
 const EIO: i32 = 5;
 
@@ -223,8 +230,7 @@ fn streamed_layers_give_the_cpu_engines_bits_read_or_cached_in_any_arrival_order
     // No cache; then 40% of the FFN in an LRU cache (hits from the token
     // before, the rest read), with reads landing shuffled and late.
     for (budget, seed) in [(0u64, None), (ffn_bytes * 2 / 5, Some(3u64))] {
-        let backend = faulty(Vec::new(), seed);
-        let mut s = Streamer::new(&fm, budget, CachePolicy::Lru, None, 0, Some(256 << 10), Some(backend)).unwrap();
+        let mut s = streamer(&fm, budget, CachePolicy::Lru, seed);
         assert!(!s.holds_whole());
         let (mut dev, mut rng) = (Device::new(&fm, &s, false), Rng(11));
         let mut hits = 0;
@@ -257,16 +263,7 @@ fn the_device_cache_reads_a_static_hot_set_in_place_from_the_second_token_on() {
     let fm = model("device_cache_hot");
     let dot = fm.formats[0].gate_ty.vec_dot_type();
     let budget = fm.ffn_bytes() * 2 / 5;
-    let mut s = Streamer::new(
-        &fm,
-        budget,
-        CachePolicy::Hot,
-        None,
-        0,
-        Some(256 << 10),
-        Some(faulty(Vec::new(), Some(5))),
-    )
-    .unwrap();
+    let mut s = streamer(&fm, budget, CachePolicy::Hot, Some(5));
     let (mut dev, mut rng) = (Device::new(&fm, &s, true), Rng(13));
     let mut first_hits = [0usize; N_LAYER];
     for token in 0..3 {
@@ -304,16 +301,7 @@ fn the_device_cache_stays_exact_while_the_host_cache_gives_its_slots_to_other_bu
     // slot moved on to another bundle (or before it was filled) would
     // change the bits.
     let budget = fm.ffn_bytes() * 7 / 10;
-    let mut s = Streamer::new(
-        &fm,
-        budget,
-        CachePolicy::Lru,
-        None,
-        0,
-        Some(256 << 10),
-        Some(faulty(Vec::new(), Some(9))),
-    )
-    .unwrap();
+    let mut s = streamer(&fm, budget, CachePolicy::Lru, Some(9));
     let (mut dev, mut rng) = (Device::new(&fm, &s, true), Rng(17));
     let (mut in_place, mut landed_hits, mut taken_over) = (0, 0, 0);
     for token in 0..8 {
