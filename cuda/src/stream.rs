@@ -98,22 +98,25 @@ impl DeviceCache {
         self.held(slot as usize) == Some((l as u32, i as u32))
     }
 
-    /// After `plan` was fed without error (every hit landed): the copies
-    /// that put its hits landed from the host into the device's cache, each
-    /// recorded as held from now on (the device runs them, in stream order,
-    /// before any later layer's kernels).
-    pub fn fills(&mut self, plan: &SlotPlan) -> Vec<CacheFill> {
-        plan.fills
+    /// After `plan` was fed without error (every hit landed first, before
+    /// any deadline): `copy` puts its hits landed from the host into the
+    /// device's cache (the device runs the copies in stream order, before
+    /// any later layer's kernels); once it has, they are recorded as held.
+    /// Returns how many there were.
+    pub fn fill(&mut self, plan: &SlotPlan, copy: impl FnOnce(&[CacheFill]) -> Result<()>) -> Result<usize> {
+        let fills: Vec<CacheFill> = plan
+            .fills
             .iter()
-            .map(|&(k, slot)| {
-                let s = &plan.slots[k as usize];
-                self.holds[slot as usize] = Some((plan.layer as u32, s.neuron));
-                CacheFill {
-                    from: s.bundle,
-                    to: self.address(slot),
-                }
+            .map(|&(k, slot)| CacheFill {
+                from: plan.slots[k as usize].bundle,
+                to: self.address(slot),
             })
-            .collect()
+            .collect();
+        copy(&fills)?;
+        for &(k, slot) in &plan.fills {
+            self.holds[slot as usize] = Some((plan.layer as u32, plan.slots[k as usize].neuron));
+        }
+        Ok(fills.len())
     }
 }
 
@@ -127,6 +130,8 @@ pub struct SlotPlan {
     /// Per slot: read in place from the device's cache (nothing lands).
     pub in_place: Vec<bool>,
     /// Hits the device's cache does not hold yet: (slot, host cache slot).
+    /// Only the streamer's pinned hits, which `feed` lands before anything
+    /// else, so none of them can miss a deadline.
     fills: Vec<(u32, u32)>,
     /// By neuron id: its slot, or `u32::MAX` when not wanted.
     slot_of: Vec<u32>,
@@ -159,6 +164,13 @@ impl SlotPlan {
     ) -> Self {
         let mut slot_of = vec![u32::MAX; n_ff];
         let (mut slots, mut in_place, mut fills) = (Vec::new(), Vec::new(), Vec::new());
+        // A layer not requested has no wanted neurons, so no hits either.
+        let mut pinned = vec![false; n_ff];
+        for &i in streamer.hits(layer).unwrap_or_default() {
+            if let Some(p) = pinned.get_mut(i) {
+                *p = true;
+            }
+        }
         for (i, s) in slot_of.iter_mut().enumerate() {
             if !streamer.is_wanted(layer, i) {
                 continue;
@@ -173,10 +185,12 @@ impl SlotPlan {
             };
             let cached = cache.zip(streamer.cache_slot(layer, i));
             let here = cached.is_some_and(|(c, cs)| c.holds(cs, layer, i));
+            // A device copy is read in place whether or not the host pinned
+            // the bundle: only a fill, after the layer, writes device slots.
             if let Some((c, cs)) = cached {
                 if here {
                     (slot.bundle, slot.flag) = (c.address(cs), c.ready_flag);
-                } else {
+                } else if pinned[i] {
                     fills.push((k as u32, cs));
                 }
             }

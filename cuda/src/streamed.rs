@@ -283,19 +283,20 @@ impl StreamedFfn {
             )));
         }
         if let Some(cache) = &mut self.cache {
-            let fills = cache.map.fills(&c.plan);
-            let pairs: Vec<u64> = fills.iter().flat_map(|f| [f.from, f.to]).collect();
             let set = &self.sets[c.set];
-            // SAFETY: the set's previous layer is done with its fill list
-            // (`begin` waited on its event), and the copy kernel that reads
-            // it is launched after this write, in stream order after the
-            // layer's kernels, which saw every staged bundle's flag.
-            unsafe {
-                set.fills
-                    .write_at(set.fills.device_ptr(), bytemuck::cast_slice(&pairs))?
-            };
             let bb = self.formats[c.plan.layer].bundle_bytes() as u64;
-            gpu.ffn_cache_fill(DevPtr(set.fills.device_ptr()), fills.len(), bb)?;
+            cache.map.fill(&c.plan, |fills| {
+                let pairs: Vec<u64> = fills.iter().flat_map(|f| [f.from, f.to]).collect();
+                // SAFETY: the set's previous layer is done with its fill list
+                // (`begin` waited on its event), and the copy kernel that
+                // reads it is launched after this write, in stream order
+                // after the layer's kernels, which saw every staged flag.
+                unsafe {
+                    set.fills
+                        .write_at(set.fills.device_ptr(), bytemuck::cast_slice(&pairs))?
+                };
+                gpu.ffn_cache_fill(DevPtr(set.fills.device_ptr()), fills.len(), bb)
+            })?;
         }
         let event = gpu
             .stream

@@ -178,7 +178,7 @@ fn run_layer_of(
     )?;
     if let Some(cache) = &mut dev.cache {
         // SAFETY: stage 2 has run and every landing is done.
-        unsafe { cache_fill(&dev.staging, &cache.fills(&plan), bb)? };
+        cache.fill(&plan, |fills| unsafe { cache_fill(&dev.staging, fills, bb) })?;
     }
     s.finish(l, l + 1 == N_LAYER);
     Ok(Layer {
