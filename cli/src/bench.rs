@@ -239,6 +239,7 @@ pub fn run(a: BenchArgs) -> Result<()> {
         let (cached, file_len) = pagecache::cached_bytes(fm.flash.path())?;
         report["policy"] = json!(engine.policy().to_string());
         report["cache_policy"] = json!(engine.cache_policy_name());
+        report["hot_set_scattered"] = json!(engine.hot_set_scattered());
         report["ffn_held_whole"] = json!(engine.whole_layers());
         report["io_direct"] = json!(engine.io_direct());
         report["bytes_requested_per_token"] = json!(s.bytes_requested as f64 / tokens);

@@ -925,6 +925,19 @@ fn run(
             fmt_bytes(cached),
             fmt_bytes(len)
         );
+        if let Some(share) = engine.hot_set_scattered().filter(|&s| s > SCATTERED_NOTE) {
+            eprintln!(
+                "note: {:.0}% of the static hot set lies outside its layers' leading bundles in {}, so reads merge \
+                 over cached bundles and read them again; re-pack it (`leanstream pack` stores calibrated files \
+                 hottest first) or run `leanstream-synth tune` again",
+                100.0 * share,
+                fm.flash.path().display()
+            );
+        }
     }
     Ok(())
 }
+
+/// Above this share of the hot set outside each layer's leading bundles,
+/// `run` says the file streams more than its cache leaves out.
+const SCATTERED_NOTE: f64 = 0.1;

@@ -324,4 +324,29 @@ fn a_calibrated_pack_keeps_the_hot_set_in_one_piece_per_layer() {
         &["--placement", p.to_str().unwrap(), "--keep-order"],
     );
     assert_eq!(kept.header().placement, reversed);
+
+    // The engine's own hot set at a quarter of the FFN: one piece per layer
+    // in the files packed hot first, scattered in the one kept as given.
+    let scattered = |name: &str| {
+        let f = dir().join(format!("{name}.lsflash"));
+        let o = leanstream(&[
+            "bench",
+            "--model",
+            f.to_str().unwrap(),
+            "--policy",
+            "dense-stream",
+            "--ffn-budget",
+            "25%",
+            "--prompt-tokens",
+            "2",
+            "--gen-tokens",
+            "1",
+            "--reps",
+            "1",
+        ]);
+        json_of(&o)["hot_set_scattered"].as_f64().expect("a static hot set")
+    };
+    assert_eq!(scattered("order_default"), 0.0);
+    assert_eq!(scattered("order_placed"), 0.0);
+    assert!(scattered("order_kept") > 0.1);
 }

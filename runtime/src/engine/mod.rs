@@ -552,6 +552,15 @@ impl FlashEngine {
         }
     }
 
+    /// Of the static hot set, the share outside its layers' leading
+    /// bundles (`None` without one; see [`Streamer::hot_set_scattered`]).
+    pub fn hot_set_scattered(&self) -> Option<f64> {
+        match &self.source {
+            Source::Resident(_) => None,
+            Source::Stream(s) => s.hot_set_scattered(),
+        }
+    }
+
     /// The neuron cache's eviction policy (`None` for `Dense`).
     pub fn cache_policy_name(&self) -> Option<&'static str> {
         match &self.source {

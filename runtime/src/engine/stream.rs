@@ -274,6 +274,8 @@ pub struct Streamer {
     held: Option<HeldPrefix>,
     landings: Arc<Landings>,
     cache: NeuronCache,
+    /// Share of the static hot set outside its layers' leading bundles.
+    hot_scattered: Option<f64>,
     /// Every layer in memory as `dense` holds it, where the budget has a
     /// slot for every neuron (the cache is then empty): see
     /// [`holds_everything`].
@@ -440,7 +442,9 @@ impl Streamer {
         let placement: Vec<Vec<u32>> = (0..n_layer)
             .map(|l| (0..n_ff).map(|p| f.neuron_at(l, p) as u32).collect())
             .collect();
+        let hot_scattered = scattered_share(&cache.prefill_list(), &placement);
         Ok(Self {
+            hot_scattered,
             merge_gap_bytes,
             bytes_needed: 0,
             io,
@@ -1082,6 +1086,14 @@ impl Streamer {
         self.cache.slot_of(l, i)
     }
 
+    /// Of a static hot set loaded up front, the share that lies outside
+    /// its layers' leading bundles (`None` without one). Reads merge over
+    /// those and read them again, so a file whose hot set is not one piece
+    /// per layer streams more than the cache leaves out.
+    pub fn hot_set_scattered(&self) -> Option<f64> {
+        self.hot_scattered
+    }
+
     /// Slots in the neuron cache (0 without a cache).
     pub fn cache_slots(&self) -> usize {
         self.cache.n_slots()
@@ -1235,6 +1247,43 @@ impl Streamer {
         }
     }
 }
+/// Of `hot` (the (layer, neuron) set a cache loads up front), the share not
+/// among its layers' leading positions in `placement` (per layer, the
+/// neuron at each position); `None` for an empty set.
+fn scattered_share(hot: &[(u32, u32)], placement: &[Vec<u32>]) -> Option<f64> {
+    if hot.is_empty() {
+        return None;
+    }
+    let mut per_layer = vec![0usize; placement.len()];
+    for &(l, _) in hot {
+        if let Some(c) = per_layer.get_mut(l as usize) {
+            *c += 1;
+        }
+    }
+    let leading: Vec<Vec<bool>> = placement
+        .iter()
+        .zip(&per_layer)
+        .map(|(order, &k)| {
+            let mut lead = vec![false; order.len()];
+            for &i in order.iter().take(k) {
+                lead[i as usize] = true;
+            }
+            lead
+        })
+        .collect();
+    let outside = hot
+        .iter()
+        .filter(|&&(l, i)| {
+            !leading
+                .get(l as usize)
+                .and_then(|v| v.get(i as usize))
+                .copied()
+                .unwrap_or(false)
+        })
+        .count();
+    Some(outside as f64 / hot.len() as f64)
+}
+
 /// Whether a cache of `budget` bytes would come to hold every neuron and
 /// then never change: it has a slot for each, and every eviction policy
 /// here evicts only for room (the sliding window too: it does not release
