@@ -330,7 +330,11 @@ fn arrival_order_case(down: DownType) {
         let s = e.stats();
         let reads_per_layer_call = s.reads as f64 / (7 * fm.flash.n_layer()) as f64;
         eprintln!("seed {seed}, cache {share}: {reads_per_layer_call:.1} reads per layer call, {s:?}");
-        assert!(reads_per_layer_call > 2.0, "each layer arrives in several reads");
+        // More than one read a layer on average, so arrival order can
+        // differ from file order. How a layer's misses split into reads
+        // depends on when pool buffers free up: at a 60% cache the same
+        // seed gave 42 or 43 reads for 21 layer calls, so the bar is not 2.
+        assert!(reads_per_layer_call > 1.5, "each layer arrives in several reads");
         assert!(
             common::same_bits(&run, &reference),
             "{down}: seed {seed}, cache share {share}"
