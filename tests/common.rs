@@ -131,8 +131,9 @@ pub const ARTIFACTS: [&str; 6] = [
 /// Checks what a finished tune left in `out` and that the engine used it:
 /// the tuned verification run took its actions from the table and
 /// consulted the predictor beside the model, and the file is in the
-/// order tune packs: each layer's hot set first, then the learned placement. `steps`: how many the run's pipeline has (11
-/// with uniform profiling, 10 with adaptive). Returns the manifest.
+/// order tune packs: each layer's hot set first, then the learned
+/// placement. `steps`: how many the run's pipeline has (11 with uniform
+/// profiling, 10 with adaptive). Returns the manifest.
 pub fn check_tuned(out: &Path, steps: usize) -> Value {
     for a in ARTIFACTS {
         assert!(out.join(a).is_file(), "{a} missing in {}", out.display());
@@ -176,28 +177,16 @@ pub fn check_tuned(out: &Path, steps: usize) -> Value {
     );
     // Each layer: the static hot set of the pack step's budget (or the
     // least share it packs that way) hottest first, then the learned order.
-    let learned: Vec<Vec<u32>> = json_file(&out.join("work/placement.json"))["layers"]
-        .as_array()
-        .expect("placement layers")
-        .iter()
-        .map(|l| {
-            l.as_array()
-                .unwrap()
-                .iter()
-                .map(|v| v.as_u64().unwrap() as u32)
-                .collect()
-        })
-        .collect();
+    let learned = leanstream_runtime::flash::pack::load_placement(&out.join("work/placement.json")).unwrap();
     let inputs = &m["steps"]["pack"]["inputs"];
     let budget = inputs["hot_prefix_budget"].as_str().expect("the pack step's budget");
     let at_least = inputs["hot_prefix_at_least"]
         .as_f64()
         .expect("the pack step's least prefix");
-    let total = leanstream_runtime::cache::CacheShape::from_flash(&f).total_slot_bytes();
-    let held = leanstream_runtime::cache::FfnBudget::parse(budget)
-        .unwrap()
-        .resolve(total);
-    let share = (held as f64 / total as f64).min(1.0).max(at_least);
+    let budget = leanstream_runtime::cache::FfnBudget::parse(budget).unwrap();
+    let share = leanstream_runtime::cache::CacheShape::from_flash(&f)
+        .budget_share(budget)
+        .max(at_least);
     let want = leanstream_runtime::flash::pack::hot_prefix(&learned, &f.header().neuron_scores, share).unwrap();
     assert!(want != learned, "a hot prefix that changes nothing tests nothing");
     assert_eq!(

@@ -144,6 +144,13 @@ impl CacheShape {
         self.bundle_bytes.iter().map(|&b| b as u64 * self.n_ff as u64).sum()
     }
 
+    /// The share of every neuron's slot that `budget` pays for, at most 1
+    /// (what the static hot cache holds of the FFN's neurons).
+    pub fn budget_share(&self, budget: FfnBudget) -> f64 {
+        let total = self.total_slot_bytes();
+        (budget.resolve(total) as f64 / total.max(1) as f64).min(1.0)
+    }
+
     /// Bytes of the slots that hold every neuron (each bundle in a slot of
     /// [`NeuronCache::new`]'s stride): what a percentage budget is a share
     /// of, so that 100% holds the whole FFN.

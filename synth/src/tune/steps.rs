@@ -737,9 +737,8 @@ fn hot_fraction(model: &leanstream_runtime::model::Model, down: flash::DownType,
         n_ff: model.config.n_ff,
         bundle_bytes: layouts.iter().map(|l| l.bundle_bytes()).collect(),
     };
-    let total = shape.total_slot_bytes();
     let b = FfnBudget::parse(budget).map_err(|e| SynthError::Settings(format!("--ffn-budget {budget}: {e}")))?;
-    Ok((b.resolve(total) as f64 / total.max(1) as f64).min(1.0))
+    Ok(shape.budget_share(b))
 }
 
 fn pack(ctx: &Ctx) -> Result<(Vec<String>, Value)> {
