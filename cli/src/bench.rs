@@ -365,7 +365,12 @@ fn device_bench(a: &BenchArgs, path: &Path, ordinal: usize) -> Result<()> {
     report["device"] = json!(device);
     if let Some(s) = g.streamed() {
         let (fed, io) = (s.fed, s.streamer().stats());
+        let e = s.engine();
         report["ffn_stream"] = json!({
+            "policy": e.policy().to_string(),
+            "sparsity": e.sparsity(),
+            "predictor": e.predictor_name(),
+            "speculate": e.decisions().map(|d| decisions_json(&d, fed.missing as u64)),
             "cache_policy": s.streamer().cache_policy_name(),
             "cache_budget_bytes": s.streamer().budget_bytes(),
             "device_cache_bytes": s.device_cache_bytes(),

@@ -2,8 +2,11 @@
 //! engine on a CUDA device (`leanstream-cuda`), sampling on the host from its
 //! logits in the runtime's generation loop (`serve` and `chat` run it in
 //! `leanstream-server`). `run` and `bench` also take a packed `.lsflash`
-//! model, its bundles all resident in device memory, or with `--policy
-//! dense-stream` streamed from flash each token through the neuron cache.
+//! model: with `--policy dense` its bundles all resident in device memory;
+//! under a streaming policy (the CPU engine's: `dense-stream`, `speculate`,
+//! the prior systems, `gate-first`), streamed from flash each token through
+//! the neuron cache, the policy deciding on the host and the device keeping
+//! what it keeps. A tuned model's default is `speculate`, as on the CPU.
 
 use std::io::Write;
 use std::ops::ControlFlow;
@@ -35,17 +38,24 @@ pub(crate) fn ordinal(device: &str) -> Result<Option<usize>> {
     }
 }
 
-/// Refuses the CPU streaming engine's options the device engine does not
-/// have. A packed model (`packed`) may stream with `--policy dense-stream`
-/// and its neuron cache's `--ffn-budget`, or run `--policy dense`.
+/// Refuses what the device engine does not run: any streaming option for
+/// a GGUF model (`packed` false); for a packed model, `--mem-budget` (it
+/// counts the CPU engine's memory) and the oracle (it replays a CPU run).
 fn refuse_streaming_options(flash: &FlashArgs, packed: bool) -> Result<()> {
-    let streams = packed && flash.policy == Some(Policy::DenseStream);
-    let device_policy = |p: Policy| packed && matches!(p, Policy::Dense | Policy::DenseStream);
+    if packed {
+        if flash.mem_budget.is_some() {
+            bail!("--mem-budget counts the CPU engine's memory; on --device cuda give the neuron cache's --ffn-budget");
+        }
+        if flash.policy == Some(Policy::Oracle) {
+            bail!("--policy oracle replays the CPU engine's recorded run; it does not run on --device cuda");
+        }
+        return Ok(());
+    }
     let given = [
-        (flash.policy.is_some_and(|p| !device_policy(p)), "--policy"),
+        (flash.policy.is_some(), "--policy"),
         (flash.predictor.is_some(), "--predictor"),
         (flash.controller.is_some(), "--controller"),
-        (flash.ffn_budget.is_some() && !streams, "--ffn-budget"),
+        (flash.ffn_budget.is_some(), "--ffn-budget"),
         (flash.mem_budget.is_some(), "--mem-budget"),
         (flash.sparsity != 0.0, "--sparsity"),
     ]
@@ -53,10 +63,9 @@ fn refuse_streaming_options(flash: &FlashArgs, packed: bool) -> Result<()> {
     .find(|(set, _)| *set)
     .map(|(_, name)| name);
     match given {
-        Some(flag) => bail!(
-            "{flag} is an option of the CPU streaming engine; --device cuda runs the dense engine, or a packed \
-             model's --policy dense-stream with its --ffn-budget"
-        ),
+        Some(flag) => {
+            bail!("{flag} is an option of a packed .lsflash model; --device cuda runs a GGUF model's dense engine")
+        }
         None => Ok(()),
     }
 }
@@ -116,8 +125,9 @@ pub(crate) fn stream_summary(g: &GpuModel) -> Option<String> {
     let s = g.streamed()?;
     let (fed, io) = (s.fed, s.streamer().stats());
     Some(format!(
-        "streamed FFN ({} cache, {}, mirrored in {} of device memory): {} bundles read in place on the device, {} \
-         landed from the host's cache, {} read, {} skipped late | {:.1} MiB read in {} reads",
+        "streamed FFN ({}, {} cache, {}, mirrored in {} of device memory): {} bundles read in place on the \
+         device, {} landed from the host's cache, {} read, {} skipped late | {:.1} MiB read in {} reads",
+        s.engine().policy(),
         s.streamer().cache_policy_name(),
         leanstream_runtime::cache::fmt_bytes(s.streamer().budget_bytes()),
         leanstream_runtime::cache::fmt_bytes(s.device_cache_bytes()),
@@ -131,12 +141,13 @@ pub(crate) fn stream_summary(g: &GpuModel) -> Option<String> {
 }
 
 /// A model the device engine runs: a GGUF's, or a packed model's (its
-/// bundles all resident on the device, or streamed under these settings).
+/// bundles all resident on the device, or streamed under a policy with
+/// these settings).
 // One per command: the variants' sizes do not matter.
 #[allow(clippy::large_enum_variant)]
 pub(crate) enum DeviceModel {
     Gguf(Model),
-    Flash(FlashModel, Option<StreamSettings>),
+    Flash(FlashModel, Option<(Policy, StreamSettings)>),
 }
 
 impl DeviceModel {
@@ -146,9 +157,10 @@ impl DeviceModel {
         refuse_streaming_options(flash, packed)?;
         if packed {
             let fm = FlashModel::open(path).with_context(|| format!("{}: opening the packed model", path.display()))?;
-            let stream = match flash.policy {
-                Some(Policy::DenseStream) => Some(flash.settings()?),
-                _ => None,
+            let settings = flash.settings()?;
+            let stream = match settings.policy_for(path) {
+                Policy::Dense => None,
+                policy => Some((policy, settings)),
             };
             return Ok(Self::Flash(fm, stream));
         }
@@ -171,26 +183,27 @@ impl DeviceModel {
     }
 
     /// The device engine with a context of `ctx` and prompt batches of up
-    /// to `prompt` rows (at most 512), and the device's description.
+    /// to `prompt` rows (at most 512), and the device's description. A
+    /// streaming policy's engine (its artifacts, thresholds, cache) is made
+    /// before the device is opened, so what is wrong with it is said first.
     pub(crate) fn open(&self, ordinal: usize, ctx: usize, prompt: usize) -> Result<(GpuModel, String)> {
+        let engine = match self {
+            Self::Flash(fm, Some((policy, settings))) => Some(settings.device_engine(fm, *policy)?),
+            _ => None,
+        };
         let gpu = Gpu::open(ordinal)?;
         let device = format!(
             "{} (compute {}.{})",
             gpu.name, gpu.compute_capability.0, gpu.compute_capability.1
         );
         let batch = prompt.clamp(1, 512);
-        let g = match self {
-            Self::Gguf(m) => GpuModel::new(gpu, m, ctx, batch)?,
-            Self::Flash(fm, None) => GpuModel::from_flash(gpu, fm, ctx, batch)?,
-            Self::Flash(fm, Some(settings)) => {
-                let streamer = settings.streamer(fm, Policy::DenseStream)?;
-                if streamer.holds_whole() {
-                    // The cache would hold every bundle: resident on the device instead.
-                    GpuModel::from_flash(gpu, fm, ctx, batch)?
-                } else {
-                    GpuModel::from_flash_streamed(gpu, fm, streamer, ctx, batch)?
-                }
+        let g = match (self, engine) {
+            (Self::Gguf(m), _) => GpuModel::new(gpu, m, ctx, batch)?,
+            (Self::Flash(fm, _), Some(engine)) if !engine.streamer().is_some_and(|s| s.holds_whole()) => {
+                GpuModel::from_flash_streamed(gpu, fm, engine, ctx, batch)?
             }
+            // Resident: `dense`, or a cache that would hold every bundle.
+            (Self::Flash(fm, _), _) => GpuModel::from_flash(gpu, fm, ctx, batch)?,
         };
         Ok((g, device))
     }

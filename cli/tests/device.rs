@@ -64,7 +64,7 @@ fn an_unknown_device_is_an_error_naming_it() {
 #[test]
 fn streaming_options_are_refused_on_the_device_engine() {
     let o = run(&["--device", "cuda", "--policy", "dense"]);
-    assert_refused(&o, "--policy is an option of the CPU streaming engine");
+    assert_refused(&o, "--policy is an option of a packed .lsflash model");
 }
 
 #[test]
@@ -124,23 +124,30 @@ fn cuda_runs_a_packed_model_or_says_why_not() {
             }
         }
     }
-    // The other policies are the CPU engine's.
-    let o = Command::new(env!("CARGO_BIN_EXE_leanstream"))
-        .args(["run", "--model"])
-        .arg(packed("q8_0"))
-        .args([
-            "--prompt",
-            "a b",
-            "-n",
-            "4",
-            "--device",
-            "cuda",
-            "--policy",
-            "speculate",
-        ])
-        .output()
-        .unwrap();
-    assert_refused(&o, "--policy is an option of the CPU streaming engine");
+    // The CPU engine's policies, with what each needs said before the
+    // device is looked for; what the device cannot run is refused.
+    let cases: [(&[&str], &str); 4] = [
+        (&["--policy", "speculate"], "needs a predictor"),
+        (
+            &["--policy", "gate-first", "--sparsity", "0.5"],
+            "no thresholds for sparsity 0.5",
+        ),
+        (&["--policy", "oracle"], "replays the CPU engine's recorded run"),
+        (
+            &["--policy", "dense-stream", "--mem-budget", "300MiB"],
+            "--mem-budget counts the CPU engine's memory",
+        ),
+    ];
+    for (args, why) in cases {
+        let o = Command::new(env!("CARGO_BIN_EXE_leanstream"))
+            .args(["run", "--model"])
+            .arg(packed("q8_0"))
+            .args(["--prompt", "a b", "-n", "4", "--device", "cuda"])
+            .args(args)
+            .output()
+            .unwrap();
+        assert_refused(&o, why);
+    }
 }
 
 fn bench(args: &[&str]) -> Output {
@@ -169,7 +176,7 @@ fn bench_on_cuda_measures_or_says_there_is_no_device() {
 #[test]
 fn bench_refuses_what_the_device_engine_does_not_run() {
     let o = bench(&["--device", "cuda:0", "--ffn-budget", "25%"]);
-    assert_refused(&o, "--ffn-budget is an option of the CPU streaming engine");
+    assert_refused(&o, "--ffn-budget is an option of a packed .lsflash model");
     let o = bench(&["--device", "gpu"]);
     assert_refused(&o, "expected cpu, cuda or cuda:N");
 }
@@ -203,7 +210,7 @@ fn chat_on_cuda_answers_or_says_there_is_no_device() {
 fn serve_refuses_what_the_device_engine_does_not_run() {
     let serve = |args: &[&str]| leanstream("serve", &["--port", "0"], args);
     let o = serve(&["--device", "cuda", "--policy", "dense"]);
-    assert_refused(&o, "--policy is an option of the CPU streaming engine");
+    assert_refused(&o, "--policy is an option of a packed .lsflash model");
     let o = serve(&["--device", "npu"]);
     assert_refused(&o, "--device \"npu\": expected cpu, cuda or cuda:N");
 }

@@ -98,6 +98,14 @@ impl Gpu {
         self.stream.clone_dtoh(data).map_err(driver_error("copy from device"))
     }
 
+    /// The first `len` values of `data` (after the work queued before).
+    pub fn download_prefix<T: DeviceRepr>(&self, data: &CudaSlice<T>, len: usize) -> Result<Vec<T>> {
+        let view = data
+            .try_slice(..len)
+            .ok_or_else(|| CudaError::Invalid(format!("{len} values of a buffer of {}", data.len())))?;
+        self.stream.clone_dtoh(&view).map_err(driver_error("copy from device"))
+    }
+
     pub fn synchronize(&self) -> Result<()> {
         self.stream.synchronize().map_err(driver_error("synchronize"))
     }
@@ -456,6 +464,7 @@ impl Gpu {
         gelu_table: DevPtr,
         start_ns: DevPtr,
         deadline_ns: u64,
+        keep: Keep,
         act: DevPtr,
         skipped: DevPtr,
     ) -> Result<()> {
@@ -478,6 +487,8 @@ impl Gpu {
                 &gelu_table,
                 &start_ns,
                 &deadline_ns,
+                &keep.threshold,
+                &keep.rows,
                 &act,
                 &skipped,
             ],
@@ -570,6 +581,24 @@ fn dot_units(ty: GgmlType, cols: usize) -> usize {
         GgmlType::F16 | GgmlType::F32 => cols / 8,
         _ => cols / ty.block_size(),
     }
+}
+
+/// What the streaming FFN's stage 1 keeps of a row (the CPU tail's rule):
+/// the neurons set in the bitmap over neuron ids at `rows` (device memory,
+/// or mapped host memory), or with no bitmap (`DevPtr(0)`), those with
+/// `|a|` not below `threshold`.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Keep {
+    pub threshold: f32,
+    pub rows: DevPtr,
+}
+
+impl Keep {
+    /// Every neuron computed.
+    pub const ALL: Keep = Keep {
+        threshold: 0.0,
+        rows: DevPtr(0),
+    };
 }
 
 /// The FFN input of one token in the gate and up rows' vec-dot types.

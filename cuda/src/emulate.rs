@@ -18,6 +18,7 @@ use std::sync::{Mutex, OnceLock};
 use std::time::{Duration, Instant};
 
 use leanstream_kernels::sparse_ffn::{axpy_down, neuron_activation, BundleFormat, DownLayout, FfnActivation, FfnInput};
+use leanstream_runtime::engine::keeps;
 
 use crate::flags::{FlagBoard, Slot};
 use crate::stream::{CacheFill, Landing};
@@ -98,6 +99,22 @@ pub struct StreamLayer<'a> {
     pub format: BundleFormat,
     pub input: FfnInput<'a>,
     pub act: FfnActivation,
+    /// What the row keeps (the kernel's `threshold` and `keep`): the
+    /// neurons set in this bitmap over neuron ids where given, else those
+    /// with `|a|` not below the threshold.
+    pub threshold: f32,
+    pub keep: Option<&'a [u64]>,
+}
+
+impl StreamLayer<'_> {
+    /// Neuron `i`'s activation `a` as stage 1 leaves it: `a`, or 0 if dropped.
+    fn kept(&self, i: u32, a: f32) -> f32 {
+        if keeps(self.threshold, self.keep, i as usize, a) {
+            a
+        } else {
+            0.0
+        }
+    }
 }
 
 /// What stage 1 leaves: per slot, its activation (0 when skipped) and
@@ -154,7 +171,7 @@ pub fn activations(
             // SAFETY: the flag was seen ready (acquire) for this epoch.
             let bundle = unsafe { staging.read(slot.bundle, bundle_bytes)? };
             let a = neuron_activation(&layer.format, &layer.input, layer.act, bundle)?;
-            act[s].store(a.to_bits(), Ordering::Relaxed);
+            act[s].store(layer.kept(slot.neuron, a).to_bits(), Ordering::Relaxed);
         }
     };
     std::thread::scope(|scope| {

@@ -147,11 +147,11 @@ impl GpuModel {
     pub fn from_flash_streamed(
         gpu: Gpu,
         fm: &FlashModel,
-        streamer: leanstream_runtime::engine::Streamer,
+        engine: leanstream_runtime::engine::FlashEngine,
         ctx: usize,
         max_batch: usize,
     ) -> Result<Self> {
-        let streamed = StreamedFfn::new(&gpu, fm, streamer)?;
+        let streamed = StreamedFfn::new(&gpu, fm, engine, max_batch)?;
         let mut m = Self::build(gpu, &fm.model, FfnSource::Streamed, ctx, max_batch)?;
         m.streamed = Some(streamed);
         Ok(m)
@@ -468,6 +468,12 @@ impl GpuModel {
             self.probe(&mut trace, il, "input", &self.buf.x, n, d)?;
             let g = &self.gpu;
             let l = &self.layers[il];
+            if let (Some(sf), LayerFfn::Streamed) = (streamed.as_deref_mut(), &l.ffn) {
+                // A policy that predicts from the layer's input starts its reads now.
+                if sf.reads_rows() {
+                    sf.layer_input(il, &g.download_prefix(&self.buf.x, n * d)?, n)?;
+                }
+            }
             // Attention: norm, projections, biases.
             g.rms_norm(x, g.ptr(&l.attn_norm), xb, n, d, c.rms_eps)?;
             self.product(&l.wq, xb, n, q)?;
@@ -559,7 +565,15 @@ impl GpuModel {
                         .ok_or_else(|| CudaError::Invalid(format!("layer {il} streams without a streamer")))?;
                     let format = *sf.format(il)?;
                     let (gelu, scratch) = (g.ptr(&self.gelu), self.ffn_scratch());
-                    sf.begin(il)?;
+                    // A policy that predicts reads the layer's rows on the host.
+                    let rows = if sf.reads_rows() {
+                        let resid = g.download_prefix(&self.buf.x, n * d)?;
+                        let xb = g.download_prefix(&self.buf.xb, n * d)?;
+                        Some((resid, xb))
+                    } else {
+                        None
+                    };
+                    sf.begin(il, n, rows.as_ref().map(|(r, x)| (&r[..], &x[..])))?;
                     let rows = self.bundle_rows(&format, n, |t, input, acts, y| {
                         let row = RowFfn {
                             input,
@@ -569,7 +583,7 @@ impl GpuModel {
                             act: acts,
                             y,
                         };
-                        sf.stage(g, t == 0, row)?;
+                        sf.stage(g, t, row)?;
                         // The first row's kernels poll while its bundles land;
                         // the later rows find them all.
                         if t == 0 {
@@ -581,7 +595,7 @@ impl GpuModel {
                         sf.abandon();
                         return Err(e);
                     }
-                    sf.end(g, il + 1 == c.n_layer)?;
+                    sf.end(g)?;
                     self.probe(&mut trace, il, "act", &self.buf.gate, n, ff)?;
                 }
             }

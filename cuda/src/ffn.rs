@@ -9,7 +9,7 @@ use cudarc::driver::CudaSlice;
 use leanstream_kernels::sparse_ffn::BundleFormat;
 use leanstream_runtime::engine::FlashModel;
 
-use crate::device::{check_down_columns, DevPtr, Gpu, StreamInput};
+use crate::device::{check_down_columns, DevPtr, Gpu, Keep, StreamInput};
 use crate::flags::Slot;
 use crate::{CudaError, Result};
 
@@ -73,7 +73,7 @@ impl ResidentBundles {
     /// [`slot`](Self::slot)s), asynchronously: stage 1's `act[s]`, then
     /// `y += Σ act[s] * down_s` in `table.order`.
     pub fn stage(&self, gpu: &Gpu, table: SlotTable, row: RowFfn) -> Result<()> {
-        table.launch(gpu, &self.format, 1, 0, row)
+        table.launch(gpu, &self.format, 1, 0, Keep::ALL, row)
     }
 }
 
@@ -102,8 +102,16 @@ impl SlotTable {
     /// One stage of one token over these slots, launched asynchronously:
     /// stage 1's `act[s]` once slot `s`'s flag reaches `epoch` (or skipped
     /// `deadline_ns` after the first warp starts; 0: wait for every flag),
-    /// then `y += Σ act[s] * down_s` in `order`.
-    pub fn launch(&self, gpu: &Gpu, format: &BundleFormat, epoch: u32, deadline_ns: u64, row: RowFfn) -> Result<()> {
+    /// keeping what `keep` says, then `y += Σ act[s] * down_s` in `order`.
+    pub fn launch(
+        &self,
+        gpu: &Gpu,
+        format: &BundleFormat,
+        epoch: u32,
+        deadline_ns: u64,
+        keep: Keep,
+        row: RowFfn,
+    ) -> Result<()> {
         let scratch = row.scratch;
         gpu.zero_at(scratch.start_ns, 8)?;
         gpu.ffn_stream_activations(
@@ -116,6 +124,7 @@ impl SlotTable {
             row.gelu_table,
             scratch.start_ns,
             deadline_ns,
+            keep,
             row.act,
             scratch.skipped,
         )?;

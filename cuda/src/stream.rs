@@ -126,6 +126,7 @@ impl DeviceCache {
 #[derive(Debug, Clone)]
 pub struct SlotPlan {
     pub layer: usize,
+    pub bundle_bytes: usize,
     pub slots: Vec<Slot>,
     /// Per slot: read in place from the device's cache (nothing lands).
     pub in_place: Vec<bool>,
@@ -146,7 +147,9 @@ pub struct Fed {
     pub hits: usize,
     /// From reads.
     pub read: usize,
-    /// Not landed by the deadline (the device skips them).
+    /// Not landed: by the deadline (the device skips them), or never
+    /// coming (a read the policy cancelled; landed as zeros, which add
+    /// nothing).
     pub missing: usize,
 }
 
@@ -199,6 +202,7 @@ impl SlotPlan {
         }
         Self {
             layer,
+            bundle_bytes,
             slots,
             in_place,
             fills,
@@ -252,6 +256,19 @@ impl Lander<'_> {
         Ok(true)
     }
 
+    /// Lands zeros in every slot not landed: a zero bundle's activation is
+    /// 0 in every format (zero scales), and stage 2 adds nothing for it.
+    fn land_rest_as_zeros(&mut self) -> Result<()> {
+        let zeros = vec![0u8; self.plan.bundle_bytes];
+        for (s, landed) in self.landed.iter_mut().enumerate() {
+            if !*landed {
+                self.to.land(&self.plan.slots[s], &zeros)?;
+                *landed = true;
+            }
+        }
+        Ok(())
+    }
+
     fn release_rest(&self) {
         let rest = self.plan.slots.iter().zip(&self.landed).filter(|(_, &l)| !l);
         release(self.to, rest.map(|(slot, _)| slot));
@@ -261,8 +278,10 @@ impl Lander<'_> {
 /// Lands layer `plan.layer`'s bundles: the cache's hits, then each read
 /// as it lands, until all have landed or `deadline` passes (the streamer
 /// then cancels what is still out; the device skips those slots at its own
-/// deadline). On an error every slot not landed is released so that no
-/// kernel waits forever, and the error is returned.
+/// deadline). Slots whose reads the policy cancelled before the deadline
+/// (a refined prediction) get zeros, so the device does not wait for them.
+/// On an error every slot not landed is released so that no kernel waits
+/// forever, and the error is returned.
 pub fn feed(streamer: &mut Streamer, plan: &SlotPlan, deadline: Option<Instant>, to: &dyn Landing) -> Result<Fed> {
     // A slot read in place counts as landed: nothing may write over the
     // device's cache through it.
@@ -308,5 +327,8 @@ fn land_layer(streamer: &mut Streamer, lander: &mut Lander, deadline: Option<Ins
         }
     }
     fed.missing = lander.landed.iter().filter(|&&l| !l).count();
+    if fed.missing > 0 && deadline.is_none_or(|d| Instant::now() < d) {
+        lander.land_rest_as_zeros()?;
+    }
     Ok(fed)
 }

@@ -1,11 +1,14 @@
-//! A packed model's FFN streamed to the device from flash: the runtime's
-//! [`Streamer`] reads the bundles (its I/O thread, its neuron cache in host
-//! memory) as `dense-stream` asks for them, every layer each token with the
-//! next layers read ahead; the host lands each bundle in pinned, mapped
-//! staging and publishes its flag ([`crate::stream::feed`]), while the
-//! streaming kernels, launched before the first bundle lands, poll the
-//! flags and compute in arrival order. The host never synchronizes the
-//! device between a layer's bundles.
+//! A packed model's FFN streamed to the device from flash under any of the
+//! CPU engine's streaming policies: the runtime's [`FlashEngine`] decides
+//! each layer (its policy, predictor, controller and neuron cache in host
+//! memory; [`FlashEngine::plan_device_call`]) and its streamer reads the
+//! bundles; the host lands each bundle in pinned, mapped staging and
+//! publishes its flag ([`crate::stream::feed`]), while the streaming
+//! kernels, launched before the first bundle lands, poll the flags and
+//! compute in arrival order, keeping what the policy keeps. The host never
+//! synchronizes the device between a layer's bundles; a policy that reads
+//! the layer's rows (a predictor's input) gets them copied back once a
+//! layer, before its FFN is planned.
 //!
 //! Layers take turns with two sets of staging, flags and slot tables, so
 //! layer l+1 lands while layer l's down kernel still reads its bundles; an
@@ -20,9 +23,9 @@ use std::time::{Duration, Instant};
 
 use cudarc::driver::{CudaEvent, CudaSlice};
 use leanstream_kernels::sparse_ffn::BundleFormat;
-use leanstream_runtime::engine::{FlashModel, Streamer, Want, STAGES};
+use leanstream_runtime::engine::{DeviceCall, FlashEngine, FlashModel, Streamer};
 
-use crate::device::{check_down_columns, DevPtr, Gpu, MappedFlags, MappedMemory};
+use crate::device::{check_down_columns, DevPtr, Gpu, Keep, MappedFlags, MappedMemory};
 use crate::ffn::{RowFfn, SlotTable};
 use crate::flags::{Epochs, FlagBoard, Slot, ALWAYS_READY};
 use crate::stream::{feed, release_all, DeviceCache, Fed, Landing, SlotAddresses, SlotPlan};
@@ -62,6 +65,8 @@ struct Set {
     table: MappedMemory,
     /// The device cache's (from, to) copies after the layer.
     fills: MappedMemory,
+    /// Per row, the policy's bitmap of what it keeps (where it gives one).
+    keep: MappedMemory,
     /// Recorded after the last layer that used the set.
     done: Option<CudaEvent>,
 }
@@ -88,6 +93,7 @@ struct OnDevice {
 
 /// The layer between [`StreamedFfn::begin`] and [`StreamedFfn::end`].
 struct Current {
+    call: DeviceCall,
     plan: SlotPlan,
     epoch: u32,
     set: usize,
@@ -95,9 +101,11 @@ struct Current {
 }
 
 pub struct StreamedFfn {
-    streamer: Streamer,
+    /// The policy and its streamer (never the resident `dense`).
+    engine: FlashEngine,
     formats: Vec<BundleFormat>,
     n_ff: usize,
+    max_batch: usize,
     sets: [Set; 2],
     /// The neuron cache's copy on the device (`None`: the streamer has no cache).
     cache: Option<OnDevice>,
@@ -107,7 +115,8 @@ pub struct StreamedFfn {
     order: CudaSlice<u32>,
     epochs: Epochs,
     /// Bundles not landed this long after a layer's first launch are
-    /// skipped (`None`: every one is waited for).
+    /// skipped (`None`: every one is waited for, unless the policy sets a
+    /// deadline; the sooner of the two applies).
     pub deadline: Option<Duration>,
     current: Option<Current>,
     /// What was landed, over every layer so far.
@@ -115,11 +124,18 @@ pub struct StreamedFfn {
 }
 
 impl StreamedFfn {
-    /// Streams `fm`'s bundles through `streamer` (made for `fm`, with a
-    /// budget that does not hold every layer whole: those are uploaded
-    /// resident instead). The down parts must be Q8_0 or F16 columns.
-    pub fn new(gpu: &Gpu, fm: &FlashModel, streamer: Streamer) -> Result<Self> {
+    /// Streams `fm`'s bundles under `engine`'s policy (made for `fm`, a
+    /// streaming policy with a budget that does not hold every layer whole:
+    /// those are uploaded resident instead), for calls of up to `max_batch`
+    /// rows. The down parts must be Q8_0 or F16 columns.
+    pub fn new(gpu: &Gpu, fm: &FlashModel, engine: FlashEngine, max_batch: usize) -> Result<Self> {
         let path = fm.flash.path().display();
+        let Some(streamer) = engine.streamer() else {
+            return Err(CudaError::Invalid(format!(
+                "{path}: the {} policy holds its bundles in memory; upload them resident instead",
+                engine.policy()
+            )));
+        };
         if streamer.holds_whole() {
             return Err(CudaError::Invalid(format!(
                 "{path}: the budget holds every layer whole; load the bundles resident (no budget) instead"
@@ -136,9 +152,11 @@ impl StreamedFfn {
                 flags: MappedFlags::new(gpu, n_ff)?,
                 table: MappedMemory::new(gpu, n_ff * std::mem::size_of::<Slot>())?,
                 fills: MappedMemory::new(gpu, n_ff * 2 * std::mem::size_of::<u64>())?,
+                keep: MappedMemory::new(gpu, max_batch * n_ff.div_ceil(64) * std::mem::size_of::<u64>())?,
                 done: None,
             })
         };
+        let max_batch = max_batch.max(1);
         let cache = match streamer.cache_slots() {
             0 => None,
             n => {
@@ -155,9 +173,10 @@ impl StreamedFfn {
         };
         let order: Vec<u32> = (0..n_ff as u32).collect();
         Ok(Self {
-            streamer,
+            engine,
             formats: fm.formats.clone(),
             n_ff,
+            max_batch,
             sets: [set()?, set()?],
             cache,
             next_set: 0,
@@ -170,7 +189,21 @@ impl StreamedFfn {
     }
 
     pub fn streamer(&self) -> &Streamer {
-        &self.streamer
+        match self.engine.streamer() {
+            Some(s) => s,
+            None => unreachable!("`new` takes streaming engines only"),
+        }
+    }
+
+    /// The policy's engine (its decisions, predictor and streamer).
+    pub fn engine(&self) -> &FlashEngine {
+        &self.engine
+    }
+
+    /// Whether the policy reads each layer's rows: pass them to
+    /// [`begin`](Self::begin).
+    pub fn reads_rows(&self) -> bool {
+        self.engine.reads_rows()
     }
 
     /// Device memory the neuron cache's copy takes.
@@ -184,16 +217,27 @@ impl StreamedFfn {
             .ok_or_else(|| CudaError::Invalid(format!("layer {layer} of {}", self.formats.len())))
     }
 
-    /// Asks for layer `layer` (and reads the next ones ahead, as
-    /// `dense-stream` does), waits until its set is free, and writes its
-    /// slot table: one slot per neuron, in neuron order.
-    pub fn begin(&mut self, layer: usize) -> Result<()> {
-        let n_layer = self.formats.len();
+    /// Before layer `layer`'s attention: its input rows `x`, `[n][n_embd]`,
+    /// for a policy that [`reads_rows`](Self::reads_rows).
+    pub fn layer_input(&mut self, layer: usize, x: &[f32], n: usize) -> Result<()> {
+        Ok(self.engine.device_layer_input(layer, x, n)?)
+    }
+
+    /// Layer `layer`'s call of `n` rows: the policy decides what it keeps
+    /// and asks for those bundles (and reads ahead), from `rows` (the
+    /// residual and the normed FFN input, `[n][n_embd]` each, where
+    /// [`reads_rows`](Self::reads_rows)); then, once its set is free, its
+    /// slot table is written: one slot per neuron asked for, in neuron order.
+    pub fn begin(&mut self, layer: usize, n: usize, rows: Option<(&[f32], &[f32])>) -> Result<()> {
         let bb = self.format(layer)?.bundle_bytes();
-        self.streamer.ensure(layer, Want::All)?;
-        for ahead in 1..STAGES.min(n_layer) {
-            self.streamer.prefetch((layer + ahead) % n_layer, Want::All)?;
+        if n > self.max_batch {
+            return Err(CudaError::Invalid(format!(
+                "layer {layer}: {n} rows, the streamed FFN was made for {}",
+                self.max_batch
+            )));
         }
+        let (resid, xb) = rows.unwrap_or_default();
+        let call = self.engine.plan_device_call(layer, n, resid, xb)?;
         let k = self.next_set;
         self.next_set ^= 1;
         let set = &mut self.sets[k];
@@ -207,14 +251,22 @@ impl StreamedFfn {
             flag_stride: 4,
         };
         let cache = self.cache.as_ref().map(|c| &c.map);
-        let plan = SlotPlan::new(&self.streamer, layer, self.n_ff, bb, at, cache);
+        let streamer = match self.engine.streamer() {
+            Some(s) => s,
+            None => unreachable!("`new` takes streaming engines only"),
+        };
+        let plan = SlotPlan::new(streamer, layer, self.n_ff, bb, at, cache);
         // SAFETY: the set's last kernels are done (the event above), and no
         // kernel of this layer is launched yet.
         unsafe {
             set.table
-                .write_at(set.table.device_ptr(), bytemuck::cast_slice(&plan.slots))?
+                .write_at(set.table.device_ptr(), bytemuck::cast_slice(&plan.slots))?;
+            if let Some(bits) = &call.rows {
+                set.keep.write_at(set.keep.device_ptr(), bytemuck::cast_slice(bits))?;
+            }
         };
         self.current = Some(Current {
+            call,
             plan,
             epoch: self.epochs.advance()?,
             set: k,
@@ -223,34 +275,61 @@ impl StreamedFfn {
         Ok(())
     }
 
-    /// One row's stage 1 and stage 2 over the current layer's slots,
+    /// The sooner of the set deadline and the policy's, from now.
+    fn deadline_from_now(&self, call: &DeviceCall) -> Option<Duration> {
+        let policy = call.deadline.map(|at| at.saturating_duration_since(Instant::now()));
+        match (self.deadline, policy) {
+            (Some(a), Some(b)) => Some(a.min(b)),
+            (a, b) => a.or(b),
+        }
+    }
+
+    /// Row `t`'s stage 1 and stage 2 over the current layer's slots,
     /// launched (asynchronously): `act[s]` for each slot as its flag turns,
-    /// then `y += Σ act[s] · down_s` in neuron order. The first row's launch
-    /// is followed by [`feed`](Self::feed); the later rows are launched
-    /// after it and compute what had landed by then (with a deadline, they
-    /// skip the rest at once rather than wait for it again).
-    pub fn stage(&self, gpu: &Gpu, first_row: bool, row: RowFfn) -> Result<()> {
+    /// kept or dropped as the policy says, then `y += Σ act[s] · down_s` in
+    /// neuron order. The first row's launch is followed by
+    /// [`feed`](Self::feed); the later rows are launched after it and
+    /// compute what had landed by then (with a deadline, they skip the
+    /// rest at once rather than wait for it again).
+    pub fn stage(&self, gpu: &Gpu, t: usize, row: RowFfn) -> Result<()> {
         let c = self.current()?;
         let format = &self.formats[c.plan.layer];
-        let slots = DevPtr(self.sets[c.set].table.device_ptr());
-        let deadline_ns = match self.deadline {
+        let set = &self.sets[c.set];
+        let slots = DevPtr(set.table.device_ptr());
+        let deadline_ns = match self.deadline_from_now(&c.call) {
             None => 0,
-            Some(d) if first_row => d.as_nanos().max(1) as u64,
+            Some(d) if t == 0 => d.as_nanos().max(1) as u64,
             Some(_) => 1,
+        };
+        let keep = match &c.call.rows {
+            Some(_) => Keep {
+                threshold: 0.0,
+                rows: DevPtr(set.keep.device_ptr() + (t * c.call.words * std::mem::size_of::<u64>()) as u64),
+            },
+            None => Keep {
+                threshold: c.call.threshold,
+                rows: DevPtr(0),
+            },
         };
         let table = SlotTable {
             slots,
             order: gpu.ptr(&self.order),
             n: c.plan.slots.len(),
         };
-        table.launch(gpu, format, c.epoch, deadline_ns, row)
+        table.launch(gpu, format, c.epoch, deadline_ns, keep, row)
     }
 
     /// Lands the current layer's bundles while its first row's kernels run
     /// (hits at once, reads in arrival order), until all have landed or
     /// the deadline passes.
     pub fn feed(&mut self) -> Result<Fed> {
-        let deadline = self.deadline.map(|d| Instant::now() + d);
+        let deadline = self
+            .current()?
+            .call
+            .deadline
+            .into_iter()
+            .chain(self.deadline.map(|d| Instant::now() + d))
+            .min();
         let c = self
             .current
             .as_mut()
@@ -260,7 +339,11 @@ impl StreamedFfn {
         }
         c.fed = true;
         let landing = self.sets[c.set].landing(c.epoch);
-        let fed = feed(&mut self.streamer, &c.plan, deadline, &landing)?;
+        let streamer = match self.engine.streamer_mut() {
+            Some(s) => s,
+            None => unreachable!("`new` takes streaming engines only"),
+        };
+        let fed = feed(streamer, &c.plan, deadline, &landing)?;
         self.fed.in_place += fed.in_place;
         self.fed.hits += fed.hits;
         self.fed.read += fed.read;
@@ -270,8 +353,8 @@ impl StreamedFfn {
 
     /// After the current layer's last launch: copies the hits landed from
     /// the host into the device's cache, marks the set busy until the
-    /// device is done with it, and lets the streamer go on.
-    pub fn end(&mut self, gpu: &Gpu, end_of_token: bool) -> Result<()> {
+    /// device is done with it, and lets the policy and streamer go on.
+    pub fn end(&mut self, gpu: &Gpu) -> Result<()> {
         let c = self
             .current
             .take()
@@ -303,7 +386,7 @@ impl StreamedFfn {
             .record_event(None)
             .map_err(|e| CudaError::Driver(format!("record event: {e}")))?;
         self.sets[c.set].done = Some(event);
-        self.streamer.finish(c.plan.layer, end_of_token);
+        self.engine.finish_device_call(c.plan.layer);
         Ok(())
     }
 

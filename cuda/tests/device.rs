@@ -11,7 +11,7 @@
 
 use cudarc::driver::{DevicePtr, LaunchConfig, PushKernelArg};
 use half::f16;
-use leanstream_cuda::device::{blocks_of, grid_1d, AttentionAt, AttentionHeads, Gpu};
+use leanstream_cuda::device::{blocks_of, grid_1d, AttentionAt, AttentionHeads, DevPtr, Gpu, Keep, StreamInput};
 use leanstream_cuda::flags::Slot;
 use leanstream_cuda::CudaError;
 use leanstream_kernels::dequant::dequantize_row;
@@ -20,6 +20,7 @@ use leanstream_kernels::ops;
 use leanstream_kernels::quantize::quantize_row;
 use leanstream_kernels::sparse_ffn::{axpy_down, neuron_activation, BundleFormat, DownLayout, FfnActivation, FfnInput};
 use leanstream_kernels::{matmul, ActBuffer, GgmlType, QMatrix};
+use leanstream_runtime::engine::keeps;
 
 mod common;
 
@@ -477,6 +478,8 @@ fn the_streaming_ffn_computes_ready_slots_and_skips_missing_ones_at_the_deadline
         .arg(&dtable)
         .arg(&mut start)
         .arg(&deadline_ns)
+        .arg(&0.0f32)
+        .arg(&0u64)
         .arg(&mut act)
         .arg(&mut skipped);
     unsafe { b.launch(grid_1d((n_ff * 32) as u64, 128)) }.unwrap();
@@ -532,4 +535,52 @@ fn the_streaming_ffn_computes_ready_slots_and_skips_missing_ones_at_the_deadline
         .arg(&n_embd_i);
     unsafe { b.launch(grid_1d(n_embd as u64, 128)) }.unwrap();
     close("streaming FFN output", &g.download(&dy).unwrap(), &want_y, &scale, 1e-4);
+
+    // What a policy keeps (the CPU tail's rule): by a threshold (the median
+    // |a|), then by a bitmap over neuron ids; the same launch otherwise.
+    let mut mags: Vec<f32> = got_act.iter().map(|a| a.abs()).filter(|&a| a > 0.0).collect();
+    mags.sort_by(f32::total_cmp);
+    let bitmap = vec![0x5555_5555_5555_5555u64; n_ff.div_ceil(64)];
+    let dbitmap = g.upload(&bitmap).unwrap();
+    let by_threshold = Keep {
+        threshold: mags[mags.len() / 2],
+        rows: DevPtr(0),
+    };
+    let by_bitmap = Keep {
+        threshold: 0.0,
+        rows: g.ptr(&dbitmap),
+    };
+    for (keep, row) in [(by_threshold, None), (by_bitmap, Some(&bitmap[..]))] {
+        let act2 = g.zeros::<f32>(n_ff).unwrap();
+        g.zero_at(g.ptr(&start), 8).unwrap();
+        g.ffn_stream_activations(
+            g.ptr(&dslots),
+            n_ff,
+            epoch,
+            StreamInput {
+                gate: g.ptr(&dx),
+                up: g.ptr(&dx),
+            },
+            &format,
+            kind,
+            g.ptr(&dtable),
+            g.ptr(&start),
+            deadline_ns,
+            keep,
+            g.ptr(&act2),
+            g.ptr(&skipped),
+        )
+        .unwrap();
+        let got = g.download(&act2).unwrap();
+        let dropped = (0..n_ff).filter(|&s| got[s] == 0.0 && got_act[s] != 0.0).count();
+        assert!(dropped > 0, "{keep:?} dropped nothing");
+        for s in 0..n_ff {
+            let want = if keeps(keep.threshold, row, neurons[s], got_act[s]) {
+                got_act[s]
+            } else {
+                0.0
+            };
+            assert_eq!(got[s].to_bits(), want.to_bits(), "slot {s}: {keep:?}");
+        }
+    }
 }

@@ -100,6 +100,8 @@ fn run(
         format: l.format,
         input,
         act: FfnActivation::Silu,
+        threshold: 0.0,
+        keep: None,
     };
     let stage1 = std::thread::scope(|scope| {
         scope.spawn(|| {
@@ -168,6 +170,8 @@ fn slots_missing_at_the_deadline_are_skipped_and_late_ones_do_not_count() {
         format: l.format,
         input,
         act: FfnActivation::Silu,
+        threshold: 0.0,
+        keep: None,
     };
     let stage1 = activations(
         &layer,
@@ -204,6 +208,8 @@ fn bad_slot_tables_are_errors_not_panics() {
         format: l.format,
         input,
         act: FfnActivation::Silu,
+        threshold: 0.0,
+        keep: None,
     };
     let mut slots = slots(&l, &[0]);
     slots[0].bundle = 1; // runs past the staging buffer

@@ -9,16 +9,22 @@
 
 use std::path::PathBuf;
 use std::sync::atomic::AtomicU32;
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use leanstream_cuda::emulate::{cache_fill, stream_layer, EmulatedLanding, Staging, StreamLayer};
+use leanstream_cuda::emulate::{self, cache_fill, stream_layer, EmulatedLanding, Staging, StreamLayer};
 use leanstream_cuda::flags::{Epochs, FlagBoard};
 use leanstream_cuda::stream::{feed, DeviceCache, Fed, SlotAddresses, SlotPlan};
 use leanstream_kernels::sparse_ffn::{activations, axpy_down, FfnActivation, FfnInput, LayerActivations};
 use leanstream_kernels::{ActBuffer, GgmlType};
-use leanstream_runtime::engine::{BackendFactory, CachePolicy, FlashModel, Streamer, Want};
+use leanstream_runtime::engine::{
+    BackendFactory, CachePolicy, Controller, EngineOptions, FlashEngine, FlashModel, Policy, Speculation, Streamer,
+    Want,
+};
 use leanstream_runtime::flash::io::{make_backend, Backend, Fault, FaultyBackend, IoConfig};
-use leanstream_runtime::flash::{pack, DownType, PackOptions};
+use leanstream_runtime::flash::{pack, DownType, PackOptions, SparsityLevel};
+use leanstream_runtime::model::{LayerAt, LayerHook};
+use leanstream_runtime::predict::{Predictor, PredictorConfig};
 use leanstream_runtime::synthetic::SyntheticSpec;
 
 mod common;
@@ -51,21 +57,24 @@ fn model(name: &str) -> FlashModel {
 /// from the file's bundles: stage 1 by the blocked kernels, stage 2 in
 /// ascending neuron id.
 fn reference(fm: &FlashModel, l: usize, x: &ActBuffer, keep: impl Fn(usize) -> bool) -> Vec<f32> {
+    reference_with(fm, l, x, 0, |i, _| keep(i))
+}
+
+/// [`reference`] of row `t` of `x`, keeping neuron `i` with activation `a`
+/// where `keep(i, a)`.
+fn reference_with(fm: &FlashModel, l: usize, x: &ActBuffer, t: usize, keep: impl Fn(usize, f32) -> bool) -> Vec<f32> {
     let format = fm.formats[l];
     let bb = format.bundle_bytes();
     let bytes = fm.flash.layer_by_neuron(l).unwrap();
-    let input = FfnInput::new(&format, x, x, 0).unwrap();
-    let bundles: Vec<(usize, &[u8])> = (0..N_FF)
-        .filter(|&i| keep(i))
-        .map(|i| (i, &bytes[i * bb..(i + 1) * bb]))
-        .collect();
+    let input = FfnInput::new(&format, x, x, t).unwrap();
+    let bundles: Vec<(usize, &[u8])> = (0..N_FF).map(|i| (i, &bytes[i * bb..(i + 1) * bb])).collect();
     let mut acts = LayerActivations::new(N_FF);
     let mut abs = vec![0.0; bundles.len()];
     activations(&format, &input, FfnActivation::Silu, &bundles, &mut acts, &mut abs).unwrap();
     let mut y = vec![0.0f32; N_EMBD];
     let offset = format.gate_bytes() + format.up_bytes();
     for (id, a) in acts.iter() {
-        if a != 0.0 {
+        if a != 0.0 && keep(id, a) {
             axpy_down(format.down_ty, a, &bytes[id * bb + offset..(id + 1) * bb], &mut y).unwrap();
         }
     }
@@ -163,6 +172,8 @@ fn run_layer_of(
         format,
         input: FfnInput::new(&format, x, x, 0)?,
         act: FfnActivation::Silu,
+        threshold: 0.0,
+        keep: None,
     };
     let mut y = vec![0.0f32; N_EMBD];
     let host_deadline = deadline.map(|d| Instant::now() + d);
@@ -374,4 +385,230 @@ fn a_failed_read_is_an_error_naming_the_file_and_the_device_is_let_go() {
         Err(e) => e.to_string(),
     };
     assert!(err.contains("failed.lsflash"), "{err}");
+}
+
+/// The file's reads handed out in an order `seed` shuffles.
+fn shuffled(seed: u64) -> BackendFactory {
+    faulty(Vec::new(), Some(seed))
+}
+
+/// An engine of `policy` over `fm`: a quarter of the FFN cached, these
+/// thresholds, a random predictor and a one-stage controller without a
+/// deadline (the device does not refine between stages, and the CPU's
+/// deadline comes from its own compute time).
+fn policy_engine(fm: &FlashModel, policy: Policy, level: &SparsityLevel, seed: u64) -> FlashEngine {
+    let c = &fm.model.config;
+    let cfg = PredictorConfig::hashing(c.n_embd, c.n_ff, 1, c.n_layer, 32, 16, 8, 2);
+    let predictor = Predictor::random(cfg, &["speculate", "refine"], 7).unwrap();
+    let cache_policy = if policy == Policy::PowerInfer2 {
+        CachePolicy::Hot
+    } else {
+        CachePolicy::Lru
+    };
+    let opts = EngineOptions {
+        policy,
+        cache_bytes: fm.ffn_bytes() / 4,
+        cache_policy,
+        merge_gap_bytes: 0,
+        staging_bytes: Some(256 << 10),
+        level: level.clone(),
+        record: false,
+        trace: None,
+        speculation: Some(Speculation {
+            predictor: Arc::new(predictor),
+            predictor_name: "random.lspred".into(),
+            controller: Controller::parse_fixed("fixed:K=1,b=1.5,d=inf,q=16").unwrap(),
+        }),
+        retention: None,
+    };
+    fm.engine_on(opts, Some(shuffled(seed))).unwrap()
+}
+
+/// One layer of one token through the emulated device under `e`'s policy.
+struct PolicyLayer {
+    y: Vec<f32>,
+    /// Slots (neurons the streamer was asked for), and activations kept.
+    slots: usize,
+    kept: usize,
+    /// What the CPU's tail would compute from the same streamer: the
+    /// available bundles' output, kept by the plan's rule.
+    tail: Vec<f32>,
+}
+
+/// The policy plans from the `n` rows, the device keeps what the plan
+/// says: the first row computes while the bundles land, the others after
+/// (as the device engine launches them).
+fn device_layer(
+    fm: &FlashModel,
+    e: &mut FlashEngine,
+    dev: &mut Device,
+    l: usize,
+    n: usize,
+    resid: &[f32],
+    xb: &[f32],
+) -> PolicyLayer {
+    let format = fm.formats[l];
+    let bb = format.bundle_bytes();
+    let call = e.plan_device_call(l, n, resid, xb).unwrap();
+    let at = SlotAddresses {
+        staging: 0,
+        flags: 0,
+        flag_stride: 1,
+    };
+    let plan = SlotPlan::new(e.streamer().unwrap(), l, N_FF, bb, at, None);
+    let board = FlagBoard::new(&dev.cells);
+    let landing = EmulatedLanding {
+        staging: &dev.staging,
+        board: &board,
+        epoch: dev.epochs.advance().unwrap(),
+    };
+    let x = {
+        let mut b = ActBuffer::with_capacity(N_EMBD, n);
+        b.quantize(format.gate_ty.vec_dot_type(), xb, n, N_EMBD).unwrap();
+        b
+    };
+    let row = |t: usize| StreamLayer {
+        format,
+        input: FfnInput::new(&format, &x, &x, t).unwrap(),
+        act: FfnActivation::Silu,
+        threshold: call.threshold,
+        keep: call.row(t),
+    };
+    let layer = row(0);
+    let mut y = vec![0.0f32; n * N_EMBD];
+    let deadline = call.deadline;
+    let streamer = e.streamer_mut().unwrap();
+    let (stage1, _) = stream_layer(
+        &layer,
+        &plan.slots,
+        &plan.down_order(),
+        &landing,
+        // A slot never landed fails the comparison instead of hanging.
+        Some(Duration::from_secs(20)),
+        3,
+        &mut y[..N_EMBD],
+        |to| feed(streamer, &plan, deadline, to),
+    )
+    .unwrap();
+    // No deadline: every slot lands (reads the policy cancelled, as zeros).
+    assert!(
+        !stage1.skipped.contains(&true),
+        "layer {l}: the device waited out its deadline"
+    );
+    let mut kept = stage1.act.iter().filter(|&&a| a != 0.0).count();
+    for t in 1..n {
+        let s1 = emulate::activations(&row(t), &plan.slots, landing.epoch, &board, &dev.staging, None, 3).unwrap();
+        let y = &mut y[t * N_EMBD..(t + 1) * N_EMBD];
+        emulate::down(&format, &plan.slots, &plan.down_order(), &s1.act, &dev.staging, y).unwrap();
+        kept += s1.act.iter().filter(|&&a| a != 0.0).count();
+    }
+    let mut have = vec![0u64; N_FF / 64];
+    e.streamer().unwrap().available(l, &mut have).unwrap();
+    let tail = (0..n)
+        .flat_map(|t| {
+            reference_with(fm, l, &x, t, |i, a| {
+                have[i / 64] >> (i % 64) & 1 == 1 && call.keeps(t, i, a)
+            })
+        })
+        .collect();
+    e.finish_device_call(l);
+    PolicyLayer {
+        y,
+        slots: plan.slots.len(),
+        kept,
+        tail,
+    }
+}
+
+#[test]
+fn every_streaming_policy_keeps_on_the_emulated_device_what_it_keeps_on_the_cpu() {
+    let fm = model("policies");
+    // Thresholds that drop part of each layer (checked below), for both
+    // criteria: |act(g)·u| and, for gate-first, |act(g)|.
+    let level = SparsityLevel {
+        sparsity: 0.5,
+        full: vec![4e-3; N_LAYER],
+        gate: vec![4e-2; N_LAYER],
+    };
+    let policies = [
+        Policy::DenseStream,
+        Policy::GateFirst,
+        Policy::Speculate,
+        Policy::DejaVu,
+        Policy::LlmInAFlash,
+        Policy::PowerInfer2,
+    ];
+    for (k, policy) in policies.into_iter().enumerate() {
+        // The two engines' reads land in different shuffled orders.
+        let mut cpu = policy_engine(&fm, policy, &level, 2 * k as u64 + 1);
+        // The device computes what was asked for, not what reads span.
+        cpu.streamer_mut().unwrap().ignore_spans();
+        let mut on_device = policy_engine(&fm, policy, &level, 2 * k as u64 + 2);
+        assert_eq!(on_device.reads_rows(), policy.predicts() || policy == Policy::GateFirst);
+        let mut dev = Device::new(&fm, on_device.streamer().unwrap(), false);
+        let mut rng = Rng(31 + k as u64);
+        let (mut asked, mut kept) = (0, 0);
+        // A prompt of 3 rows (each row keeps its own set: gate-first's
+        // row bitmaps), then two decode steps.
+        for (pos0, n) in [(0, 3), (3, 1), (4, 1)] {
+            for l in 0..N_LAYER {
+                let floats = |rng: &mut Rng| rng.floats(n * N_EMBD);
+                let (x, resid, xb) = (floats(&mut rng), floats(&mut rng), floats(&mut rng));
+                let at = LayerAt {
+                    layer: l,
+                    rows: 0..n,
+                    pos0,
+                };
+                cpu.layer_input(&at, &x);
+                on_device.device_layer_input(l, &x, n).unwrap();
+                let mut want = vec![0.0f32; n * N_EMBD];
+                cpu.ffn(&at, &resid, &xb, &mut want).unwrap();
+                let r = device_layer(&fm, &mut on_device, &mut dev, l, n, &resid, &xb);
+                let token = pos0;
+                let what = format!("{policy}, token {token}, layer {l}");
+                // What the CPU's tail computes from the device engine's own
+                // streamer, whatever landed.
+                assert_eq!(bits(&r.y), bits(&r.tail), "{what}");
+                // Refinement cancels reads not yet submitted, so what
+                // `speculate` gets depends on I/O timing; the others decide
+                // the same whatever the timing, and give the CPU's bits.
+                if policy != Policy::Speculate {
+                    assert_eq!(bits(&r.y), bits(&want), "{what}");
+                }
+                // Per row, as `kept` counts.
+                (asked, kept) = (asked + n * r.slots, kept + r.kept);
+            }
+        }
+        // Not vacuous: every policy drops neurons; those that decide from
+        // the rows read fewer than all, the others drop by the threshold.
+        let all = 5 * N_LAYER * N_FF;
+        assert!(kept > 0 && kept < all, "{policy}: kept {kept} of {all}");
+        if on_device.reads_rows() {
+            assert!(asked < all, "{policy}: asked for {asked} of {all}");
+        } else {
+            assert!(kept < asked, "{policy}: kept {kept} of {asked}");
+        }
+        assert_eq!(cpu.stats().tokens, on_device.stats().tokens, "{policy}");
+        // The controller took an action for every layer it ranked.
+        if policy == Policy::Speculate {
+            let d = on_device.decisions().unwrap();
+            let taken: u64 = d.actions.iter().map(|a| a.layers).sum();
+            assert!(taken >= 3 * N_LAYER as u64, "{d:?}");
+        }
+    }
+}
+
+#[test]
+fn a_device_call_is_refused_where_the_policy_cannot_run_there() {
+    let fm = model("device_call_refused");
+    let level = SparsityLevel::dense(N_LAYER);
+    // A predicting policy needs the layer's rows.
+    let mut e = policy_engine(&fm, Policy::DejaVu, &level, 1);
+    let err = e.plan_device_call(0, 1, &[], &[]).unwrap_err().to_string();
+    assert!(err.contains("dejavu") && err.contains("rows"), "{err}");
+    // The dense policy holds its bundles in memory: nothing to stream.
+    let mut e = policy_engine(&fm, Policy::Dense, &level, 1);
+    let err = e.plan_device_call(0, 1, &[], &[]).unwrap_err().to_string();
+    assert!(err.contains("in memory"), "{err}");
+    assert!(e.streamer().is_none());
 }

@@ -37,13 +37,17 @@ static_assert(sizeof(Slot) == 24, "Slot layout is shared with the host");
 // Stage 1: one warp per slot. `x_gate` / `x_up`: the FFN input in the gate
 // and up rows' vec-dot types. `start_ns` is zeroed by the host before the
 // launch; the first warp to run stamps it, and `deadline_ns` counts from
-// there (0: wait for every slot). `act[s]` gets `act(gate·x) * (up·x)`.
+// there (0: wait for every slot). `act[s]` gets `act(gate·x) * (up·x)`,
+// or 0 where the policy drops the neuron, as the CPU's tail does: by the
+// row's bitmap over neuron ids `keep` where given, else where |a| is below
+// `threshold` (0 keeps all).
 extern "C" __global__ void ffn_stream_activations(const Slot* __restrict__ slots, int n_slots, u32 epoch,
                                                   const u8* __restrict__ x_gate, const u8* __restrict__ x_up,
                                                   int gate_ty, int up_ty, int gate_units, int up_units,
                                                   u64 gate_bytes, int act_kind,
                                                   const float* __restrict__ gelu_table, u64* start_ns,
-                                                  u64 deadline_ns, float* __restrict__ act, u8* __restrict__ skipped) {
+                                                  u64 deadline_ns, float threshold, const u64* __restrict__ keep,
+                                                  float* __restrict__ act, u8* __restrict__ skipped) {
     int s = (blockIdx.x * blockDim.x + threadIdx.x) / WARP;
     int lane = threadIdx.x % WARP;
     if (s >= n_slots) return;
@@ -74,7 +78,10 @@ extern "C" __global__ void ffn_stream_activations(const Slot* __restrict__ slots
     float g = warp_sum(row_dot_lane(gate_ty, bundle, x_gate, gate_units, lane));
     float u = warp_sum(row_dot_lane(up_ty, bundle + gate_bytes, x_up, up_units, lane));
     if (lane == 0) {
-        act[s] = gated(act_kind, gelu_table, g, u);
+        float a = gated(act_kind, gelu_table, g, u);
+        bool kept = keep != nullptr ? ((keep[slot.neuron >> 6] >> (slot.neuron & 63)) & 1ull) != 0
+                                    : !(fabsf(a) < threshold);
+        act[s] = kept ? a : 0.0f;
         skipped[s] = 0;
     }
 }

@@ -7,7 +7,7 @@ use std::sync::Arc;
 
 use crate::cache::{fmt_bytes, FfnBudget, RetentionTable};
 use crate::engine::{
-    is_lsflash, ActiveTrace, CachePolicy, EngineOptions, FlashEngine, FlashModel, Policy, Streamer, DEFAULT_MERGE_GAP,
+    is_lsflash, ActiveTrace, CachePolicy, EngineOptions, FlashEngine, FlashModel, Policy, DEFAULT_MERGE_GAP,
 };
 use crate::model::{DenseFfn, FlashAttn, LayerHook, Model, RunState};
 use crate::{Result, RuntimeError};
@@ -159,28 +159,31 @@ impl StreamSettings {
         self.ffn_budget.unwrap_or(FfnBudget::Percent(25.0))
     }
 
-    /// A streamer for `fm` under these settings, for an engine that
-    /// computes elsewhere (the GPU backend's `dense-stream`): the cache by
-    /// the FFN budget (default 25%), its policy and the I/O settings as the
-    /// CPU engine takes them. A memory budget is refused: it counts the CPU
-    /// engine's own buffers.
-    pub fn streamer(&self, fm: &FlashModel, policy: Policy) -> Result<Streamer> {
+    /// The engine of `policy` over `fm` under these settings, for a device
+    /// that computes the FFN itself (the GPU backend; see
+    /// [`FlashEngine::plan_device_call`]): the cache by the FFN budget
+    /// (default 25%), its policy, the artifacts, sparsity and I/O settings
+    /// as the CPU engine takes them. A memory budget is refused: it counts
+    /// the CPU engine's own buffers.
+    pub fn device_engine(&self, fm: &FlashModel, policy: Policy) -> Result<FlashEngine> {
         if self.mem_budget.is_some() {
             return Err(RuntimeError::Invalid(
                 "--mem-budget counts the CPU engine's memory; give the neuron cache's --ffn-budget".into(),
             ));
         }
         let (cache_policy, retention) = self.eviction(fm, policy)?;
-        let budget = fm.cache_budget_bytes(self.ffn_budget());
-        Streamer::new(
-            fm,
-            budget,
+        fm.engine_with(EngineOptions {
+            policy,
+            cache_bytes: fm.cache_budget_bytes(self.ffn_budget()),
             cache_policy,
-            retention.map(Arc::new),
-            self.merge_gap.unwrap_or(DEFAULT_MERGE_GAP),
-            self.staging,
-            None,
-        )
+            merge_gap_bytes: self.merge_gap.unwrap_or(DEFAULT_MERGE_GAP),
+            staging_bytes: self.staging,
+            level: fm.sparsity_level(self.sparsity)?,
+            record: false,
+            trace: None,
+            speculation: self.speculation(fm, policy)?,
+            retention: retention.map(Arc::new),
+        })
     }
 
     /// The cache policy of a `policy` engine over `fm` and, for `learned`,

@@ -18,6 +18,7 @@
 //! bit-identical logits, whatever order the bundles arrive in.
 
 pub mod controller;
+mod device_call;
 pub mod handoff;
 pub mod policy;
 mod stream;
@@ -37,6 +38,7 @@ use crate::model::{FfnBy, LayerAt, LayerHook, Model, RunState};
 use crate::predict::Predictor;
 use crate::{Result, RuntimeError};
 pub use controller::{Controller, Decisions};
+pub use device_call::{keeps, DeviceCall};
 
 pub use policy::Policy;
 use policy::{FfnPolicy, LayerCall};

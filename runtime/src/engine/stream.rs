@@ -504,6 +504,12 @@ impl Streamer {
         self.use_spans = true;
     }
 
+    /// From now on only the bundles asked for count (the default; see
+    /// [`use_spans`](Self::use_spans)).
+    pub fn ignore_spans(&mut self) {
+        self.use_spans = false;
+    }
+
     /// Marks the bundles that runs `first..` of stage `k` span but nobody
     /// asked for as asked for (with [`use_spans`](Self::use_spans)).
     fn claim_spans(&mut self, k: usize, first: usize) {

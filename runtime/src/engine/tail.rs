@@ -281,6 +281,11 @@ impl Tail {
         t
     }
 
+    /// Values of one row.
+    pub fn n_embd(&self) -> usize {
+        self.n_embd
+    }
+
     /// Words of one row bitmap.
     pub fn words(&self) -> usize {
         self.n_ff.div_ceil(64)
