@@ -3,7 +3,8 @@
 # GPU machine (see ../.library/device): the kernels against the CPU kernels,
 # greedy tokens of the device engine against the CPU engine (synthetic
 # 7B-shape models and the two real models), a packed model on the device
-# (its bundles resident, and streamed from flash),
+# (its bundles resident, and streamed from flash, also under the CPU
+# engine's policies at sparsity 0.5),
 # the compute profile of the device's kernels, Table 3, and decode tokens/s
 # against llama.cpp's CUDA build of the same GGUF (the reference llama.cpp
 # source, built there with the device's nvcc while the other checks run).
@@ -119,6 +120,23 @@ run)
     cmp "$out/ffn-resident.txt" "$out/ffn-streamed.txt" && echo "streamed FFN: the text of the resident bundles"
     .gpu/leanstream bench --model "$p" --device cuda --policy dense-stream --ffn-budget 25% \
       --prompt-tokens 16 --gen-tokens 16 --reps 2 | tee -a "$out/bench-streamed.json"
+    # The CPU engine's policies on the device, with calibrated thresholds:
+    # the device's text against the CPU engine's under the same policy.
+    pc=/tmp/mistral-2-cal.lsflash
+    .gpu/leanstream pack --model /tmp/mistral-2.gguf -o "$pc" --down q8_0 \
+      --calibrate data/text/apache-2.0.txt --calib-ctx 64 --calib-tokens 128
+    for policy in dense-stream gate-first; do
+      for device in cpu cuda; do
+        .gpu/leanstream run --model "$pc" --prompt "The license grants" -n 16 --temp 0 --device "$device" \
+          --policy "$policy" --sparsity 0.5 --ffn-budget 25% \
+          >"$out/policy-$policy-$device.txt" 2>"$out/policy-$policy-$device.err"
+        tail -1 "$out/policy-$policy-$device.err"
+      done
+      cmp "$out/policy-$policy-cpu.txt" "$out/policy-$policy-cuda.txt" &&
+        echo "$policy at sparsity 0.5: the device's text equals the CPU engine's"
+      .gpu/leanstream bench --model "$pc" --device cuda --policy "$policy" --sparsity 0.5 --ffn-budget 25% \
+        --prompt-tokens 16 --gen-tokens 16 --reps 2 | tee -a "$out/bench-policies.json"
+    done
   fi
   [ -n "${NO_TABLE3:-}" ] || .gpu/table3 20 | tee "$out/table3.jsonl"
   ;;

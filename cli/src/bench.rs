@@ -160,7 +160,7 @@ pub fn run(a: BenchArgs) -> Result<()> {
     let ordinal = crate::gpu::ordinal(&a.device)?;
     if a.sweep {
         if ordinal.is_some() {
-            bail!("--sweep runs the CPU engine's policies; it has no --device");
+            bail!("--sweep runs the CPU engine; it has no --device");
         }
         return sweep(&a);
     }
