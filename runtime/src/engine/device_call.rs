@@ -16,7 +16,6 @@
 
 use std::time::Instant;
 
-use super::policy::LayerCall;
 use super::tail::{CallCost, Select, Source};
 use super::{FlashEngine, Policy, Streamer};
 use crate::{Result, RuntimeError};
@@ -138,18 +137,7 @@ impl FlashEngine {
         if let Source::Stream(s) = &mut self.source {
             s.ignore_spans();
         }
-        if layer == 0 {
-            self.tokens += n as u64;
-        }
-        let call = LayerCall {
-            layer,
-            n_layer: self.n_layer,
-            xb,
-            resid,
-            n,
-            threshold: self.level.full[layer],
-            gate_threshold: self.level.gate[layer],
-        };
+        let call = self.layer_call(layer, n, resid, xb);
         let words = self.tail.words();
         let plan = self.plan.plan(&call, &mut self.source, &self.tail)?;
         let (threshold, rows) = match plan.select {
@@ -171,9 +159,6 @@ impl FlashEngine {
         // The device's compute time is not measured: a zero cost is one
         // the policies' meters ignore.
         self.tail.last = CallCost::default();
-        self.plan.finished(layer, &self.tail);
-        if let Source::Stream(s) = &mut self.source {
-            s.finish(layer, layer + 1 == self.n_layer);
-        }
+        self.finish_call(layer);
     }
 }

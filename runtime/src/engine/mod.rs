@@ -617,11 +617,24 @@ impl LayerHook for FlashEngine {
             return Err(e);
         }
         let (layer, n) = (at.layer, at.n());
+        let f = self.formats[layer];
+        let call = self.layer_call(layer, n, resid, xb);
+        let plan = self.plan.plan(&call, &mut self.source, &self.tail)?;
+        let record = self.recorder.as_mut().map(|t| t.begin_call(layer, n));
+        self.tail.run(&f, layer, xb, n, out, &mut self.source, plan, record)?;
+        self.finish_call(layer);
+        Ok(FfnBy::Hook)
+    }
+}
+
+impl FlashEngine {
+    /// Layer `layer`'s FFN call of `n` rows as the policy sees it (a token
+    /// counted at layer 0).
+    fn layer_call<'a>(&mut self, layer: usize, n: usize, resid: &'a [f32], xb: &'a [f32]) -> LayerCall<'a> {
         if layer == 0 {
             self.tokens += n as u64;
         }
-        let f = self.formats[layer];
-        let call = LayerCall {
+        LayerCall {
             layer,
             n_layer: self.n_layer,
             xb,
@@ -629,14 +642,14 @@ impl LayerHook for FlashEngine {
             n,
             threshold: self.level.full[layer],
             gate_threshold: self.level.gate[layer],
-        };
-        let plan = self.plan.plan(&call, &mut self.source, &self.tail)?;
-        let record = self.recorder.as_mut().map(|t| t.begin_call(layer, n));
-        self.tail.run(&f, layer, xb, n, out, &mut self.source, plan, record)?;
+        }
+    }
+
+    /// After layer `layer`'s call: the policy's bookkeeping, then the streamer goes on.
+    fn finish_call(&mut self, layer: usize) {
         self.plan.finished(layer, &self.tail);
         if let Source::Stream(s) = &mut self.source {
             s.finish(layer, layer + 1 == self.n_layer);
         }
-        Ok(FfnBy::Hook)
     }
 }
