@@ -310,8 +310,8 @@ fn device_bench(a: &BenchArgs, path: &Path, ordinal: usize) -> Result<()> {
         bail!("--quality-file applies to .lsflash models on the CPU engine");
     }
     let t0 = Instant::now();
-    let loaded = crate::gpu::DeviceModel::load(path, &a.flash)?;
-    if a.llama_bench.is_some() && matches!(loaded, crate::gpu::DeviceModel::Flash(..)) {
+    let loaded = crate::gpu::load(path, &a.flash)?;
+    if a.llama_bench.is_some() && matches!(loaded, leanstream_cuda::model::DeviceModel::Flash(..)) {
         bail!("--llama-bench needs a GGUF model, not a .lsflash file");
     }
     let model = loaded.model();

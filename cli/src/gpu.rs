@@ -13,18 +13,16 @@ use std::ops::ControlFlow;
 use std::path::Path;
 use std::time::Instant;
 
-use anyhow::{bail, Context, Result};
-use leanstream_cuda::device::Gpu;
+use anyhow::{bail, Result};
 use leanstream_cuda::engine::GpuModel;
-use leanstream_runtime::engine::{FlashModel, Policy};
+use leanstream_cuda::model::DeviceModel;
+use leanstream_runtime::engine::Policy;
 use leanstream_runtime::fetch::resolve_model;
 use leanstream_runtime::generate::decode_until;
-use leanstream_runtime::model::Model;
-use leanstream_runtime::session::StreamSettings;
 use leanstream_runtime::tokenizer::StreamDecoder;
 use leanstream_runtime::RuntimeError;
 
-use crate::{load_path, prompt_ids, FlashArgs, Generation};
+use crate::{prompt_ids, FlashArgs, Generation};
 
 /// `cpu` is `None`; `cuda` and `cuda:N` name a device ordinal.
 pub(crate) fn ordinal(device: &str) -> Result<Option<usize>> {
@@ -82,7 +80,7 @@ pub(crate) fn run(
 ) -> Result<()> {
     let path = resolve_model(model_arg)?;
     let t0 = Instant::now();
-    let loaded = DeviceModel::load(&path, flash)?;
+    let loaded = load(&path, flash)?;
     let model = loaded.model();
     let ids = prompt_ids(model, prompt, chat)?;
     let ctx = ctx.unwrap_or(ids.len() + gen.n + 1).min(model.config.context_length);
@@ -140,96 +138,15 @@ pub(crate) fn stream_summary(g: &GpuModel) -> Option<String> {
     ))
 }
 
-/// A model the device engine runs: a GGUF's, or a packed model's (its
-/// bundles all resident on the device, or streamed under a policy with
-/// these settings).
-// One per command: the variants' sizes do not matter.
-#[allow(clippy::large_enum_variant)]
-pub(crate) enum DeviceModel {
-    Gguf(Model),
-    Flash(FlashModel, Option<(Policy, StreamSettings)>),
+/// Loads `path` for the device engine, refusing the options it does not run.
+pub(crate) fn load(path: &Path, flash: &FlashArgs) -> Result<DeviceModel> {
+    crate::model_exists(path)?;
+    check_device_options(path, flash)?;
+    Ok(DeviceModel::load(path, &flash.settings()?)?)
 }
 
-impl DeviceModel {
-    /// Loads `path`, refusing the CPU streaming engine's options.
-    pub(crate) fn load(path: &Path, flash: &FlashArgs) -> Result<Self> {
-        let packed = is_lsflash(path)?;
-        refuse_streaming_options(flash, packed)?;
-        if packed {
-            let fm = FlashModel::open(path).with_context(|| format!("{}: opening the packed model", path.display()))?;
-            let settings = flash.settings()?;
-            let stream = match settings.policy_for(path) {
-                Policy::Dense => None,
-                policy => Some((policy, settings)),
-            };
-            return Ok(Self::Flash(fm, stream));
-        }
-        Ok(Self::Gguf(load_path(path)?))
-    }
-
-    pub(crate) fn model(&self) -> &Model {
-        match self {
-            Self::Gguf(m) => m,
-            Self::Flash(fm, _) => &fm.model,
-        }
-    }
-
-    /// Bytes of weights a token reads: the matrices, and a packed model's bundles.
-    pub(crate) fn weight_bytes(&self) -> usize {
-        match self {
-            Self::Gguf(m) => m.weights.matrix_bytes(),
-            Self::Flash(fm, _) => fm.model.weights.matrix_bytes() + fm.ffn_bytes() as usize,
-        }
-    }
-
-    /// The device engine with a context of `ctx` and prompt batches of up
-    /// to `prompt` rows (at most 512), and the device's description. A
-    /// streaming policy's engine (its artifacts, thresholds, cache) is made
-    /// before the device is opened, so what is wrong with it is said first.
-    pub(crate) fn open(&self, ordinal: usize, ctx: usize, prompt: usize) -> Result<(GpuModel, String)> {
-        let engine = match self {
-            Self::Flash(fm, Some((policy, settings))) => Some(settings.device_engine(fm, *policy)?),
-            _ => None,
-        };
-        let gpu = Gpu::open(ordinal)?;
-        let device = format!(
-            "{} (compute {}.{})",
-            gpu.name, gpu.compute_capability.0, gpu.compute_capability.1
-        );
-        let batch = prompt.clamp(1, 512);
-        let g = match (self, engine) {
-            (Self::Gguf(m), _) => GpuModel::new(gpu, m, ctx, batch)?,
-            (Self::Flash(fm, _), Some(engine)) if !engine.streamer().is_some_and(|s| s.holds_whole()) => {
-                GpuModel::from_flash_streamed(gpu, fm, engine, ctx, batch)?
-            }
-            // Resident: `dense`, or a cache that would hold every bundle.
-            (Self::Flash(fm, _), _) => GpuModel::from_flash(gpu, fm, ctx, batch)?,
-        };
-        Ok((g, device))
-    }
-}
-
-/// Refuses what the server's device engine does not run: the CPU streaming
-/// engine's options and packed `.lsflash` models.
-pub(crate) fn check_dense_gguf(path: &Path, flash: &FlashArgs) -> Result<()> {
-    refuse_streaming_options(flash, false)?;
-    if is_lsflash(path)? {
-        bail!(
-            "{}: a packed .lsflash model streams on the CPU engine; the server's --device cuda runs a GGUF \
-             model's dense engine",
-            path.display()
-        );
-    }
-    Ok(())
-}
-
-/// Whether `path` starts with the `.lsflash` magic.
-fn is_lsflash(path: &Path) -> Result<bool> {
-    use std::io::Read;
-    let mut magic = [0u8; 8];
-    let mut f = std::fs::File::open(path).with_context(|| format!("{}: cannot open", path.display()))?;
-    let n = f
-        .read(&mut magic)
-        .with_context(|| format!("{}: cannot read", path.display()))?;
-    Ok(n == 8 && &magic == leanstream_runtime::flash::format::MAGIC)
+/// Refuses what the device engine does not run (`run`, `bench`, `serve`):
+/// a GGUF's streaming options, a packed model's `--mem-budget` and oracle.
+pub(crate) fn check_device_options(path: &Path, flash: &FlashArgs) -> Result<()> {
+    refuse_streaming_options(flash, leanstream_runtime::engine::is_lsflash(path))
 }

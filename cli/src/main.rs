@@ -301,7 +301,7 @@ impl EngineArgs {
         let model = resolve_model(&self.model)?;
         let device = gpu::ordinal(&self.device)?;
         if device.is_some() {
-            gpu::check_dense_gguf(&model, &self.flash)?;
+            gpu::check_device_options(&model, &self.flash)?;
         }
         Ok(Engine::start(EngineOptions {
             model,
@@ -813,13 +813,19 @@ pub(crate) fn load(arg: &str) -> Result<Model> {
 }
 
 fn load_path(path: &Path) -> Result<Model> {
+    model_exists(path)?;
+    Ok(Model::load(path)?)
+}
+
+/// An error naming the known models when `path` does not exist.
+fn model_exists(path: &Path) -> Result<()> {
     if !path.exists() {
         bail!(
             "{}: no such model file (known model names: smollm2, gemma3)",
             path.display()
         );
     }
-    Ok(Model::load(path)?)
+    Ok(())
 }
 
 /// The prompt's tokens, wrapped in the model's chat template as a user

@@ -213,4 +213,20 @@ fn serve_refuses_what_the_device_engine_does_not_run() {
     assert_refused(&o, "--policy is an option of a packed .lsflash model");
     let o = serve(&["--device", "npu"]);
     assert_refused(&o, "--device \"npu\": expected cpu, cuda or cuda:N");
+    // A packed model is served under the CPU engine's policies: what a
+    // policy lacks is said before any device is looked for.
+    let o = Command::new(env!("CARGO_BIN_EXE_leanstream"))
+        .args(["serve", "--port", "0", "--model"])
+        .arg(packed("q8_0"))
+        .args(["--device", "cuda", "--policy", "dejavu", "--sparsity", "0"])
+        .output()
+        .unwrap();
+    assert_refused(&o, "the dejavu policy needs a predictor");
+    let o = Command::new(env!("CARGO_BIN_EXE_leanstream"))
+        .args(["serve", "--port", "0", "--model"])
+        .arg(packed("q8_0"))
+        .args(["--device", "cuda", "--mem-budget", "300MiB"])
+        .output()
+        .unwrap();
+    assert_refused(&o, "--mem-budget counts the CPU engine's memory");
 }

@@ -19,6 +19,8 @@
 //!   packed model's bundles ([`ffn`]: every neuron resident in device
 //!   memory, computed by the streaming kernels; [`streamed`]: read from
 //!   flash each token, landed in mapped memory while those kernels poll).
+//! - [`model`]: a model as the device engine opens it (a GGUF, or a packed
+//!   model resident or streamed under the CPU engine's policy).
 //!
 //! CUDA's libraries are loaded at run time (cudarc's dynamic loading) and
 //! looked for first ([`library`]): cudarc panics where one is missing, and a
@@ -31,6 +33,7 @@ mod error;
 pub mod ffn;
 pub mod flags;
 pub mod library;
+pub mod model;
 pub mod nvrtc;
 pub mod sources;
 pub mod stream;

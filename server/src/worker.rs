@@ -11,8 +11,8 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::mpsc::{sync_channel, Receiver, SyncSender, TrySendError};
 use std::sync::Arc;
 
-use leanstream_cuda::device::Gpu;
 use leanstream_cuda::engine::GpuModel;
+use leanstream_cuda::model::DeviceModel;
 use leanstream_runtime::engine::Policy;
 use leanstream_runtime::generate::{decode_until, ChatTemplate, CpuDecoder, Decoder, Sampler, SamplerConfig};
 use leanstream_runtime::model::{KvCache, Model, RunState};
@@ -185,12 +185,12 @@ impl Engine {
                     let model;
                     let backend = match opts.device {
                         None => open(&opts),
-                        Some(n) => match Model::load(&opts.model) {
+                        Some(n) => match DeviceModel::load(&opts.model, &opts.settings) {
                             Ok(m) => {
                                 model = m;
                                 open_device(&opts, n, &model)
                             }
-                            Err(e) => Err(e.into()),
+                            Err(e) => Err(device_error(e)),
                         },
                     };
                     match backend.and_then(|b| Ok((model_info(&opts, b.model(), b.ctx())?, b))) {
@@ -266,7 +266,8 @@ impl Drop for Engine {
 }
 
 /// Where generation runs: the CPU session (a GGUF model, or a `.lsflash`
-/// one streaming its FFN) with its run state, or a CUDA device's dense engine.
+/// one streaming its FFN) with its run state, or a CUDA device's engine (a
+/// GGUF's, or a `.lsflash` model's, resident or streaming under its policy).
 // One per server, on the engine thread's stack: the variants' sizes do not matter.
 #[allow(clippy::large_enum_variant)]
 enum Backend<'m> {
@@ -318,12 +319,22 @@ fn open(opts: &EngineOptions) -> Result<Backend<'static>, ServerError> {
 }
 
 /// `model` on CUDA device `ordinal`; "no CUDA device" where there is none.
-fn open_device<'m>(opts: &EngineOptions, ordinal: usize, model: &'m Model) -> Result<Backend<'m>, ServerError> {
-    let device = |e: leanstream_cuda::CudaError| ServerError::from(RuntimeError::Device(e.to_string()));
-    let ctx = context(opts, model);
-    let gpu = Gpu::open(ordinal).map_err(device)?;
-    let gpu = GpuModel::new(gpu, model, ctx, ctx.min(512)).map_err(device)?;
-    Ok(Backend::Cuda { model, gpu })
+fn open_device<'m>(opts: &EngineOptions, ordinal: usize, model: &'m DeviceModel) -> Result<Backend<'m>, ServerError> {
+    let ctx = context(opts, model.model());
+    let (gpu, _) = model.open(ordinal, ctx, ctx.min(512)).map_err(device_error)?;
+    Ok(Backend::Cuda {
+        model: model.model(),
+        gpu,
+    })
+}
+
+/// A device engine's error: a model's or its artifacts' as the runtime
+/// says it, the rest (no device, the driver) as a device error.
+fn device_error(e: leanstream_cuda::CudaError) -> ServerError {
+    match e {
+        leanstream_cuda::CudaError::Model(e) => e.into(),
+        e => RuntimeError::Device(e.to_string()).into(),
+    }
 }
 
 /// The context: `--ctx` (default 2048), at most the model's.
