@@ -370,7 +370,7 @@ fn device_bench(a: &BenchArgs, path: &Path, ordinal: usize) -> Result<()> {
             "policy": e.policy().to_string(),
             "sparsity": e.sparsity(),
             "predictor": e.predictor_name(),
-            "speculate": e.decisions().map(|d| decisions_json(&d, fed.missing as u64)),
+            "speculate": e.decisions().map(|d| decisions_json(&d, io.late_skipped)),
             "cache_policy": s.streamer().cache_policy_name(),
             "cache_budget_bytes": s.streamer().budget_bytes(),
             "device_cache_bytes": s.device_cache_bytes(),
@@ -378,6 +378,7 @@ fn device_bench(a: &BenchArgs, path: &Path, ordinal: usize) -> Result<()> {
             "bundles_from_cache": fed.hits,
             "bundles_read": fed.read,
             "bundles_skipped_late": fed.missing,
+            "bundles_cancelled": fed.cancelled,
             "bytes_read": io.bytes_read,
             "reads": io.reads,
         });

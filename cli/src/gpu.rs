@@ -124,7 +124,7 @@ pub(crate) fn stream_summary(g: &GpuModel) -> Option<String> {
     let (fed, io) = (s.fed, s.streamer().stats());
     Some(format!(
         "streamed FFN ({}, {} cache, {}, mirrored in {} of device memory): {} bundles read in place on the \
-         device, {} landed from the host's cache, {} read, {} skipped late | {:.1} MiB read in {} reads",
+         device, {} landed from the host's cache, {} read, {} skipped late, {} cancelled | {:.1} MiB read in {} reads",
         s.engine().policy(),
         s.streamer().cache_policy_name(),
         leanstream_runtime::cache::fmt_bytes(s.streamer().budget_bytes()),
@@ -133,6 +133,7 @@ pub(crate) fn stream_summary(g: &GpuModel) -> Option<String> {
         fed.hits,
         fed.read,
         fed.missing,
+        fed.cancelled,
         io.bytes_read as f64 / (1 << 20) as f64,
         io.reads
     ))

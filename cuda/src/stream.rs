@@ -147,10 +147,11 @@ pub struct Fed {
     pub hits: usize,
     /// From reads.
     pub read: usize,
-    /// Not landed: by the deadline (the device skips them), or never
-    /// coming (a read the policy cancelled; landed as zeros, which add
-    /// nothing).
+    /// Not landed by the deadline (the device skips them).
     pub missing: usize,
+    /// Never coming (reads the policy cancelled): landed as zeros, which
+    /// add nothing.
+    pub cancelled: usize,
 }
 
 impl SlotPlan {
@@ -326,9 +327,12 @@ fn land_layer(streamer: &mut Streamer, lander: &mut Lander, deadline: Option<Ins
             }
         }
     }
-    fed.missing = lander.landed.iter().filter(|&&l| !l).count();
-    if fed.missing > 0 && deadline.is_none_or(|d| Instant::now() < d) {
+    let rest = lander.landed.iter().filter(|&&l| !l).count();
+    if rest > 0 && deadline.is_none_or(|d| Instant::now() < d) {
         lander.land_rest_as_zeros()?;
+        fed.cancelled = rest;
+    } else {
+        fed.missing = rest;
     }
     Ok(fed)
 }

@@ -348,6 +348,7 @@ impl StreamedFfn {
         self.fed.hits += fed.hits;
         self.fed.read += fed.read;
         self.fed.missing += fed.missing;
+        self.fed.cancelled += fed.cancelled;
         Ok(fed)
     }
 

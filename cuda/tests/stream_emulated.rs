@@ -478,7 +478,7 @@ fn device_layer(
     let mut y = vec![0.0f32; n * N_EMBD];
     let deadline = call.deadline;
     let streamer = e.streamer_mut().unwrap();
-    let (stage1, _) = stream_layer(
+    let (stage1, fed) = stream_layer(
         &layer,
         &plan.slots,
         &plan.down_order(),
@@ -495,6 +495,7 @@ fn device_layer(
         !stage1.skipped.contains(&true),
         "layer {l}: the device waited out its deadline"
     );
+    assert_eq!(fed.missing, 0, "layer {l}: {fed:?}");
     let mut kept = stage1.act.iter().filter(|&&a| a != 0.0).count();
     for t in 1..n {
         let s1 = emulate::activations(&row(t), &plan.slots, landing.epoch, &board, &dev.staging, None, 3).unwrap();
