@@ -145,6 +145,7 @@ impl StreamedFfn {
             check_down_columns(f).map_err(|e| CudaError::Invalid(format!("{path}: layer {l}: {e}")))?;
         }
         let n_ff = fm.flash.n_ff();
+        let max_batch = max_batch.max(1);
         let widest = fm.formats.iter().map(BundleFormat::bundle_bytes).max().unwrap_or(0);
         let set = || -> Result<Set> {
             Ok(Set {
@@ -156,7 +157,6 @@ impl StreamedFfn {
                 done: None,
             })
         };
-        let max_batch = max_batch.max(1);
         let cache = match streamer.cache_slots() {
             0 => None,
             n => {
