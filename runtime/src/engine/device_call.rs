@@ -47,9 +47,13 @@ pub fn keeps(threshold: f32, row: Option<&[u64]>, i: usize, a: f32) -> bool {
 }
 
 impl DeviceCall {
-    /// Row `t`'s bitmap of what it keeps, if the plan gives bitmaps.
+    /// Row `t`'s bitmap of what it keeps, if the plan gives bitmaps (empty,
+    /// keeping nothing, for a row the call does not have).
     pub fn row(&self, t: usize) -> Option<&[u64]> {
-        self.rows.as_deref().map(|r| &r[t * self.words..(t + 1) * self.words])
+        let w = self.words;
+        self.rows
+            .as_deref()
+            .map(|r| r.get(t * w..(t + 1) * w).unwrap_or_default())
     }
 
     /// Whether row `t` keeps neuron `i` with activation `a`.
@@ -160,5 +164,33 @@ impl FlashEngine {
         // the policies' meters ignore.
         self.tail.last = CallCost::default();
         self.finish_call(layer);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_device_keeps_what_the_cpu_tail_keeps() {
+        // By threshold: not below it (NaN is not below anything, as the
+        // tail's partial_cmp has it).
+        assert!(keeps(0.5, None, 3, 0.5) && keeps(0.5, None, 3, -0.7) && keeps(0.5, None, 3, f32::NAN));
+        assert!(!keeps(0.5, None, 3, 0.49) && !keeps(0.5, None, 3, -0.2));
+        assert!(keeps(0.0, None, 3, 0.0));
+        // By a row's bitmap, whatever the activation.
+        let call = DeviceCall {
+            layer: 0,
+            threshold: 0.0,
+            rows: Some(vec![0b1010, 1 << 63, 0, 1]),
+            words: 2,
+            deadline: None,
+        };
+        assert!(call.keeps(0, 1, 0.0) && call.keeps(0, 3, -9.0) && call.keeps(0, 127, 1.0));
+        assert!(!call.keeps(0, 0, 9.0) && !call.keeps(0, 2, 9.0) && !call.keeps(0, 64, 9.0));
+        assert!(call.keeps(1, 64, 0.1) && !call.keeps(1, 0, 0.1));
+        // A row the call does not have keeps nothing rather than panicking.
+        assert_eq!(call.row(2), Some(&[][..]));
+        assert!(!call.keeps(2, 1, 1.0));
     }
 }
