@@ -5,7 +5,8 @@
 # 7B-shape models and the two real models), a packed model on the device
 # (its bundles resident, and streamed from flash, also under the CPU
 # engine's policies at sparsity 0.5),
-# the compute profile of the device's kernels, Table 3, and decode tokens/s
+# the compute profile of the device's kernels, Table 3, perplexity decoded
+# on the device (dense and under policies), and decode tokens/s
 # against llama.cpp's CUDA build of the same GGUF (the reference llama.cpp
 # source, built there with the device's nvcc while the other checks run).
 #
@@ -217,6 +218,19 @@ models)
   done
   .gpu/leanstream bench --model "$packed" --device cuda --prompt-tokens 64 --gen-tokens 64 --reps 2 |
     tee -a "$out/bench-cuda.json"
+  # Quality on the device (perplexity decoded there, against the CPU's dense
+  # engine of the GGUF): each real model dense, then SmolLM2 packed with
+  # calibrated thresholds under dense-stream and gate-first at sparsity 0.5.
+  q=(--quality-file data/text/gpl-3.0-excerpt.txt --quality-chunks 4 --prompt-tokens 0 --gen-tokens 1 --reps 1)
+  for m in "$smol" "$gemma"; do
+    .gpu/leanstream bench --model "$m" --device cuda "${q[@]}" | tee -a "$out/quality-cuda.json"
+  done
+  cal=/tmp/smollm2-q8-cal.lsflash
+  .gpu/leanstream pack --model "$smol" -o "$cal" --down q8_0 --calibrate data/text/apache-2.0.txt --calib-tokens 2048
+  for policy in dense-stream gate-first; do
+    .gpu/leanstream bench --model "$cal" --device cuda --policy "$policy" --sparsity 0.5 --ffn-budget 25% \
+      --quality-reference "$smol" "${q[@]}" | tee -a "$out/quality-cuda.json"
+  done
   ;;
 *)
   echo "usage: scripts/gpu_check.sh build [llama]|chunks|run|stash|models" >&2

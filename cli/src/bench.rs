@@ -8,11 +8,13 @@ use std::time::Instant;
 
 use anyhow::{bail, Context, Result};
 use clap::Args;
+use leanstream_cuda::engine::GpuModel;
+use leanstream_cuda::model::DeviceModel;
 use leanstream_runtime::engine::{CachePolicy, EngineOptions, FlashModel, Policy};
 use leanstream_runtime::flash::{pagecache, SparsityLevel};
 use leanstream_runtime::generate::sampler::Rng;
 use leanstream_runtime::model::{FlashAttn, RunState};
-use leanstream_runtime::perplexity::perplexity_in_batches;
+use leanstream_runtime::perplexity::{perplexity_decoding, perplexity_in_batches};
 
 use leanstream_plot::{LineChart, Series};
 use leanstream_runtime::engine::Decisions;
@@ -67,7 +69,9 @@ pub struct BenchArgs {
 #[derive(Args)]
 pub struct QualityArgs {
     /// Real text to measure quality against dense on (.lsflash models):
-    /// perplexity and top-1 agreement at the run's sparsity and policy.
+    /// perplexity and top-1 agreement at the run's sparsity and policy; on
+    /// `--device cuda`, the device run's perplexity, decoded, against the
+    /// CPU's dense engine of the reference GGUF (a GGUF is its own).
     #[arg(long = "quality-file")]
     file: Option<PathBuf>,
     #[arg(long = "quality-ctx", default_value_t = 256)]
@@ -302,13 +306,63 @@ pub fn run(a: BenchArgs) -> Result<()> {
     Ok(())
 }
 
+/// Perplexity of the device engine's run (its policy and sparsity) on
+/// `file`, decoded as it generates, against the CPU's dense engine of the
+/// reference GGUF (`--quality-reference`, checked against a packed model;
+/// a GGUF is its own reference).
+fn device_quality(loaded: &DeviceModel, g: &mut GpuModel, file: &Path, q: &QualityArgs) -> Result<Value> {
+    let text = std::fs::read_to_string(file).with_context(|| format!("reading {}", file.display()))?;
+    let ours = perplexity_decoding(loaded.model(), &text, q.ctx, Some(q.chunks), false, g)?;
+    let mut own;
+    let reference = match (q.reference.as_deref(), loaded) {
+        (Some(path), _) => {
+            if let DeviceModel::Flash(fm, _) = loaded {
+                leanstream_runtime::artifacts::check_source_gguf(path, fm)?;
+            }
+            own = leanstream_runtime::model::Model::load(path)
+                .with_context(|| format!("loading the quality reference {}", path.display()))?;
+            own.flash_attn = loaded.model().flash_attn;
+            Some((path.display().to_string(), &own))
+        }
+        // A GGUF is its own reference, with the same attention path.
+        (None, DeviceModel::Gguf(m)) => Some(("the model".to_string(), m)),
+        (None, DeviceModel::Flash(..)) => None,
+    };
+    let reference = match reference {
+        None => Value::Null,
+        Some((name, model)) => {
+            let p = perplexity_in_batches(
+                model,
+                &text,
+                q.ctx,
+                Some(q.chunks),
+                false,
+                &mut leanstream_runtime::model::DenseFfn,
+                512,
+            )?;
+            json!({
+                "file": name,
+                "ppl": p.ppl,
+                "ppl_ratio": ours.ppl / p.ppl,
+                "top1_agreement": ours.top1_agreement(&p),
+            })
+        }
+    };
+    Ok(json!({
+        "file": file.display().to_string(),
+        "ctx": q.ctx,
+        "chunks": ours.chunks,
+        "tokens_scored": ours.tokens_scored,
+        "ppl": ours.ppl,
+        "ppl_stderr": ours.ppl_stderr,
+        "reference_cpu_dense": reference,
+    }))
+}
+
 /// `bench --device cuda[:N]`: the same plan of random tokens through the
 /// device's dense engine (the logits copied back after each step, as a
 /// sampler needs them), with llama-bench interleaved as on the CPU.
 fn device_bench(a: &BenchArgs, path: &Path, ordinal: usize) -> Result<()> {
-    if a.quality.file.is_some() {
-        bail!("--quality-file applies to .lsflash models on the CPU engine");
-    }
     let t0 = Instant::now();
     let loaded = crate::gpu::load(path, &a.flash)?;
     if a.llama_bench.is_some() && matches!(loaded, leanstream_cuda::model::DeviceModel::Flash(..)) {
@@ -316,7 +370,8 @@ fn device_bench(a: &BenchArgs, path: &Path, ordinal: usize) -> Result<()> {
     }
     let model = loaded.model();
     let c = model.config.clone();
-    let ctx = a.prompt_tokens.max(a.gen_tokens).max(1);
+    let quality_ctx = if a.quality.file.is_some() { a.quality.ctx } else { 0 };
+    let ctx = a.prompt_tokens.max(a.gen_tokens).max(quality_ctx).max(1);
     if ctx > c.context_length {
         bail!("{ctx} tokens exceed the model's context of {}", c.context_length);
     }
@@ -382,6 +437,9 @@ fn device_bench(a: &BenchArgs, path: &Path, ordinal: usize) -> Result<()> {
             "bytes_read": io.bytes_read,
             "reads": io.reads,
         });
+    }
+    if let Some(file) = &a.quality.file {
+        report["quality"] = device_quality(&loaded, &mut g, file, &a.quality)?;
     }
     if a.llama_bench.is_some() {
         add_llama_cpp(&mut report, (&pp, &tg), (&theirs_pp, &theirs_tg), theirs_build);

@@ -5,7 +5,9 @@
 
 use serde::Serialize;
 
+use crate::generate::Decoder;
 use crate::model::{DenseFfn, LayerHook, Model};
+use crate::tokenizer::Tokenizer;
 use crate::{Result, RuntimeError};
 
 #[derive(Debug, Clone, Serialize)]
@@ -81,19 +83,8 @@ pub fn perplexity_in_batches(
     hook: &mut dyn LayerHook,
     batch: usize,
 ) -> Result<Perplexity> {
-    if ctx < 4 {
-        return Err(RuntimeError::Invalid(format!("context {ctx} too small for perplexity")));
-    }
+    let (tokens, n_chunks) = chunked(model, text, ctx, max_chunks)?;
     let tok = &model.tokenizer;
-    let tokens = tok.encode(text, true, false);
-    if tokens.len() < 2 * ctx {
-        return Err(RuntimeError::Invalid(format!(
-            "need at least {} tokens for a context of {ctx}; the text has {}",
-            2 * ctx,
-            tokens.len()
-        )));
-    }
-    let n_chunks = (tokens.len() / ctx).min(max_chunks.unwrap_or(usize::MAX));
     let first = ctx / 2;
     let mut st = model.new_state(ctx, ctx.min(batch.max(1)), LOGIT_ROWS);
     let bar = crate::progress::bar(
@@ -101,18 +92,10 @@ pub fn perplexity_in_batches(
         progress,
         "perplexity {bar:30} {pos}/{len} chunks, ETA {eta} {msg}",
     );
-
-    let (mut nll, mut nll2, mut count_scored) = (0.0f64, 0.0f64, 0usize);
-    let mut predictions = Vec::new();
+    let mut scores = Scores::default();
     let mut chunk_tokens = vec![0u32; ctx];
     for i in 0..n_chunks {
-        let start = i * ctx;
-        chunk_tokens.copy_from_slice(&tokens[start..start + ctx]);
-        if tok.add_bos() {
-            if let Some(bos) = tok.bos() {
-                chunk_tokens[0] = bos;
-            }
-        }
+        chunk(tok, &tokens, i, &mut chunk_tokens);
         // Batches of at most max_batch tokens. Like llama-perplexity, only the
         // scored half of the chunk produces outputs.
         let mut pos = 0;
@@ -133,40 +116,133 @@ pub fn perplexity_in_batches(
                 let count = LOGIT_ROWS.min(score_end - row);
                 let logits = model.logits(&mut st, row - out_start, count)?;
                 for (r, l) in logits.chunks_exact(model.config.n_vocab).enumerate() {
-                    let target = chunk_tokens[row + r + 1] as usize;
-                    let lp = log_softmax_at(l, target);
-                    predictions.push(crate::generate::argmax(l));
-                    nll -= lp;
-                    nll2 += lp * lp;
-                    count_scored += 1;
+                    scores.add(l, chunk_tokens[row + r + 1]);
                 }
                 row += count;
             }
             pos = batch_end;
         }
         bar.inc(1);
-        bar.set_message(format!("ppl {:.4}", (nll / count_scored as f64).exp()));
+        bar.set_message(format!("ppl {:.4}", scores.ppl()));
     }
     bar.finish_and_clear();
-    let count = count_scored;
-    let mean = nll / count as f64;
-    let ppl = mean.exp();
-    let var = nll2 / count as f64 - mean * mean;
-    let ppl_stderr = if var > 0.0 && count > 1 {
-        (var / (count - 1) as f64).sqrt() * ppl
-    } else {
-        0.0
-    };
-    let p = Perplexity {
-        ppl,
-        ppl_stderr,
-        chunks: n_chunks,
-        ctx,
-        tokens_scored: count,
-        text_tokens: tokens.len(),
-        predictions,
-    };
-    Ok(p)
+    Ok(scores.finish(n_chunks, ctx, tokens.len()))
+}
+
+/// The same perplexity through any [`Decoder`] (a device engine, which
+/// gives the last position's logits only): each chunk's first half in one
+/// call, then the scored half a token at a time, as generation runs it.
+/// The same positions are scored as by [`perplexity`].
+pub fn perplexity_decoding(
+    model: &Model,
+    text: &str,
+    ctx: usize,
+    max_chunks: Option<usize>,
+    progress: bool,
+    decoder: &mut dyn Decoder,
+) -> Result<Perplexity> {
+    let (tokens, n_chunks) = chunked(model, text, ctx, max_chunks)?;
+    if decoder.ctx() < ctx {
+        return Err(RuntimeError::Invalid(format!(
+            "perplexity at a context of {ctx} on a decoder of {}",
+            decoder.ctx()
+        )));
+    }
+    let first = ctx / 2;
+    let bar = crate::progress::bar(
+        n_chunks as u64,
+        progress,
+        "perplexity {bar:30} {pos}/{len} chunks, ETA {eta} {msg}",
+    );
+    let mut scores = Scores::default();
+    let mut chunk_tokens = vec![0u32; ctx];
+    for i in 0..n_chunks {
+        chunk(&model.tokenizer, &tokens, i, &mut chunk_tokens);
+        decoder.ingest(&chunk_tokens[..=first], 0)?;
+        for row in first..ctx - 1 {
+            if row > first {
+                decoder.ingest(&chunk_tokens[row..=row], row)?;
+            }
+            scores.add(decoder.logits()?, chunk_tokens[row + 1]);
+        }
+        bar.inc(1);
+        bar.set_message(format!("ppl {:.4}", scores.ppl()));
+    }
+    bar.finish_and_clear();
+    Ok(scores.finish(n_chunks, ctx, tokens.len()))
+}
+
+/// `text`'s tokens and how many chunks of `ctx` to score (at most `max_chunks`).
+fn chunked(model: &Model, text: &str, ctx: usize, max_chunks: Option<usize>) -> Result<(Vec<u32>, usize)> {
+    if ctx < 4 {
+        return Err(RuntimeError::Invalid(format!("context {ctx} too small for perplexity")));
+    }
+    let tokens = model.tokenizer.encode(text, true, false);
+    if tokens.len() < 2 * ctx {
+        return Err(RuntimeError::Invalid(format!(
+            "need at least {} tokens for a context of {ctx}; the text has {}",
+            2 * ctx,
+            tokens.len()
+        )));
+    }
+    let n_chunks = (tokens.len() / ctx).min(max_chunks.unwrap_or(usize::MAX));
+    Ok((tokens, n_chunks))
+}
+
+/// Chunk `i` of `tokens` into `out`, its first token BOS where the model adds one.
+fn chunk(tok: &Tokenizer, tokens: &[u32], i: usize, out: &mut [u32]) {
+    let ctx = out.len();
+    out.copy_from_slice(&tokens[i * ctx..(i + 1) * ctx]);
+    if tok.add_bos() {
+        if let Some(bos) = tok.bos() {
+            out[0] = bos;
+        }
+    }
+}
+
+/// The scored positions' negative log-likelihoods and top-1 tokens.
+#[derive(Default)]
+struct Scores {
+    nll: f64,
+    nll2: f64,
+    count: usize,
+    predictions: Vec<u32>,
+}
+
+impl Scores {
+    /// One position: its logits and the token that follows.
+    fn add(&mut self, logits: &[f32], target: u32) {
+        let lp = log_softmax_at(logits, target as usize);
+        self.predictions.push(crate::generate::argmax(logits));
+        self.nll -= lp;
+        self.nll2 += lp * lp;
+        self.count += 1;
+    }
+
+    fn ppl(&self) -> f64 {
+        (self.nll / self.count.max(1) as f64).exp()
+    }
+
+    fn finish(self, chunks: usize, ctx: usize, text_tokens: usize) -> Perplexity {
+        let count = self.count;
+        let mean = self.nll / count as f64;
+        let ppl = mean.exp();
+        let var = self.nll2 / count as f64 - mean * mean;
+        let ppl_stderr = if var > 0.0 && count > 1 {
+            (var / (count - 1) as f64).sqrt() * ppl
+        } else {
+            0.0
+        };
+        Perplexity {
+            ppl,
+            ppl_stderr,
+            chunks,
+            ctx,
+            tokens_scored: count,
+            text_tokens,
+            predictions: self.predictions,
+        }
+    }
 }
 
 /// log p(target) under softmax(logits), normaliser summed in f64.

@@ -96,3 +96,44 @@ fn zero_thresholds_change_nothing_and_real_ones_do() {
     .unwrap();
     assert_ne!(dense.ppl.to_bits(), sparse.ppl.to_bits());
 }
+
+/// Perplexity through a decoder (how a device engine is measured): the
+/// chunk's first half at once, then a token at a time. It scores the same
+/// positions as the batched pass, and the same model gives the same numbers.
+#[test]
+fn perplexity_through_a_decoder_scores_what_the_batched_pass_scores() {
+    use leanstream_runtime::generate::CpuDecoder;
+    use leanstream_runtime::model::DenseFfn;
+    use leanstream_runtime::perplexity::perplexity_decoding;
+    let model = model("decoding.gguf");
+    let text = text();
+    let batched = perplexity(&model, &text, 64, Some(4), false).unwrap();
+    let mut st = model.new_state(64, 64, 1);
+    let mut decoder = CpuDecoder {
+        model: &model,
+        st: &mut st,
+        hook: &mut DenseFfn,
+    };
+    let decoded = perplexity_decoding(&model, &text, 64, Some(4), false, &mut decoder).unwrap();
+    assert_eq!(
+        (decoded.chunks, decoded.tokens_scored),
+        (batched.chunks, batched.tokens_scored)
+    );
+    assert_eq!(decoded.tokens_scored, 4 * 31);
+    assert!(
+        (decoded.ppl / batched.ppl - 1.0).abs() < 1e-4,
+        "{} against {}",
+        decoded.ppl,
+        batched.ppl
+    );
+    assert!(decoded.top1_agreement(&batched).unwrap() > 0.95);
+    // A decoder with less context than the chunks is refused.
+    let mut small = model.new_state(32, 32, 1);
+    let mut decoder = CpuDecoder {
+        model: &model,
+        st: &mut small,
+        hook: &mut DenseFfn,
+    };
+    let err = perplexity_decoding(&model, &text, 64, Some(1), false, &mut decoder).unwrap_err();
+    assert!(err.to_string().contains("decoder of 32"), "{err}");
+}
