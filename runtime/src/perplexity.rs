@@ -87,11 +87,7 @@ pub fn perplexity_in_batches(
     let tok = &model.tokenizer;
     let first = ctx / 2;
     let mut st = model.new_state(ctx, ctx.min(batch.max(1)), LOGIT_ROWS);
-    let bar = crate::progress::bar(
-        n_chunks as u64,
-        progress,
-        "perplexity {bar:30} {pos}/{len} chunks, ETA {eta} {msg}",
-    );
+    let bar = chunks_bar(n_chunks, progress);
     let mut scores = Scores::default();
     let mut chunk_tokens = vec![0u32; ctx];
     for i in 0..n_chunks {
@@ -149,11 +145,7 @@ pub fn perplexity_decoding(
         )));
     }
     let first = ctx / 2;
-    let bar = crate::progress::bar(
-        n_chunks as u64,
-        progress,
-        "perplexity {bar:30} {pos}/{len} chunks, ETA {eta} {msg}",
-    );
+    let bar = chunks_bar(n_chunks, progress);
     let mut scores = Scores::default();
     let mut chunk_tokens = vec![0u32; ctx];
     for i in 0..n_chunks {
@@ -187,6 +179,14 @@ fn chunked(model: &Model, text: &str, ctx: usize, max_chunks: Option<usize>) -> 
     }
     let n_chunks = (tokens.len() / ctx).min(max_chunks.unwrap_or(usize::MAX));
     Ok((tokens, n_chunks))
+}
+
+fn chunks_bar(n_chunks: usize, progress: bool) -> indicatif::ProgressBar {
+    crate::progress::bar(
+        n_chunks as u64,
+        progress,
+        "perplexity {bar:30} {pos}/{len} chunks, ETA {eta} {msg}",
+    )
 }
 
 /// Chunk `i` of `tokens` into `out`, its first token BOS where the model adds one.
