@@ -23,7 +23,6 @@ use crate::{Result, RuntimeError};
 /// What one layer keeps when a device computes it; the reads are asked for.
 #[derive(Debug, Clone, PartialEq)]
 pub struct DeviceCall {
-    pub layer: usize,
     /// Neurons with `|act(g)·u|` below this are dropped (0: keep all that
     /// were computed); ignored where `rows` is given.
     pub threshold: f32,
@@ -39,6 +38,7 @@ pub struct DeviceCall {
 /// Whether a row keeps neuron `i` with activation `a`, as the CPU's tail
 /// decides: by the row's bitmap over neuron ids where there is one, else
 /// where `|a|` is not below `threshold` (what a device's kernel mirrors).
+#[inline]
 pub fn keeps(threshold: f32, row: Option<&[u64]>, i: usize, a: f32) -> bool {
     match row {
         Some(bits) => bits.get(i / 64).is_some_and(|w| w >> (i % 64) & 1 == 1),
@@ -149,7 +149,6 @@ impl FlashEngine {
             Select::Rows(bits) => (0.0, Some(bits[..n * words].to_vec())),
         };
         Ok(DeviceCall {
-            layer,
             threshold,
             rows,
             words,
@@ -180,7 +179,6 @@ mod tests {
         assert!(keeps(0.0, None, 3, 0.0));
         // By a row's bitmap, whatever the activation.
         let call = DeviceCall {
-            layer: 0,
             threshold: 0.0,
             rows: Some(vec![0b1010, 1 << 63, 0, 1]),
             words: 2,

@@ -21,6 +21,7 @@ use leanstream_kernels::sparse_ffn::{
 use leanstream_kernels::ActBuffer;
 use rayon::prelude::*;
 
+use super::device_call::keeps;
 use super::stream::{LandedRun, Streamer};
 use super::trace::{bit_is_set, set_bit, widen_to_groups};
 use crate::Result;
@@ -839,10 +840,11 @@ impl Tail {
                 }
                 for t in 0..n {
                     let a = vals[k * n + t];
+                    // The dense path's rule (Sparsifier): skip |a| < threshold;
+                    // the same function a device's kernel is checked against.
                     let keep = match select {
-                        // The dense path's rule (Sparsifier): skip |a| < threshold.
-                        Select::Threshold(th) => a.abs().partial_cmp(&th) != Some(std::cmp::Ordering::Less),
-                        Select::Rows(bits) => bit_is_set(&bits[t * words..(t + 1) * words], i),
+                        Select::Threshold(th) => keeps(th, None, i, a),
+                        Select::Rows(bits) => keeps(0.0, Some(&bits[t * words..(t + 1) * words]), i, a),
                     };
                     if keep {
                         rows_out[t * n_ff + i] = a;
