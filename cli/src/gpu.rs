@@ -16,7 +16,6 @@ use std::time::Instant;
 use anyhow::{bail, Result};
 use leanstream_cuda::engine::GpuModel;
 use leanstream_cuda::model::DeviceModel;
-use leanstream_runtime::engine::Policy;
 use leanstream_runtime::fetch::resolve_model;
 use leanstream_runtime::generate::decode_until;
 use leanstream_runtime::tokenizer::StreamDecoder;
@@ -36,19 +35,8 @@ pub(crate) fn ordinal(device: &str) -> Result<Option<usize>> {
     }
 }
 
-/// Refuses what the device engine does not run: any streaming option for
-/// a GGUF model (`packed` false); for a packed model, `--mem-budget` (it
-/// counts the CPU engine's memory) and the oracle (it replays a CPU run).
-fn refuse_streaming_options(flash: &FlashArgs, packed: bool) -> Result<()> {
-    if packed {
-        if flash.mem_budget.is_some() {
-            bail!("--mem-budget counts the CPU engine's memory; on --device cuda give the neuron cache's --ffn-budget");
-        }
-        if flash.policy == Some(Policy::Oracle) {
-            bail!("--policy oracle replays the CPU engine's recorded run; it does not run on --device cuda");
-        }
-        return Ok(());
-    }
+/// Refuses the streaming options, which a GGUF model does not take.
+fn refuse_streaming_options(flash: &FlashArgs) -> Result<()> {
     let given = [
         (flash.policy.is_some(), "--policy"),
         (flash.predictor.is_some(), "--predictor"),
@@ -147,7 +135,12 @@ pub(crate) fn load(path: &Path, flash: &FlashArgs) -> Result<DeviceModel> {
 }
 
 /// Refuses what the device engine does not run (`run`, `bench`, `serve`):
-/// a GGUF's streaming options, a packed model's `--mem-budget` and oracle.
+/// a GGUF's streaming options. What a packed model's policy cannot run on
+/// a device is refused where its engine is made
+/// (`StreamSettings::device_engine`).
 pub(crate) fn check_device_options(path: &Path, flash: &FlashArgs) -> Result<()> {
-    refuse_streaming_options(flash, leanstream_runtime::engine::is_lsflash(path))
+    if leanstream_runtime::engine::is_lsflash(path) {
+        return Ok(());
+    }
+    refuse_streaming_options(flash)
 }

@@ -25,7 +25,9 @@ pub enum DeviceModel {
 impl DeviceModel {
     /// Loads `path`: a packed model runs under `settings`' policy (the
     /// CPU's default: `speculate` where its artifacts are at hand, else
-    /// `dense`); a GGUF takes no streaming settings.
+    /// `dense`), less what a device does not take
+    /// ([`StreamSettings::refuse_on_device`]); a GGUF takes no streaming
+    /// settings.
     pub fn load(path: &Path, settings: &StreamSettings) -> Result<Self> {
         if !is_lsflash(path) {
             if settings.is_set() {
@@ -36,8 +38,10 @@ impl DeviceModel {
             }
             return Ok(Self::Gguf(Model::load(path)?));
         }
+        let policy = settings.policy_for(path);
+        settings.refuse_on_device(policy)?;
         let fm = FlashModel::open(path)?;
-        let stream = match settings.policy_for(path) {
+        let stream = match policy {
             Policy::Dense => None,
             policy => Some((policy, settings.clone())),
         };

@@ -163,14 +163,9 @@ impl StreamSettings {
     /// that computes the FFN itself (the GPU backend; see
     /// [`FlashEngine::plan_device_call`]): the cache by the FFN budget
     /// (default 25%), its policy, the artifacts, sparsity and I/O settings
-    /// as the CPU engine takes them. A memory budget is refused: it counts
-    /// the CPU engine's own buffers.
+    /// as the CPU engine takes them, less what [`refuse_on_device`](Self::refuse_on_device) refuses.
     pub fn device_engine(&self, fm: &FlashModel, policy: Policy) -> Result<FlashEngine> {
-        if self.mem_budget.is_some() {
-            return Err(RuntimeError::Invalid(
-                "--mem-budget counts the CPU engine's memory; give the neuron cache's --ffn-budget".into(),
-            ));
-        }
+        self.refuse_on_device(policy)?;
         let (cache_policy, retention) = self.eviction(fm, policy)?;
         fm.engine_with(EngineOptions {
             policy,
@@ -184,6 +179,23 @@ impl StreamSettings {
             speculation: self.speculation(fm, policy)?,
             retention: retention.map(Arc::new),
         })
+    }
+
+    /// What a packed model running `policy` on a device (resident or
+    /// streamed) does not take: a memory budget (it counts the CPU engine's
+    /// own buffers) and the oracle (it replays a CPU run).
+    pub fn refuse_on_device(&self, policy: Policy) -> Result<()> {
+        if self.mem_budget.is_some() {
+            return Err(RuntimeError::Invalid(
+                "--mem-budget counts the CPU engine's memory; on a device give the neuron cache's --ffn-budget".into(),
+            ));
+        }
+        if policy == Policy::Oracle {
+            return Err(RuntimeError::Invalid(
+                "--policy oracle replays the CPU engine's recorded run; it does not run on a device".into(),
+            ));
+        }
+        Ok(())
     }
 
     /// The cache policy of a `policy` engine over `fm` and, for `learned`,
