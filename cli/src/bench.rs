@@ -13,8 +13,8 @@ use leanstream_cuda::model::DeviceModel;
 use leanstream_runtime::engine::{CachePolicy, EngineOptions, FlashModel, Policy};
 use leanstream_runtime::flash::{pagecache, SparsityLevel};
 use leanstream_runtime::generate::sampler::Rng;
-use leanstream_runtime::model::{FlashAttn, RunState};
-use leanstream_runtime::perplexity::{perplexity_decoding, perplexity_in_batches};
+use leanstream_runtime::model::{FlashAttn, Model, RunState};
+use leanstream_runtime::perplexity::{perplexity_decoding, perplexity_in_batches, Perplexity};
 
 use leanstream_plot::{LineChart, Series};
 use leanstream_runtime::engine::Decisions;
@@ -313,15 +313,14 @@ pub fn run(a: BenchArgs) -> Result<()> {
 fn device_quality(loaded: &DeviceModel, g: &mut GpuModel, file: &Path, q: &QualityArgs) -> Result<Value> {
     let text = std::fs::read_to_string(file).with_context(|| format!("reading {}", file.display()))?;
     let ours = perplexity_decoding(loaded.model(), &text, q.ctx, Some(q.chunks), false, g)?;
-    let mut own;
+    let own;
     let reference = match (q.reference.as_deref(), loaded) {
         (Some(path), _) => {
-            if let DeviceModel::Flash(fm, _) = loaded {
-                leanstream_runtime::artifacts::check_source_gguf(path, fm)?;
-            }
-            own = leanstream_runtime::model::Model::load(path)
-                .with_context(|| format!("loading the quality reference {}", path.display()))?;
-            own.flash_attn = loaded.model().flash_attn;
+            let fm = match loaded {
+                DeviceModel::Flash(fm, _) => Some(fm),
+                DeviceModel::Gguf(_) => None,
+            };
+            own = load_reference(path, fm, loaded.model().flash_attn)?;
             Some((path.display().to_string(), &own))
         }
         // A GGUF is its own reference, with the same attention path.
@@ -331,15 +330,7 @@ fn device_quality(loaded: &DeviceModel, g: &mut GpuModel, file: &Path, q: &Quali
     let reference = match reference {
         None => Value::Null,
         Some((name, model)) => {
-            let p = perplexity_in_batches(
-                model,
-                &text,
-                q.ctx,
-                Some(q.chunks),
-                false,
-                &mut leanstream_runtime::model::DenseFfn,
-                512,
-            )?;
+            let p = dense_perplexity(model, &text, q)?;
             json!({
                 "file": name,
                 "ppl": p.ppl,
@@ -540,19 +531,8 @@ fn quality(
     let reference = match q.reference.as_deref() {
         None => Value::Null,
         Some(path) => {
-            leanstream_runtime::artifacts::check_source_gguf(path, fm)?;
-            let mut model = leanstream_runtime::model::Model::load(path)
-                .with_context(|| format!("loading the quality reference {}", path.display()))?;
-            model.flash_attn = fm.model.flash_attn;
-            let p = perplexity_in_batches(
-                &model,
-                &text,
-                ctx,
-                Some(chunks),
-                false,
-                &mut leanstream_runtime::model::DenseFfn,
-                512,
-            )?;
+            let model = load_reference(path, Some(fm), fm.model.flash_attn)?;
+            let p = dense_perplexity(&model, &text, q)?;
             json!({
                 "file": path.display().to_string(),
                 "ppl": p.ppl,
@@ -576,6 +556,31 @@ fn quality(
         "skipped_fraction": skipped,
         "reference": reference,
     }))
+}
+
+/// The quality reference at `path`, a GGUF (checked to be `fm`'s source
+/// where there is a packed model), on the attention path `flash_attn`.
+fn load_reference(path: &Path, fm: Option<&FlashModel>, flash_attn: FlashAttn) -> Result<Model> {
+    if let Some(fm) = fm {
+        leanstream_runtime::artifacts::check_source_gguf(path, fm)?;
+    }
+    let mut model = Model::load(path).with_context(|| format!("loading the quality reference {}", path.display()))?;
+    model.flash_attn = flash_attn;
+    Ok(model)
+}
+
+/// The CPU's dense engine's perplexity of `model` on `text` at `q`'s
+/// context and chunks: what quality is scored against.
+fn dense_perplexity(model: &Model, text: &str, q: &QualityArgs) -> Result<Perplexity> {
+    Ok(perplexity_in_batches(
+        model,
+        text,
+        q.ctx,
+        Some(q.chunks),
+        false,
+        &mut leanstream_runtime::model::DenseFfn,
+        512,
+    )?)
 }
 
 /// `--sweep`: each (policy, budget) in a child `leanstream bench`, then the
