@@ -335,6 +335,7 @@ fn device_quality(loaded: &DeviceModel, g: &mut GpuModel, file: &Path, q: &Quali
                 "file": name,
                 "ppl": p.ppl,
                 "ppl_ratio": ours.ppl / p.ppl,
+                "ppl_ratio_stderr": ours.ratio_to(&p).stderr,
                 "top1_agreement": ours.top1_agreement(&p),
             })
         }
@@ -537,6 +538,7 @@ fn quality(
                 "file": path.display().to_string(),
                 "ppl": p.ppl,
                 "ppl_ratio": ours.ppl / p.ppl,
+                "ppl_ratio_stderr": ours.ratio_to(&p).stderr,
                 "top1_agreement": ours.top1_agreement(&p),
                 "ppl_dense_ratio": dense.ppl / p.ppl,
                 "top1_agreement_dense": dense.top1_agreement(&p),
@@ -552,6 +554,7 @@ fn quality(
         "ppl_stderr": ours.ppl_stderr,
         "ppl_dense": dense.ppl,
         "ppl_ratio": ours.ppl / dense.ppl,
+        "ppl_ratio_stderr": ours.ratio_to(&dense).stderr,
         "top1_agreement": ours.top1_agreement(&dense),
         "skipped_fraction": skipped,
         "reference": reference,

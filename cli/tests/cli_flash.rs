@@ -116,6 +116,8 @@ fn quality_is_scored_against_the_source_gguf() {
     let r = &q["reference"];
     assert_eq!(r["ppl"].as_f64(), q["ppl_dense"].as_f64(), "{q}");
     assert_eq!(r["ppl_ratio"].as_f64(), Some(1.0), "{q}");
+    // The same run twice: every chunk's difference is 0, and so its error.
+    assert_eq!(r["ppl_ratio_stderr"].as_f64(), Some(0.0), "{q}");
     assert_eq!(r["ppl_dense_ratio"].as_f64(), Some(1.0), "{q}");
     assert_eq!(r["top1_agreement"].as_f64(), Some(1.0), "{q}");
 

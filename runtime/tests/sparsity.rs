@@ -95,6 +95,19 @@ fn zero_thresholds_change_nothing_and_real_ones_do() {
     )
     .unwrap();
     assert_ne!(dense.ppl.to_bits(), sparse.ppl.to_bits());
+    // The ratio's standard error comes from the chunks: one mean NLL each,
+    // whose mean is the log perplexity (every chunk scores as many tokens).
+    assert_eq!(sparse.chunk_nll.len(), sparse.chunks);
+    let mean = sparse.chunk_nll.iter().sum::<f64>() / sparse.chunks as f64;
+    assert!(
+        (mean.exp() / sparse.ppl - 1.0).abs() < 1e-9,
+        "{mean} against {}",
+        sparse.ppl
+    );
+    let r = sparse.ratio_to(&dense);
+    assert_eq!(r.ratio, sparse.ppl / dense.ppl);
+    assert!(r.stderr > 0.0 && r.stderr.is_finite(), "{r:?}");
+    assert_eq!(zero.ratio_to(&dense).stderr, 0.0);
 }
 
 /// Perplexity through a decoder (how a device engine is measured): the

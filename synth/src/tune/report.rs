@@ -21,6 +21,15 @@ fn cell(v: &Value, digits: usize) -> String {
     v.as_f64().map_or("–".into(), |x| format!("{x:.digits$}"))
 }
 
+/// A perplexity ratio with its standard error (bench's `ppl_ratio_stderr`)
+/// where there is one: near a 3% line the error decides what the ratio says.
+fn ratio_cell(quality: &Value) -> String {
+    match quality["ppl_ratio_stderr"].as_f64().filter(|e| *e > 0.0) {
+        Some(e) => format!("{} ± {e:.3}", cell(&quality["ppl_ratio"], 3)),
+        None => cell(&quality["ppl_ratio"], 3),
+    }
+}
+
 /// `x` to three significant digits: 0.501 on a 7B model, 19.3 on SmolLM2.
 fn three_digits(x: f64) -> String {
     let digits = if x.is_finite() && x > 0.0 {
@@ -117,8 +126,8 @@ pub(super) fn write(ctx: &Ctx) -> Result<(Vec<String>, Value)> {
         "\n## Tuned against default, in the real engine\n\n`tuned` is `speculate` with this run's table and \
          predictor; `default` is `dense-stream`, what the same file does without them. Sparsity {}, decode of \
          {} tokens after one warm-up, each run its own process. Perplexity is held-out text's, against the \
-         packed file's dense run (ppl ratio, top-1) and against the source GGUF's dense engine, which also \
-         counts the packed down columns' rounding.\n",
+         packed file's dense run (ppl ratio ± its standard error over the chunks, top-1) and against the \
+         source GGUF's dense engine, which also counts the packed down columns' rounding.\n",
         ctx.opts.sparsity, verify["plan"]["gen_tokens"]
     );
     if verify["plan"]["quality_chunks"].as_u64() == Some(0) {
@@ -143,9 +152,9 @@ pub(super) fn write(ctx: &Ctx) -> Result<(Vec<String>, Value)> {
             three_digits(f(&v["decode_tok_s"])),
             mib(&v["bytes_read_per_token"]),
             f(&v["skipped_fraction"]),
-            cell(&v["quality"]["ppl_ratio"], 3),
+            ratio_cell(&v["quality"]),
             cell(&v["quality"]["top1_agreement"], 3),
-            cell(&v["quality"]["reference"]["ppl_ratio"], 3),
+            ratio_cell(&v["quality"]["reference"]),
         );
     }
     // Points in run order: by budget for the memory sweep, by deadline factor for the curve.

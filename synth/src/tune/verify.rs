@@ -189,6 +189,7 @@ fn summarize(rows: &[Value]) -> Value {
                 "skipped_fraction": r["skipped_fraction"],
                 "memory_total": r["memory"]["total"],
                 "ppl_ratio": r["quality"]["ppl_ratio"],
+                "ppl_ratio_stderr": r["quality"]["ppl_ratio_stderr"],
                 "top1_agreement": r["quality"]["top1_agreement"],
                 "ppl_ratio_source": r["quality"]["reference"]["ppl_ratio"],
             })
