@@ -18,7 +18,6 @@
 use std::error::Error;
 
 use leanstream_kernels::dequant::dequantize_row;
-use leanstream_runtime::generate::ingest_with;
 use leanstream_runtime::model::{DenseFfn, LayerAt, LayerHook, Model};
 use leanstream_runtime::perplexity::perplexity_with;
 
@@ -193,7 +192,8 @@ fn main() -> Result<(), Box<dyn Error>> {
     };
     let mut state = model.new_state(CTX, CTX, 1);
     for window in tokens.chunks(CTX) {
-        ingest_with(&model, &mut state, window, 0, &mut recorder)?;
+        // Every row an output: the last layer's FFN runs on those alone.
+        model.forward_with(&mut state, window, 0, 0..window.len(), &mut recorder)?;
     }
 
     let dense = perplexity_with(&model, &heldout, CTX, CHUNKS, false, &mut DenseFfn)?;

@@ -12,7 +12,6 @@
 
 use serde::{Deserialize, Serialize};
 
-use crate::generate::ingest_with;
 use crate::model::{LayerAt, LayerHook, Model};
 use crate::{Result, RuntimeError};
 use leanstream_kernels::sparse_ffn::FfnActivation;
@@ -350,7 +349,14 @@ pub fn calibrate_windows(model: &Model, windows: &[&[u32]], sparsities: &[f32], 
         "calibrate {bar:30} {pos}/{len} tokens, {per_sec}, ETA {eta}",
     );
     for window in windows {
-        ingest_with(model, &mut st, window, 0, &mut cal)?;
+        // Every row is an output, so the last layer's FFN (which runs on
+        // the output rows alone) is calibrated on every token too, not on
+        // the last of each window.
+        let mut pos = 0;
+        for batch in window.chunks(st.max_batch) {
+            model.forward_with(&mut st, batch, pos, 0..batch.len(), &mut cal)?;
+            pos += batch.len();
+        }
         bar.inc(window.len() as u64);
     }
     bar.finish_and_clear();

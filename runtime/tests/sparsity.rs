@@ -150,3 +150,51 @@ fn perplexity_through_a_decoder_scores_what_the_batched_pass_scores() {
     let err = perplexity_decoding(&model, &text, 64, Some(1), false, &mut decoder).unwrap_err();
     assert!(err.to_string().contains("decoder of 32"), "{err}");
 }
+
+/// Calibration sees every token at every layer: the last layer, whose FFN
+/// a forward pass runs on its output rows alone, too. Each neuron's score
+/// is its mean |act(g)·u| over all of them.
+#[test]
+fn calibration_scores_every_token_at_the_last_layer() {
+    use leanstream_runtime::model::{LayerAt, LayerHook};
+    struct MeanAbs {
+        layer: usize,
+        sums: Vec<f64>,
+        rows: usize,
+    }
+    impl LayerHook for MeanAbs {
+        fn activations(&mut self, at: &LayerAt, acts: &mut [f32]) {
+            if at.layer == self.layer {
+                for row in acts.chunks_exact(self.sums.len()) {
+                    for (s, &a) in self.sums.iter_mut().zip(row) {
+                        *s += f64::from(a.abs());
+                    }
+                    self.rows += 1;
+                }
+            }
+        }
+    }
+    let model = model("calibrate_last_layer.gguf");
+    let text = text();
+    let tokens = model.tokenizer.encode(&text, true, false);
+    let windows: Vec<&[u32]> = tokens[..256].chunks(64).collect();
+    let cal = leanstream_runtime::sparsity::calibrate_windows(&model, &windows, &[0.5], false).unwrap();
+    let last = model.config.n_layer - 1;
+    let mut hook = MeanAbs {
+        layer: last,
+        sums: vec![0.0; model.config.n_ff],
+        rows: 0,
+    };
+    let mut st = model.new_state(64, 64, 1);
+    for w in &windows {
+        model.forward_with(&mut st, w, 0, 0..w.len(), &mut hook).unwrap();
+    }
+    assert_eq!(hook.rows, 256);
+    for (i, (&score, &sum)) in cal.neuron_scores[last].iter().zip(&hook.sums).enumerate() {
+        let want = (sum / 256.0) as f32;
+        assert!(
+            (score - want).abs() <= 1e-6 * want.abs().max(1e-3),
+            "neuron {i}: {score} against {want}"
+        );
+    }
+}
