@@ -517,8 +517,16 @@ fn real_main(cli: Cli) -> Result<()> {
             let p = perplexity_with(&model, &text, ctx, chunks, true, hook)?;
             let mut report = serde_json::to_value(&p)?;
             if let Some(skipped) = sparsifier.as_ref().and_then(|s| s.skipped_fraction()) {
+                // The cost is what thresholds are measured for: the same
+                // text dense, paired chunk by chunk.
+                let dense = perplexity_with(&model, &text, ctx, chunks, true, &mut DenseFfn)?;
+                let r = p.ratio_to(&dense);
                 report["sparsity_target"] = serde_json::json!(sparsity);
                 report["skipped_fraction"] = serde_json::json!(skipped);
+                report["ppl_dense"] = serde_json::json!(dense.ppl);
+                report["ppl_ratio"] = serde_json::json!(r.ratio);
+                report["ppl_ratio_stderr"] = serde_json::json!(r.stderr);
+                report["top1_agreement"] = serde_json::json!(p.top1_agreement(&dense));
             }
             println!("{}", serde_json::to_string_pretty(&report)?);
             Ok(())
