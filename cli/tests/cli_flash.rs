@@ -1,6 +1,7 @@
 //! The `leanstream` binary on `.lsflash` models: `--mem-budget` accounting
 //! and refusal, peak RSS within the budget plus a stated slack, the file not
-//! left in the page cache, and `bench --sweep` output.
+//! left in the page cache, and `bench --sweep` output; and the sparsity
+//! thresholds those models are packed with (`calibrate`, `perplexity`).
 
 #[path = "../../runtime/tests/common/mod.rs"]
 mod common;
@@ -351,4 +352,61 @@ fn a_calibrated_pack_keeps_the_hot_set_in_one_piece_per_layer() {
     assert_eq!(scattered("order_default"), 0.0);
     assert_eq!(scattered("order_placed"), 0.0);
     assert!(scattered("order_kept") > 0.1);
+}
+
+/// `leanstream calibrate`, then `perplexity --thresholds`: the thresholds'
+/// quality cost against the same text dense, with its standard error.
+#[test]
+fn thresholds_report_their_cost_against_dense() {
+    let dir = dir();
+    let model = dir.join("calibrated.gguf");
+    std::fs::write(&model, SyntheticSpec::tiny("llama").build().unwrap().to_bytes()).unwrap();
+    let (model, cal) = (model.to_str().unwrap(), dir.join("cal.json"));
+    let text = concat!(env!("CARGO_MANIFEST_DIR"), "/../data/text/apache-2.0.txt");
+    let o = leanstream(&[
+        "calibrate",
+        "--model",
+        model,
+        "--file",
+        text,
+        "--sparsity",
+        "0,0.5",
+        "--ctx",
+        "64",
+        "--max-tokens",
+        "512",
+        "-o",
+        cal.to_str().unwrap(),
+    ]);
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let ppl = |sparsity: &str| {
+        json_of(&leanstream(&[
+            "perplexity",
+            "--model",
+            model,
+            "--file",
+            text,
+            "--ctx",
+            "64",
+            "--chunks",
+            "6",
+            "--thresholds",
+            cal.to_str().unwrap(),
+            "--sparsity",
+            sparsity,
+        ]))
+    };
+    // Sparsity 0 keeps everything: the dense run, chunk for chunk.
+    let zero = ppl("0");
+    assert_eq!(zero["ppl"], zero["ppl_dense"], "{zero}");
+    assert_eq!(zero["ppl_ratio"].as_f64(), Some(1.0), "{zero}");
+    assert_eq!(zero["ppl_ratio_stderr"].as_f64(), Some(0.0), "{zero}");
+    assert_eq!(zero["top1_agreement"].as_f64(), Some(1.0), "{zero}");
+    let half = ppl("0.5");
+    let (p, dense) = (half["ppl"].as_f64().unwrap(), half["ppl_dense"].as_f64().unwrap());
+    assert_eq!(dense, zero["ppl_dense"].as_f64().unwrap());
+    assert_eq!(half["ppl_ratio"].as_f64(), Some(p / dense), "{half}");
+    let e = half["ppl_ratio_stderr"].as_f64().unwrap();
+    assert!(e > 0.0 && e.is_finite(), "{half}");
+    assert!(half["skipped_fraction"].as_f64().unwrap() > 0.3, "{half}");
 }
