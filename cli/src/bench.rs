@@ -331,11 +331,12 @@ fn device_quality(loaded: &DeviceModel, g: &mut GpuModel, file: &Path, q: &Quali
         None => Value::Null,
         Some((name, model)) => {
             let p = dense_perplexity(model, &text, q)?;
+            let r = ours.ratio_to(&p);
             json!({
                 "file": name,
                 "ppl": p.ppl,
-                "ppl_ratio": ours.ppl / p.ppl,
-                "ppl_ratio_stderr": ours.ratio_to(&p).stderr,
+                "ppl_ratio": r.ratio,
+                "ppl_ratio_stderr": r.stderr,
                 "top1_agreement": ours.top1_agreement(&p),
             })
         }
@@ -534,17 +535,19 @@ fn quality(
         Some(path) => {
             let model = load_reference(path, Some(fm), fm.model.flash_attn)?;
             let p = dense_perplexity(&model, &text, q)?;
+            let r = ours.ratio_to(&p);
             json!({
                 "file": path.display().to_string(),
                 "ppl": p.ppl,
-                "ppl_ratio": ours.ppl / p.ppl,
-                "ppl_ratio_stderr": ours.ratio_to(&p).stderr,
+                "ppl_ratio": r.ratio,
+                "ppl_ratio_stderr": r.stderr,
                 "top1_agreement": ours.top1_agreement(&p),
                 "ppl_dense_ratio": dense.ppl / p.ppl,
                 "top1_agreement_dense": dense.top1_agreement(&p),
             })
         }
     };
+    let to_dense = ours.ratio_to(&dense);
     Ok(json!({
         "file": file.display().to_string(),
         "ctx": ctx,
@@ -553,8 +556,8 @@ fn quality(
         "ppl": ours.ppl,
         "ppl_stderr": ours.ppl_stderr,
         "ppl_dense": dense.ppl,
-        "ppl_ratio": ours.ppl / dense.ppl,
-        "ppl_ratio_stderr": ours.ratio_to(&dense).stderr,
+        "ppl_ratio": to_dense.ratio,
+        "ppl_ratio_stderr": to_dense.stderr,
         "top1_agreement": ours.top1_agreement(&dense),
         "skipped_fraction": skipped,
         "reference": reference,

@@ -275,13 +275,12 @@ impl StreamedFfn {
         Ok(())
     }
 
-    /// The sooner of the set deadline and the policy's, from now.
-    fn deadline_from_now(&self, call: &DeviceCall) -> Option<Duration> {
-        let policy = call.deadline.map(|at| at.saturating_duration_since(Instant::now()));
-        match (self.deadline, policy) {
-            (Some(a), Some(b)) => Some(a.min(b)),
-            (a, b) => a.or(b),
-        }
+    /// The sooner of the set deadline (from now) and the policy's.
+    fn deadline_at(&self, call: &DeviceCall) -> Option<Instant> {
+        call.deadline
+            .into_iter()
+            .chain(self.deadline.map(|d| Instant::now() + d))
+            .min()
     }
 
     /// Row `t`'s stage 1 and stage 2 over the current layer's slots,
@@ -296,7 +295,10 @@ impl StreamedFfn {
         let format = &self.formats[c.plan.layer];
         let set = &self.sets[c.set];
         let slots = DevPtr(set.table.device_ptr());
-        let deadline_ns = match self.deadline_from_now(&c.call) {
+        let deadline_ns = match self
+            .deadline_at(&c.call)
+            .map(|at| at.saturating_duration_since(Instant::now()))
+        {
             None => 0,
             Some(d) if t == 0 => d.as_nanos().max(1) as u64,
             Some(_) => 1,
@@ -323,13 +325,7 @@ impl StreamedFfn {
     /// (hits at once, reads in arrival order), until all have landed or
     /// the deadline passes.
     pub fn feed(&mut self) -> Result<Fed> {
-        let deadline = self
-            .current()?
-            .call
-            .deadline
-            .into_iter()
-            .chain(self.deadline.map(|d| Instant::now() + d))
-            .min();
+        let deadline = self.deadline_at(&self.current()?.call);
         let c = self
             .current
             .as_mut()
