@@ -29,6 +29,24 @@ fn adaptive_profiling_replaces_the_uniform_profiles_and_feeds_the_table() {
             "{round}"
         );
     }
+    // Every read run samples all the read conditions together, so they
+    // see the same drift of the device (none is left to the pilot's moment).
+    let plan_conditions = |run: &std::path::Path| {
+        let text = std::fs::read(run.join("plan.json")).expect("plan.json");
+        let plan: serde_json::Value = serde_json::from_slice(&text).expect("plan JSON");
+        plan["conditions"].as_array().expect("conditions").len()
+    };
+    let traces = out.join("work/adaptive-traces");
+    let pilot_reads = plan_conditions(&traces.join("round-00-io"));
+    let mut read_runs = 0;
+    for e in std::fs::read_dir(&traces).expect("adaptive traces") {
+        let run = e.expect("entry").path();
+        if run.to_string_lossy().ends_with("-io") {
+            assert_eq!(plan_conditions(&run), pilot_reads, "{}", run.display());
+            read_runs += 1;
+        }
+    }
+    assert!(read_runs >= 2, "only the pilot read");
     let outputs = profile["outputs"].as_array().expect("outputs");
     for kind in ["io", "compute"] {
         let pilot = format!("work/adaptive-traces/round-00-{kind}/manifest.json");

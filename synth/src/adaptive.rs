@@ -10,10 +10,11 @@
 //! each condition's distribution is resampled (bootstrap) with the others
 //! held, the controller is solved again at probe states drawn over the grid
 //! (common random numbers), and the share of probe states whose action
-//! changes is that condition's *sensitivity*. The round's time goes to the
-//! conditions in proportion to it; a condition whose uncertainty changes no
-//! decision gets none. Each round's runs are ordinary profiler runs under
-//! one directory, which [`fit_traces`] reads as one profile.
+//! changes is that condition's *sensitivity*. The round's time is split
+//! between the read sweep and the compute sweep by their most sensitive
+//! condition (see [`split_round`] for why a sweep's conditions are never
+//! sampled apart). Each round's runs are ordinary profiler runs under one
+//! directory, which [`fit_traces`] reads as one profile.
 
 use std::path::{Path, PathBuf};
 
@@ -77,9 +78,11 @@ pub struct AdaptiveOptions {
 #[derive(Debug, Clone, Serialize)]
 pub struct RoundLog {
     pub round: usize,
-    /// Per condition: its sensitivity before the round (none for the
-    /// pilot) and whether the round sampled it.
-    pub conditions: Vec<(String, Option<f64>, bool)>,
+    /// Per condition: its sensitivity before the round (none for the pilot).
+    pub conditions: Vec<(String, Option<f64>)>,
+    /// Seconds the round gave the read sweep and the compute sweep.
+    pub io_s: f64,
+    pub compute_s: f64,
     /// Wall time of the sensitivity analysis, seconds.
     pub analysis_s: f64,
     pub seconds: f64,
@@ -93,17 +96,60 @@ fn keys(cfg: &SynthConfig) -> Vec<Key> {
     k
 }
 
-/// Profiler runs measuring `keys` for `budget_s` in `dir`/`name`-io and
-/// `name`-compute (split by their conditions). Visits are a tenth of the
-/// budget, so each run has rounds in both halves of the fit.
-fn measure(o: &AdaptiveOptions, keys: &[Key], budget_s: f64, dir: &Path, name: &str, seed: u64) -> Result<()> {
+/// Is `k` measured by the read sweep (else by the compute sweep)?
+fn is_read(k: &Key) -> bool {
+    matches!(k, Key::Read(_))
+}
+
+/// A round's seconds for the read and the compute sweep, by the most
+/// sensitive condition of each; a sweep gets at least a quarter of the
+/// other's weight, and both get even shares when no decision moves.
+///
+/// A sweep's conditions are always sampled together, interleaved: the
+/// device drifts between a fast and a slow read regime within tens of
+/// seconds here (64 KiB reads at depth 4: 168 against 228 µs). When later
+/// rounds sampled only the sensitive depth, the depths were measured in
+/// different regimes and the table compared them wrongly (a table 5% worse
+/// than the long profile's, and 10% on another run's traces). Interleaved,
+/// every condition of a sweep sees the same mixture of regimes, and the
+/// table's bandwidth state scales out the level.
+fn split_round(keys: &[Key], sensitivity: &[f64], round_s: f64) -> (f64, f64) {
+    let weight = |read: bool| {
+        keys.iter()
+            .zip(sensitivity)
+            .filter(|(k, _)| is_read(k) == read)
+            .map(|(_, &x)| x)
+            .fold(0.0, f64::max)
+    };
+    let (r, c) = (weight(true), weight(false));
+    let max = r.max(c);
+    let (r, c) = if max > 0.0 {
+        (r.max(0.25 * max), c.max(0.25 * max))
+    } else {
+        (1.0, 1.0)
+    };
+    (round_s * r / (r + c), round_s * c / (r + c))
+}
+
+/// Profiler runs measuring every one of `keys` of the read sweep for `io_s`
+/// in `dir`/`name`-io and of the compute sweep for `compute_s` in
+/// `name`-compute (a sweep under 0.2 s is skipped).
+fn measure(
+    o: &AdaptiveOptions,
+    keys: &[Key],
+    io_s: f64,
+    compute_s: f64,
+    dir: &Path,
+    name: &str,
+    seed: u64,
+) -> Result<()> {
     let settings = RunSettings {
-        budget_s,
+        budget_s: io_s + compute_s,
         // Sampling stops at the budget, not at a count.
         repetition: Repetition::Fixed { reps: 1 << 40 },
         seed,
-        flush_every_s: budget_s.clamp(1.0, 30.0),
-        visit_s: (budget_s / 10.0).clamp(0.02, 0.5),
+        flush_every_s: (io_s + compute_s).clamp(1.0, 30.0),
+        visit_s: 0.5,
         min_batch: 8,
         max_batch: 8192,
     };
@@ -117,7 +163,7 @@ fn measure(o: &AdaptiveOptions, keys: &[Key], budget_s: f64, dir: &Path, name: &
         .collect();
     let stage = keys.contains(&Key::Stage);
     let mut plans = Vec::new();
-    if !reads.is_empty() {
+    if !reads.is_empty() && io_s >= 0.2 {
         let grid = IoGrid {
             dir: o.io_dir.clone(),
             file_size: o.io_file_size,
@@ -131,7 +177,7 @@ fn measure(o: &AdaptiveOptions, keys: &[Key], budget_s: f64, dir: &Path, name: &
         };
         plans.push(("io", sweeps::io_plan(&grid, &settings)?));
     }
-    if stage || !splits.is_empty() {
+    if (stage || !splits.is_empty()) && compute_s >= 0.2 {
         let grid = ComputeGrid {
             model: o.model.clone(),
             neurons: Some(if stage {
@@ -150,15 +196,23 @@ fn measure(o: &AdaptiveOptions, keys: &[Key], budget_s: f64, dir: &Path, name: &
         };
         plans.push(("compute", sweeps::compute_plan(&grid, &settings)?));
     }
-    // Each sweep gets the budget in proportion to its conditions.
-    let total: usize = plans.iter().map(|(_, p)| p.conditions.len()).sum();
     for (sweep, mut plan) in plans {
-        plan.budget_s = budget_s * plan.conditions.len() as f64 / total.max(1) as f64;
+        plan.budget_s = if sweep == "io" { io_s } else { compute_s };
+        plan.visit_target_s = visit_target_s(plan.budget_s, plan.conditions.len(), plan.visit_target_s);
         if let Outcome::Interrupted = sweeps::start(&plan, &dir.join(format!("{name}-{sweep}")), false)? {
             return Err(SynthError::Interrupted(format!("{}: interrupted", dir.display())));
         }
     }
     Ok(())
+}
+
+/// Visits short enough that each of `conditions` gets about eight in
+/// `budget_s` (at most `longest`): rounds alternate between the fitted and
+/// the held-out half, and the fit needs samples from both. A tenth of a
+/// 6-second pilot per visit left a condition with one visit, all of it
+/// held out, and synthesis refused the profile.
+fn visit_target_s(budget_s: f64, conditions: usize, longest: f64) -> f64 {
+    (budget_s / (8.0 * conditions.max(1) as f64)).clamp(0.02, longest.max(0.02))
 }
 
 fn bootstrap(e: &Empirical, rng: &mut Rng) -> Empirical {
@@ -242,10 +296,14 @@ pub fn profile(dir: &Path, o: &AdaptiveOptions) -> Result<Vec<RoundLog>> {
     let mut log = Vec::new();
     let pilot_s = o.budget_s * o.pilot_share;
     let t = Instant::now();
-    measure(o, &keys, pilot_s, dir, "round-00", o.seed)?;
+    // The pilot splits its time by the sweeps' numbers of conditions.
+    let pilot_io_s = pilot_s * keys.iter().filter(|k| is_read(k)).count() as f64 / keys.len().max(1) as f64;
+    measure(o, &keys, pilot_io_s, pilot_s - pilot_io_s, dir, "round-00", o.seed)?;
     log.push(RoundLog {
         round: 0,
-        conditions: keys.iter().map(|k| (k.name(), None, true)).collect(),
+        conditions: keys.iter().map(|k| (k.name(), None)).collect(),
+        io_s: pilot_io_s,
+        compute_s: pilot_s - pilot_io_s,
         analysis_s: 0.0,
         seconds: t.elapsed().as_secs_f64(),
     });
@@ -260,37 +318,41 @@ pub fn profile(dir: &Path, o: &AdaptiveOptions) -> Result<Vec<RoundLog>> {
         let s = sensitivity(&analysis, &fitted, &keys, o.probe_states, o.replicates)?;
         let analysis_s = t.elapsed().as_secs_f64();
         let round_s = (o.budget_s - t0.elapsed().as_secs_f64()) / rounds_left;
-        // The round samples the conditions within a quarter of the most
-        // sensitive one's sensitivity (all of them when no decision moves),
-        // evenly: one run per sweep keeps the per-run setup cost low.
-        let max = s.iter().cloned().fold(0.0, f64::max);
-        let chosen: Vec<Key> = keys
-            .iter()
-            .zip(&s)
-            .filter(|(_, &x)| max == 0.0 || x >= 0.25 * max)
-            .map(|(&k, _)| k)
-            .collect();
-        if round_s >= 0.2 {
-            measure(
-                o,
-                &chosen,
-                round_s,
-                dir,
-                &format!("round-{round:02}"),
-                o.seed + round as u64,
-            )?;
-        }
-        let conditions = keys
-            .iter()
-            .zip(&s)
-            .map(|(k, &x)| (k.name(), Some(x), chosen.contains(k)))
-            .collect();
+        let (io_s, compute_s) = split_round(&keys, &s, round_s);
+        measure(
+            o,
+            &keys,
+            io_s,
+            compute_s,
+            dir,
+            &format!("round-{round:02}"),
+            o.seed + round as u64,
+        )?;
+        let conditions = keys.iter().zip(&s).map(|(k, &x)| (k.name(), Some(x))).collect();
         log.push(RoundLog {
             round,
             conditions,
+            io_s,
+            compute_s,
             analysis_s,
             seconds: t.elapsed().as_secs_f64(),
         });
     }
     Ok(log)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::visit_target_s;
+
+    #[test]
+    fn short_budgets_still_visit_every_condition_in_both_halves() {
+        // The 20 s profile's pilot: 3.4 s for 4 compute conditions.
+        let v = visit_target_s(3.4, 4, 0.5);
+        assert!(3.4 / (4.0 * v) >= 8.0 - 1e-9, "{v}");
+        // Long budgets keep the configured visit length; tiny ones a floor.
+        assert_eq!(visit_target_s(600.0, 4, 0.5), 0.5);
+        assert_eq!(visit_target_s(0.1, 7, 0.5), 0.02);
+        assert_eq!(visit_target_s(1.0, 0, 0.5), 0.125);
+    }
 }

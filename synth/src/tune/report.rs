@@ -273,7 +273,8 @@ pub(super) fn write(ctx: &Ctx) -> Result<(Vec<String>, Value)> {
                     r,
                     "Adaptive: {} samples in {} profiler runs, {:.0} s. Per round, each condition's \
                      sensitivity (the share of probe states whose action changes when its samples are \
-                     resampled) and whether the round sampled it (*):\n",
+                     resampled), and the seconds the round gave the read and the compute sweep (each \
+                     samples all its conditions, interleaved):\n",
                     s["samples"],
                     s["runs"],
                     f(&s["budget_s"])
@@ -285,11 +286,17 @@ pub(super) fn write(ctx: &Ctx) -> Result<(Vec<String>, Value)> {
                         .flatten()
                         .map(|c| {
                             let sens = c[1].as_f64().map(|x| format!(" {x:.3}")).unwrap_or_default();
-                            let star = if c[2].as_bool() == Some(true) { "*" } else { "" };
-                            format!("{}{sens}{star}", c[0].as_str().unwrap_or("?"))
+                            format!("{}{sens}", c[0].as_str().unwrap_or("?"))
                         })
                         .collect();
-                    let _ = writeln!(r, "- round {}: {}", round["round"], conditions.join(", "));
+                    let _ = writeln!(
+                        r,
+                        "- round {}: {}; reads {:.1} s, compute {:.1} s",
+                        round["round"],
+                        conditions.join(", "),
+                        f(&round["io_s"]),
+                        f(&round["compute_s"])
+                    );
                 }
             }
             // The pilot sampled every condition the table reads.
