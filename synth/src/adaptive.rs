@@ -110,7 +110,7 @@ fn is_read(k: &Key) -> bool {
 /// seconds here (64 KiB reads at depth 4: 168 against 228 µs). When later
 /// rounds sampled only the sensitive depth, the depths were measured in
 /// different regimes and the table compared them wrongly (a table 5% worse
-/// than the long profile's, and 10% on another run's traces). Interleaved,
+/// than the long profile's, and 9% on another run's traces). Interleaved,
 /// every condition of a sweep sees the same mixture of regimes, and the
 /// table's bandwidth state scales out the level.
 fn split_round(keys: &[Key], sensitivity: &[f64], round_s: f64) -> (f64, f64) {
@@ -208,9 +208,9 @@ fn measure(
 
 /// Visits short enough that each of `conditions` gets about eight in
 /// `budget_s` (at most `longest`): rounds alternate between the fitted and
-/// the held-out half, and the fit needs samples from both. A tenth of a
-/// 6-second pilot per visit left a condition with one visit, all of it
-/// held out, and synthesis refused the profile.
+/// the held-out half, and the fit needs samples from both. At a tenth of
+/// a 6-second pilot per visit, a compute condition had under 20 samples in
+/// the fitted half and synthesis refused the profile.
 fn visit_target_s(budget_s: f64, conditions: usize, longest: f64) -> f64 {
     (budget_s / (8.0 * conditions.max(1) as f64)).clamp(0.02, longest.max(0.02))
 }
@@ -343,7 +343,26 @@ pub fn profile(dir: &Path, o: &AdaptiveOptions) -> Result<Vec<RoundLog>> {
 
 #[cfg(test)]
 mod tests {
-    use super::visit_target_s;
+    use super::{split_round, visit_target_s, Key};
+
+    #[test]
+    fn a_round_splits_its_time_between_whole_sweeps() {
+        let keys = [Key::Read(1), Key::Read(16), Key::Stage, Key::Split(2)];
+        // No decision moves: even shares.
+        assert_eq!(split_round(&keys, &[0.0; 4], 10.0), (5.0, 5.0));
+        // Only reads matter: compute keeps a quarter of their weight.
+        let (io, compute) = split_round(&keys, &[0.0, 0.08, 0.0, 0.0], 10.0);
+        assert!(
+            (io - 8.0).abs() < 1e-12 && (compute - 2.0).abs() < 1e-12,
+            "{io} {compute}"
+        );
+        // By each sweep's most sensitive condition, not their sum.
+        let (io, compute) = split_round(&keys, &[0.04, 0.04, 0.06, 0.0], 10.0);
+        assert!(
+            (io - 4.0).abs() < 1e-12 && (compute - 6.0).abs() < 1e-12,
+            "{io} {compute}"
+        );
+    }
 
     #[test]
     fn short_budgets_still_visit_every_condition_in_both_halves() {
