@@ -18,6 +18,7 @@
 use std::error::Error;
 
 use leanstream_kernels::dequant::dequantize_row;
+use leanstream_runtime::generate::ingest_every_row_with;
 use leanstream_runtime::model::{DenseFfn, LayerAt, LayerHook, Model};
 use leanstream_runtime::perplexity::perplexity_with;
 
@@ -192,8 +193,7 @@ fn main() -> Result<(), Box<dyn Error>> {
     };
     let mut state = model.new_state(CTX, CTX, 1);
     for window in tokens.chunks(CTX) {
-        // Every row an output: the last layer's FFN runs on those alone.
-        model.forward_with(&mut state, window, 0, 0..window.len(), &mut recorder)?;
+        ingest_every_row_with(&model, &mut state, window, 0, &mut recorder)?;
     }
 
     let dense = perplexity_with(&model, &heldout, CTX, CHUNKS, false, &mut DenseFfn)?;

@@ -12,6 +12,7 @@
 
 use serde::{Deserialize, Serialize};
 
+use crate::generate::ingest_every_row_with;
 use crate::model::{LayerAt, LayerHook, Model};
 use crate::{Result, RuntimeError};
 use leanstream_kernels::sparse_ffn::FfnActivation;
@@ -349,14 +350,8 @@ pub fn calibrate_windows(model: &Model, windows: &[&[u32]], sparsities: &[f32], 
         "calibrate {bar:30} {pos}/{len} tokens, {per_sec}, ETA {eta}",
     );
     for window in windows {
-        // Every row is an output, so the last layer's FFN (which runs on
-        // the output rows alone) is calibrated on every token too, not on
-        // the last of each window.
-        let mut pos = 0;
-        for batch in window.chunks(st.max_batch) {
-            model.forward_with(&mut st, batch, pos, 0..batch.len(), &mut cal)?;
-            pos += batch.len();
-        }
+        // Not the last row of each window alone at the last layer.
+        ingest_every_row_with(model, &mut st, window, 0, &mut cal)?;
         bar.inc(window.len() as u64);
     }
     bar.finish_and_clear();

@@ -52,9 +52,34 @@ pub fn ingest_with(
     pos0: usize,
     hook: &mut dyn LayerHook,
 ) -> Result<()> {
+    ingest_batches(model, st, tokens, pos0, hook, false)
+}
+
+/// `ingest_with`, but every row is an output, so the last layer's FFN
+/// (which runs on the output rows alone) sees every token too: what
+/// calibration needs, not generation.
+pub fn ingest_every_row_with(
+    model: &Model,
+    st: &mut RunState,
+    tokens: &[u32],
+    pos0: usize,
+    hook: &mut dyn LayerHook,
+) -> Result<()> {
+    ingest_batches(model, st, tokens, pos0, hook, true)
+}
+
+fn ingest_batches(
+    model: &Model,
+    st: &mut RunState,
+    tokens: &[u32],
+    pos0: usize,
+    hook: &mut dyn LayerHook,
+    every_row: bool,
+) -> Result<()> {
     let mut pos = pos0;
     for chunk in tokens.chunks(st.max_batch) {
-        model.forward_with(st, chunk, pos, chunk.len() - 1..chunk.len(), hook)?;
+        let first_output = if every_row { 0 } else { chunk.len() - 1 };
+        model.forward_with(st, chunk, pos, first_output..chunk.len(), hook)?;
         pos += chunk.len();
     }
     Ok(())

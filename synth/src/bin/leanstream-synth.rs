@@ -236,8 +236,9 @@ enum Cmd {
     /// Profile this device for the controller adaptively: a pilot of the
     /// conditions the table reads, then rounds that give the read and the
     /// compute sweep time by how much their uncertainty changes the table's
-    /// decisions (bootstrap sensitivity at probe states). Writes profiler runs into --out (`controller --traces`
-    /// reads them) and prints the rounds as JSON.
+    /// decisions (bootstrap sensitivity at probe states). Writes profiler
+    /// runs into --out (`controller --traces` reads them) and prints the
+    /// rounds as JSON.
     AdaptiveProfile {
         /// Output directory (new).
         #[arg(short, long)]
