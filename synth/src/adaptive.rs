@@ -175,7 +175,7 @@ fn measure(
             lsflash: None,
             replay_fraction: 0.1,
         };
-        plans.push(("io", sweeps::io_plan(&grid, &settings)?));
+        plans.push(("io", io_s, sweeps::io_plan(&grid, &settings)?));
     }
     if (stage || !splits.is_empty()) && compute_s >= 0.2 {
         let grid = ComputeGrid {
@@ -194,10 +194,11 @@ fn measure(
             layer: 0,
             device: None,
         };
-        plans.push(("compute", sweeps::compute_plan(&grid, &settings)?));
+        plans.push(("compute", compute_s, sweeps::compute_plan(&grid, &settings)?));
     }
-    for (sweep, mut plan) in plans {
-        plan.budget_s = if sweep == "io" { io_s } else { compute_s };
+    // Each sweep runs on its own share of the budget.
+    for (sweep, budget_s, mut plan) in plans {
+        plan.budget_s = budget_s;
         plan.visit_target_s = visit_target_s(plan.budget_s, plan.conditions.len(), plan.visit_target_s);
         if let Outcome::Interrupted = sweeps::start(&plan, &dir.join(format!("{name}-{sweep}")), false)? {
             return Err(SynthError::Interrupted(format!("{}: interrupted", dir.display())));

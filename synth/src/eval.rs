@@ -631,6 +631,9 @@ pub fn breadth_recall(
     Ok(breadths
         .iter()
         .zip(&sums)
-        .map(|(&b, &s)| (b, s / rows_seen as f64))
+        // A mass ratio summed in f32 can end a rounding above 1, which
+        // `controller --recall-by-breadth` would refuse when copied from the
+        // tune's record.
+        .map(|(&b, &s)| (b, (s / rows_seen as f64).clamp(0.0, 1.0)))
         .collect())
 }
