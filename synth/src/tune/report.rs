@@ -40,6 +40,22 @@ fn three_digits(x: f64) -> String {
     format!("{x:.digits$}")
 }
 
+/// A run's decode speed: the median round, with the slowest and fastest
+/// where there were several rounds.
+fn speed_cell(run: &Value) -> String {
+    let median = three_digits(f(&run["decode_tok_s"]));
+    let rounds: Vec<f64> = run["decode_tok_s_rounds"]
+        .as_array()
+        .map(|a| a.iter().map(f).filter(|x| x.is_finite()).collect())
+        .unwrap_or_default();
+    if rounds.len() < 2 {
+        return median;
+    }
+    let lo = rounds.iter().copied().fold(f64::INFINITY, f64::min);
+    let hi = rounds.iter().copied().fold(f64::NEG_INFINITY, f64::max);
+    format!("{median} ({}–{})", three_digits(lo), three_digits(hi))
+}
+
 fn save(ctx: &Ctx, name: &str, svg: &str, files: &mut Vec<String>) -> Result<String> {
     let rel = format!("{PLOTS}/{name}");
     let path = ctx.out.join(&rel);
@@ -125,10 +141,17 @@ pub(super) fn write(ctx: &Ctx) -> Result<(Vec<String>, Value)> {
         r,
         "\n## Tuned against default, in the real engine\n\n`tuned` is `speculate` with this run's table and \
          predictor; `default` is `dense-stream`, what the same file does without them. Sparsity {}, decode of \
-         {} tokens after one warm-up, each run its own process. Perplexity is held-out text's, against the \
+         {} tokens after one warm-up, each run its own process{}. Perplexity is held-out text's, against the \
          packed file's dense run (ppl ratio ± its standard error over the chunks, top-1) and against the \
          source GGUF's dense engine, which also counts the packed down columns' rounding.\n",
-        ctx.opts.sparsity, verify["plan"]["gen_tokens"]
+        ctx.opts.sparsity,
+        verify["plan"]["gen_tokens"],
+        match verify["plan"]["rounds"].as_u64().unwrap_or(1) {
+            0 | 1 => String::new(),
+            n => format!(
+                "; tokens/s is the median of {n} rounds that take the runs in turn (slowest–fastest in brackets)"
+            ),
+        }
     );
     if verify["plan"]["quality_chunks"].as_u64() == Some(0) {
         let _ = writeln!(
@@ -149,7 +172,7 @@ pub(super) fn write(ctx: &Ctx) -> Result<(Vec<String>, Value)> {
             v["label"].as_str().unwrap_or("?"),
             v["budget"].as_str().unwrap_or("?"),
             mib(&v["memory"]["total"]),
-            three_digits(f(&v["decode_tok_s"])),
+            speed_cell(v),
             mib(&v["bytes_read_per_token"]),
             f(&v["skipped_fraction"]),
             ratio_cell(&v["quality"]),
@@ -345,4 +368,20 @@ pub(super) fn write(ctx: &Ctx) -> Result<(Vec<String>, Value)> {
 fn write_text(path: &Path, text: &str) -> Result<()> {
     leanstream_profiler::shard::write_atomic(path, text.as_bytes())?;
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::json;
+
+    #[test]
+    fn a_speed_cell_shows_the_rounds_spread_when_there_are_several() {
+        let one = json!({"decode_tok_s": 27.94, "decode_tok_s_rounds": [27.94]});
+        assert_eq!(speed_cell(&one), "27.9");
+        let three = json!({"decode_tok_s": 29.3, "decode_tok_s_rounds": [55.7, 29.3, 27.9]});
+        assert_eq!(speed_cell(&three), "29.3 (27.9–55.7)");
+        // Before rounds were recorded: the one number.
+        assert_eq!(speed_cell(&json!({"decode_tok_s": 4.25})), "4.25");
+    }
 }

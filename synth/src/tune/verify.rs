@@ -54,33 +54,70 @@ pub(super) fn verify(ctx: &Ctx) -> Result<(Vec<String>, Value)> {
     }
     let heldout = ctx.out.join(HELDOUT_TEXT);
     let mut rows = Vec::new();
-    for r in &runs {
-        let mut extra = r.args.clone();
-        if r.quality {
-            extra.extend([
-                "--quality-file".into(),
-                heldout.display().to_string(),
-                "--quality-ctx".into(),
-                plan.quality_ctx.to_string(),
-                "--quality-chunks".into(),
-                plan.quality_chunks.to_string(),
-                // Scored against the source model too: the packed down
-                // columns are not its arithmetic.
-                "--quality-reference".into(),
-                ctx.opts.model.display().to_string(),
-            ]);
+    let mut speeds = vec![Vec::new(); runs.len()];
+    for round in 0..plan.rounds.max(1) {
+        for (i, r) in runs.iter().enumerate() {
+            // Quality is scored in the first round only: one perplexity
+            // chunk costs more than a round of decodes.
+            let quality = r.quality && round == 0;
+            let v = bench_run(ctx, &bin, &plan, r, quality, &heldout)?;
+            speeds[i].push(v["decode_tok_s"].as_f64().unwrap_or(f64::NAN));
+            if round == 0 {
+                rows.push(v);
+            }
         }
-        let mut v = bench(ctx, &bin, &r.label, &r.budget, plan.gen_tokens, plan.reps, &extra)?;
-        v["label"] = json!(r.label);
-        v["config"] = json!(r.config);
-        v["budget"] = json!(r.budget);
-        rows.push(v);
+    }
+    for (v, s) in rows.iter_mut().zip(&speeds) {
+        v["decode_tok_s"] = json!(median(s));
+        v["decode_tok_s_rounds"] = json!(s);
     }
     let report = json!({ "plan": plan, "runs": rows });
     let path = ctx.out.join(VERIFY);
     let text = serde_json::to_vec_pretty(&report).map_err(|e| SynthError::Settings(e.to_string()))?;
     leanstream_profiler::shard::write_atomic(&path, &text)?;
     Ok((vec![VERIFY.into()], summarize(&rows)))
+}
+
+/// The middle of `v` (the mean of the middle two for an even count).
+fn median(v: &[f64]) -> f64 {
+    let mut s = v.to_vec();
+    s.sort_by(f64::total_cmp);
+    match s.len() {
+        0 => f64::NAN,
+        n if n % 2 == 1 => s[n / 2],
+        n => (s[n / 2 - 1] + s[n / 2]) / 2.0,
+    }
+}
+
+/// One verification run, labelled; with `quality`, scored on the held-out text.
+fn bench_run(
+    ctx: &Ctx,
+    bin: &std::path::Path,
+    plan: &super::steps::VerifyPlan,
+    r: &Run,
+    quality: bool,
+    heldout: &std::path::Path,
+) -> Result<Value> {
+    let mut extra = r.args.clone();
+    if quality {
+        extra.extend([
+            "--quality-file".into(),
+            heldout.display().to_string(),
+            "--quality-ctx".into(),
+            plan.quality_ctx.to_string(),
+            "--quality-chunks".into(),
+            plan.quality_chunks.to_string(),
+            // Scored against the source model too: the packed down
+            // columns are not its arithmetic.
+            "--quality-reference".into(),
+            ctx.opts.model.display().to_string(),
+        ]);
+    }
+    let mut v = bench(ctx, bin, &r.label, &r.budget, plan.gen_tokens, plan.reps, &extra)?;
+    v["label"] = json!(r.label);
+    v["config"] = json!(r.config);
+    v["budget"] = json!(r.budget);
+    Ok(v)
 }
 
 /// One `leanstream bench` run of the tuned file at the tune's sparsity,
@@ -186,6 +223,7 @@ fn summarize(rows: &[Value]) -> Value {
             json!({
                 "label": r["label"],
                 "decode_tok_s": r["decode_tok_s"],
+                "decode_tok_s_rounds": r["decode_tok_s_rounds"],
                 "skipped_fraction": r["skipped_fraction"],
                 "memory_total": r["memory"]["total"],
                 "ppl_ratio": r["quality"]["ppl_ratio"],
