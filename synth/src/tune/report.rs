@@ -44,16 +44,16 @@ fn three_digits(x: f64) -> String {
 /// where there were several rounds.
 fn speed_cell(run: &Value) -> String {
     let median = three_digits(f(&run["decode_tok_s"]));
-    let rounds: Vec<f64> = run["decode_tok_s_rounds"]
-        .as_array()
-        .map(|a| a.iter().map(f).filter(|x| x.is_finite()).collect())
-        .unwrap_or_default();
-    if rounds.len() < 2 {
-        return median;
+    let rounds = crate::fit::Empirical::new(
+        run["decode_tok_s_rounds"]
+            .as_array()
+            .map(|a| a.iter().map(f).collect())
+            .unwrap_or_default(),
+    );
+    match rounds.sorted[..] {
+        [lo, .., hi] => format!("{median} ({}–{})", three_digits(lo), three_digits(hi)),
+        _ => median,
     }
-    let lo = rounds.iter().copied().fold(f64::INFINITY, f64::min);
-    let hi = rounds.iter().copied().fold(f64::NEG_INFINITY, f64::max);
-    format!("{median} ({}–{})", three_digits(lo), three_digits(hi))
 }
 
 fn save(ctx: &Ctx, name: &str, svg: &str, files: &mut Vec<String>) -> Result<String> {

@@ -68,7 +68,7 @@ pub(super) fn verify(ctx: &Ctx) -> Result<(Vec<String>, Value)> {
         }
     }
     for (v, s) in rows.iter_mut().zip(&speeds) {
-        v["decode_tok_s"] = json!(median(s));
+        v["decode_tok_s"] = json!(crate::fit::Empirical::new(s.clone()).median());
         v["decode_tok_s_rounds"] = json!(s);
     }
     let report = json!({ "plan": plan, "runs": rows });
@@ -76,17 +76,6 @@ pub(super) fn verify(ctx: &Ctx) -> Result<(Vec<String>, Value)> {
     let text = serde_json::to_vec_pretty(&report).map_err(|e| SynthError::Settings(e.to_string()))?;
     leanstream_profiler::shard::write_atomic(&path, &text)?;
     Ok((vec![VERIFY.into()], summarize(&rows)))
-}
-
-/// The middle of `v` (the mean of the middle two for an even count).
-fn median(v: &[f64]) -> f64 {
-    let mut s = v.to_vec();
-    s.sort_by(f64::total_cmp);
-    match s.len() {
-        0 => f64::NAN,
-        n if n % 2 == 1 => s[n / 2],
-        n => (s[n / 2 - 1] + s[n / 2]) / 2.0,
-    }
 }
 
 /// One verification run, labelled; with `quality`, scored on the held-out text.
