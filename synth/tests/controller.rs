@@ -7,7 +7,7 @@ use std::path::PathBuf;
 use common::{fitted, small_cfg};
 use leanstream_runtime::control::ControlTable;
 use leanstream_runtime::generate::sampler::Rng;
-use leanstream_synth::sim::{compare, SimConfig};
+use leanstream_synth::sim::{compare, Half, SimConfig};
 use leanstream_synth::solve::{solve_enumerate, solve_milp, Instance};
 use leanstream_synth::synth::{env_for, state_at, synthesize};
 use leanstream_synth::SynthError;
@@ -136,12 +136,17 @@ fn simulator_reports_every_policy() {
     let cfg = small_cfg();
     let f = fitted();
     let t = synthesize(&cfg, &f, false).unwrap();
-    let sim = SimConfig { tokens: 6, seed: 1 };
+    let sim = SimConfig {
+        tokens: 6,
+        seed: 1,
+        truth: Default::default(),
+    };
     let rows = compare(&t, &cfg, &f, &sim, true).unwrap();
     let names: Vec<&str> = rows.iter().map(|r| r.policy.as_str()).collect();
     assert_eq!(names[0], "table");
     assert!(names[1].starts_with("best_fixed"));
-    assert_eq!(&names[2..], ["greedy", "online_mpc"]);
+    assert!(names[2].starts_with("fit_fixed"));
+    assert_eq!(&names[3..], ["greedy", "online_mpc"]);
     for r in &rows {
         assert!(r.mean_cost.is_finite() && r.mean_cost > 0.0 && r.p99_layer_us > 0.0);
         assert!((0.0..=1.0).contains(&r.skipped_mass), "{r:?}");
@@ -159,6 +164,19 @@ fn simulator_reports_every_policy() {
     let best = fixed.iter().copied().fold(f64::INFINITY, f64::min);
     assert_eq!(rows[1].mean_cost, best, "{fixed:?}");
     assert!(fixed.iter().any(|&c| c > best), "{fixed:?}");
+    // The fit-half pick is the best fixed action replayed on the fit half,
+    // costed on the held-out half; in-sample there is no such row.
+    let in_sample = SimConfig {
+        truth: Half::Fit,
+        ..sim.clone()
+    };
+    let on_fit = compare(&t, &cfg, &f, &in_sample, false).unwrap();
+    assert!(on_fit.iter().all(|r| !r.policy.starts_with("fit_fixed")), "{on_fit:?}");
+    let pick = on_fit[1].policy.trim_start_matches("best_fixed ");
+    assert_eq!(rows[2].policy.trim_start_matches("fit_fixed "), pick);
+    let k = t.codebook.iter().position(|a| format!("({a})") == pick).unwrap();
+    assert_eq!(rows[2].mean_cost, fixed[k]);
+    assert!(rows[2].mean_cost >= rows[1].mean_cost);
     // The same seed gives the same report.
     let again = compare(&t, &cfg, &f, &sim, true).unwrap();
     assert_eq!(

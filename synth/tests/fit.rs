@@ -229,9 +229,12 @@ fn cli_controller_inspect_simulate_bench() {
     let v: serde_json::Value = serde_json::from_str(&out).unwrap();
     let rows = v.as_array().unwrap();
     let names: Vec<&str> = rows.iter().map(|r| r["policy"].as_str().unwrap()).collect();
-    assert_eq!(names.len(), 4, "{names:?}");
+    assert_eq!(names.len(), 5, "{names:?}");
     assert!(
-        names[0] == "table" && names[1].starts_with("best_fixed") && names[2..] == ["greedy", "online_mpc"],
+        names[0] == "table"
+            && names[1].starts_with("best_fixed")
+            && names[2].starts_with("fit_fixed")
+            && names[3..] == ["greedy", "online_mpc"],
         "{names:?}"
     );
     for r in rows {
@@ -256,6 +259,21 @@ fn cli_controller_inspect_simulate_bench() {
         v
     };
     assert_eq!(untimed(&run(&a)), untimed(&out), "simulate is not reproducible");
+    // Replayed on the samples it was built from there is no hindsight to
+    // separate from the fit-half pick: one fixed row.
+    let mut fit_truth = a.clone();
+    fit_truth.extend(["--truth", "fit"]);
+    let v: serde_json::Value = serde_json::from_str(&run(&fit_truth)).unwrap();
+    let names: Vec<&str> = v
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|r| r["policy"].as_str().unwrap())
+        .collect();
+    assert!(
+        names.len() == 4 && names[1].starts_with("best_fixed") && names[2] == "greedy",
+        "{names:?}"
+    );
     let b: serde_json::Value = serde_json::from_str(&run(&["bench", &t, "--lookups", "1000"])).unwrap();
     assert!(b["ns_per_lookup"].as_f64().unwrap() > 0.0);
     // A corrupt table is refused with its name.

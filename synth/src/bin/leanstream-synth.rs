@@ -13,7 +13,7 @@ use leanstream_synth::fit::fit_traces;
 use leanstream_synth::inspect::{describe, heatmap_svg};
 use leanstream_synth::model::{GridSpec, ModelParams};
 use leanstream_synth::predictor::{train as train_predictors, LayerLoss, TrainOptions};
-use leanstream_synth::sim::{compare, simulate_policy, Policy, SimConfig};
+use leanstream_synth::sim::{compare, simulate_policy, Half, Policy, SimConfig};
 use leanstream_synth::solve::SolverSettings;
 use leanstream_synth::synth::{synthesize, SynthConfig};
 
@@ -25,6 +25,12 @@ use leanstream_synth::synth::{synthesize, SynthConfig};
 struct Cli {
     #[command(subcommand)]
     cmd: Cmd,
+}
+
+#[derive(clap::ValueEnum, Clone, Copy)]
+enum TruthArg {
+    Fit,
+    HeldOut,
 }
 
 #[derive(clap::Args, Clone)]
@@ -306,6 +312,11 @@ enum Cmd {
         /// Skip online MPC (slow).
         #[arg(long)]
         no_mpc: bool,
+        /// The half of the traces that plays the device: `held-out` (the
+        /// samples the table was not built from) or `fit` (the ones it was:
+        /// a loss there is the control model's, not the profile's noise).
+        #[arg(long, value_enum, default_value = "held-out")]
+        truth: TruthArg,
         #[arg(long)]
         json: bool,
     },
@@ -693,12 +704,20 @@ fn main() -> Result<()> {
             tokens,
             fixed,
             no_mpc,
+            truth,
             json,
         } => {
             let (t, _) = load(&table)?;
             let mut cfg = model.config()?;
             let fitted = engine.fit(&traces, &mut cfg)?;
-            let sim = SimConfig { tokens, seed: cfg.seed };
+            let sim = SimConfig {
+                tokens,
+                seed: cfg.seed,
+                truth: match truth {
+                    TruthArg::Fit => Half::Fit,
+                    TruthArg::HeldOut => Half::HeldOut,
+                },
+            };
             let mut rows = compare(&t, &cfg, &fitted, &sim, !no_mpc)?;
             for spec in &fixed {
                 let action = leanstream_runtime::engine::controller::Controller::parse_fixed(spec)?.codebook()[0];

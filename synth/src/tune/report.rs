@@ -250,7 +250,9 @@ pub(super) fn write(ctx: &Ctx) -> Result<(Vec<String>, Value)> {
     if let Some(s) = ctx.summary_of(Step::Controller) {
         let _ = writeln!(
             r,
-            "{} grid states, {} actions. Simulated on the held-out half of the profile ({} tokens):\n\n\
+            "{} grid states, {} actions. Simulated on the held-out half of the profile ({} tokens); \
+             `best_fixed` is the fixed action picked on that half in hindsight, `fit_fixed` the one \
+             picked on the half the table was built from:\n\n\
              | policy | mean cost | layer µs | skipped mass |\n|---|---|---|---|",
             s["states"], s["actions"], s["sim_tokens"]
         );

@@ -950,6 +950,7 @@ fn controller(ctx: &Ctx) -> Result<(Vec<String>, Value)> {
         &SimConfig {
             tokens: SIM_TOKENS,
             seed: cfg.seed,
+            truth: Default::default(),
         },
         false,
     )?;
