@@ -50,9 +50,13 @@
 //!   fifty looked free);
 //! - `queue_depth` q: reads in flight. `R = max(L − Q, 0)` bytes are read as
 //!   `n = ⌈R/block⌉` requests in `⌈n/m⌉` waves of `m = min(q, n)` reads, each
-//!   wave taking a read latency (the mean of four draws) from the profiled distribution at
-//!   (block, the deepest profiled depth ≤ m): a deep queue is never charged
-//!   for reads that are not there; where the engine's
+//!   wave taking a read latency (the mean of four draws) from the profiled
+//!   distributions at the block size, interpolated linearly in m between
+//!   the profiled depths around it: a deep queue is never charged for reads
+//!   that are not there, and 8 reads in flight cost more than 4 (rounding
+//!   down to the shallower depth made 4..15 reads one depth-4 wave, so the
+//!   queued bytes Q changed nothing below 16 reads and first actions tied
+//!   on queue depth); where the engine's
 //!   own runs are given ([`engine_fit`]), block is the engine's mean read
 //!   size and the latencies (and compute per neuron row) are the engine's.
 //!
@@ -69,14 +73,19 @@
 //! **Solver**: sample-average stochastic MPC over a horizon of H layers
 //! (default 3) with S scenarios (default 24). The first-stage action is shared
 //! by all scenarios; the later stages are per-scenario recourse actions. The
-//! next state's Q is discretized to the Q axis, which makes the problem a
-//! MILP: a binary one-hot first action and, per scenario, a flow over
-//! (stage, Q bin, action) arcs. It is formulated with `good_lp` and solved
-//! with the pure-Rust `microlp`; [`solve::solve_enumerate`] solves the same
-//! instance by exhaustive enumeration of action sequences (tests check they
-//! agree). Each grid state is solved independently in parallel (rayon) with
-//! scenarios from an RNG seeded by (seed, state index), so the table is
-//! deterministic for a seed.
+//! next state's Q is discretized to the Q axis, so each scenario's recourse
+//! is a shortest path over (stage, Q bin): [`solve::solve_dp`] solves it by
+//! backward induction and averages each first action's cost plus cost-to-go
+//! over the scenarios (exact, O(S·H·bins·actions); the default). The same
+//! problem is a MILP, a binary one-hot first action and, per scenario, a flow
+//! over (stage, Q bin, action) arcs, formulated with `good_lp` and solved
+//! with the pure-Rust `microlp` (`--solver milp`, about 8x slower);
+//! [`solve::solve_enumerate`] enumerates every action sequence (tests check
+//! all three reach the same optimum). They differ only in which of several
+//! exactly tied first actions they return: the DP takes the deepest queue
+//! ([`synth::deepest_queue_first`]). Each grid state is solved independently
+//! in parallel (rayon) with scenarios from an RNG seeded by (seed, state
+//! index), so the table is deterministic for a seed.
 
 pub mod adaptive;
 pub mod engine_fit;

@@ -194,6 +194,9 @@ pub struct Env {
     /// Latency distribution per codebook queue depth (index parallel to `qds`).
     pub qds: Vec<u16>,
     pub lat: Vec<Empirical>,
+    /// Latency distribution of one read with `m` reads in flight, at index
+    /// `m - 1` for m up to the deepest profiled depth (see [`lat_in_flight`]).
+    pub lat_in_flight: Vec<Empirical>,
     pub ks: Vec<u8>,
     pub split: Vec<Empirical>,
     pub ns_per_neuron: Empirical,
@@ -206,10 +209,11 @@ pub struct Env {
 impl Env {
     pub fn new(params: ModelParams, space: &ActionSpace, d: &Dists, q_axis: Axis) -> Self {
         let qds = space.queue_depths.clone();
-        let lat = qds
+        let lat: Vec<Empirical> = qds
             .iter()
             .map(|&q| d.read_lat_us[&(params.block, q as u32)].clone())
             .collect();
+        let lat_in_flight = lat_in_flight(&qds, &lat);
         let ks = space.stages.clone();
         let split = ks.iter().map(|&k| d.split_ratio[&(k as u32)].clone()).collect();
         let bw_median = d.read_bw[&(params.block, params.ref_qd)].median();
@@ -217,6 +221,7 @@ impl Env {
             codebook: space.codebook(),
             qds,
             lat,
+            lat_in_flight,
             ks,
             split,
             ns_per_neuron: d.ns_per_neuron.clone(),
@@ -305,20 +310,17 @@ pub fn step(env: &Env, s: &ControlState, a: &Action, d: &Draw) -> Outcome {
     let remaining = (load - s.queued_bytes.max(0.0)).max(0.0);
     let n_req = (remaining / p.block as f64).ceil();
     // A queue fills only as far as there are reads: a few reads at depth 16
-    // wait as long as a few reads in flight, not as long as sixteen. So the
-    // waves take the latency of the deepest profiled depth not above the
-    // reads actually in flight.
+    // wait as long as a few reads in flight, not as long as sixteen. Between
+    // the profiled depths the latency is interpolated linearly in the reads
+    // in flight (a bandwidth-bound queue's latency grows with its depth):
+    // the wave's draw, and quantile by quantile each read's distribution;
+    // rounding down to the shallower depth made 15 reads in flight cost one
+    // wave at depth 4, so queued bytes changed nothing below 16 reads.
     let in_flight = (a.queue_depth as f64).min(n_req.max(1.0));
-    let qi_eff = env
-        .qds
-        .iter()
-        .enumerate()
-        .filter(|(_, &q)| q as f64 <= in_flight)
-        .max_by_key(|(_, &q)| q)
-        .map_or(qi, |(i, _)| i);
+    let (lo, hi, w) = depth_bracket(&env.qds, in_flight, qi);
     let waves = (n_req / in_flight).ceil();
     let lat = d.lat_us[qi] / regime;
-    let wave_us = d.lat_us[qi_eff] / regime;
+    let wave_us = ((1.0 - w) * d.lat_us[lo] + w * d.lat_us[hi]) / regime;
     let t_read = waves * wave_us;
     // The engine computes every bundle it holds for the layer (the
     // thresholds select after the gate and up products), and its deadline
@@ -329,7 +331,8 @@ pub fn step(env: &Env, s: &ControlState, a: &Action, d: &Draw) -> Outcome {
     // Reads not landed by the deadline are skipped: each read's own
     // latency counts, not the wave's mean, so the tail of the latency
     // distribution makes reads late even when the mean fits.
-    let frac_loaded = landed_fraction(&env.lat[qi_eff], regime, n_req, in_flight, wave_us, deadline);
+    let lat_one = &env.lat_in_flight[(in_flight as usize).clamp(1, env.lat_in_flight.len()) - 1];
+    let frac_loaded = landed_fraction(lat_one, regime, n_req, in_flight, wave_us, deadline);
     let t_read_eff = t_read.min(deadline);
     let loaded_from_queue = s.queued_bytes.min(load);
     let read_bytes = remaining * frac_loaded;
@@ -362,6 +365,58 @@ pub fn step(env: &Env, s: &ControlState, a: &Action, d: &Draw) -> Outcome {
         late_bytes: remaining - read_bytes,
         read_wanted_bytes: remaining,
     }
+}
+
+/// The profiled depths around `n` reads in flight, as indices into `qds`,
+/// and the weight of the deeper one (0 at or below the shallowest depth, and
+/// where `n` is a profiled depth); `fallback` where nothing is profiled at
+/// or below `n`.
+fn depth_bracket(qds: &[u16], n: f64, fallback: usize) -> (usize, usize, f64) {
+    let lo = qds
+        .iter()
+        .enumerate()
+        .filter(|(_, &q)| q as f64 <= n)
+        .max_by_key(|(_, &q)| q)
+        .map(|(i, _)| i);
+    let hi = qds
+        .iter()
+        .enumerate()
+        .filter(|(_, &q)| q as f64 >= n)
+        .min_by_key(|(_, &q)| q)
+        .map(|(i, _)| i);
+    match (lo, hi) {
+        (Some(l), Some(h)) if qds[h] > qds[l] => (l, h, (n - qds[l] as f64) / (qds[h] as f64 - qds[l] as f64)),
+        (Some(l), _) => (l, l, 0.0),
+        (None, Some(h)) => (h, h, 0.0),
+        (None, None) => (fallback, fallback, 0.0),
+    }
+}
+
+/// Per number of reads in flight m = 1..=the deepest of `qds`, the latency
+/// distribution of one read: the profiled one at a profiled depth, between
+/// two the quantile-wise linear interpolation of the two (each quantile
+/// moves from the shallower depth's toward the deeper's), below the
+/// shallowest the shallowest's. Interpolating the landed fractions instead
+/// would let part of a deep wave land at the shallow depth's latency.
+fn lat_in_flight(qds: &[u16], lat: &[Empirical]) -> Vec<Empirical> {
+    let deepest = qds.iter().copied().max().unwrap_or(1).max(1) as usize;
+    (1..=deepest)
+        .map(|m| {
+            let (lo, hi, w) = depth_bracket(qds, m as f64, 0);
+            if w == 0.0 {
+                return lat[lo].clone();
+            }
+            let n = lat[lo].len().max(lat[hi].len()).max(2);
+            Empirical::new(
+                (0..n)
+                    .map(|i| {
+                        let u = i as f64 / (n - 1) as f64;
+                        (1.0 - w) * lat[lo].quantile(u) + w * lat[hi].quantile(u)
+                    })
+                    .collect(),
+            )
+        })
+        .collect()
 }
 
 /// Expected fraction of `n` reads, issued `m` at a time every `wave_us`,

@@ -8,8 +8,8 @@ use serde::Serialize;
 use crate::error::{Result, SynthError};
 use crate::fit::Fitted;
 use crate::model::{step, Env};
-use crate::solve::{solve_enumerate, solve_milp, Instance, SolverSettings};
-use crate::synth::{env_for, SynthConfig};
+use crate::solve::{solve_enumerate, Instance, SolverSettings};
+use crate::synth::{env_for, solve_instance, SynthConfig};
 use leanstream_runtime::generate::sampler::Rng;
 
 /// Per-policy result.
@@ -142,7 +142,7 @@ fn run_episode(
             Policy::OnlineMpc => {
                 let mut r = Rng::with_stream(cfg.seed ^ 0x0417, (token * n + l) as u64);
                 let inst = Instance::build(model, &x, &cfg.solver, &mut r);
-                model.codebook[solve_milp(&inst)?.action]
+                model.codebook[solve_instance(model, cfg, &inst)?]
             }
         };
         let decide_us = t0.elapsed().as_secs_f64() * 1e6;

@@ -1,6 +1,7 @@
 //! Sample-average stochastic MPC for one state: the instance (scenario costs
-//! and discretized transitions), its MILP with `good_lp` + `microlp`, and an
-//! exhaustive enumeration of action sequences to check it.
+//! and discretized transitions) and three exact solvers of it: backward
+//! induction (the default, fastest), its MILP with `good_lp` + `microlp`, and
+//! an exhaustive enumeration of action sequences to check both.
 
 use good_lp::{microlp, variable, Expression, ProblemVariables, Solution, SolverModel, Variable};
 use leanstream_runtime::control::ControlState;
@@ -17,7 +18,7 @@ pub struct SolverSettings {
     pub horizon: usize,
     /// Scenarios of the sample average.
     pub scenarios: usize,
-    pub solver: String,
+    pub solver: Solver,
 }
 
 impl Default for SolverSettings {
@@ -25,7 +26,38 @@ impl Default for SolverSettings {
         Self {
             horizon: 3,
             scenarios: 24,
-            solver: "good_lp/microlp MILP".into(),
+            solver: Solver::Dp,
+        }
+    }
+}
+
+/// How one instance is solved. All three find the same optimal value; they
+/// differ in speed and in which of several tied first actions they return.
+#[derive(Clone, Copy, Debug, Default, Serialize, Deserialize, PartialEq, Eq)]
+#[serde(rename_all = "lowercase")]
+pub enum Solver {
+    /// Backward induction per scenario ([`solve_dp`]); ties go to the
+    /// deepest queue.
+    #[default]
+    Dp,
+    /// The MILP with `good_lp` + `microlp` ([`solve_milp`]); ties go where
+    /// the simplex lands.
+    Milp,
+    /// Every action sequence ([`solve_enumerate`]); ties go to the lowest
+    /// action index. A check, exponential in the horizon.
+    Enumerate,
+}
+
+impl std::str::FromStr for Solver {
+    type Err = SynthError;
+    fn from_str(s: &str) -> Result<Self> {
+        match s {
+            "dp" => Ok(Self::Dp),
+            "milp" => Ok(Self::Milp),
+            "enumerate" => Ok(Self::Enumerate),
+            _ => Err(SynthError::Settings(format!(
+                "solver: unknown {s:?} (expected dp, milp or enumerate)"
+            ))),
         }
     }
 }
@@ -263,4 +295,51 @@ pub fn solve_milp(inst: &Instance) -> Result<Solved> {
         objective,
         solver_objective,
     })
+}
+
+/// Exact backward induction: each scenario's recourse is a shortest path
+/// over (stage, Q bin), so the value of every first action is the sample
+/// average of its first cost plus the scenario's cost-to-go. Among first
+/// actions whose values tie (to rounding), the one earliest in `prefer`
+/// wins.
+pub fn solve_dp(inst: &Instance, prefer: &[usize]) -> Solved {
+    let values = first_action_values(inst);
+    let best = values.iter().copied().fold(f64::INFINITY, f64::min);
+    let tol = 1e-9 * best.abs().max(1.0);
+    let action = prefer
+        .iter()
+        .copied()
+        .find(|&a| values[a] <= best + tol)
+        .unwrap_or_else(|| values.iter().position(|&v| v <= best + tol).unwrap_or(0));
+    Solved {
+        action,
+        objective: values[action],
+        solver_objective: best,
+    }
+}
+
+/// The sample-average horizon cost of each first action with optimal
+/// recourse (what [`Instance::enumerate_value`] gives, in O(S·T·B·A)).
+pub fn first_action_values(inst: &Instance) -> Vec<f64> {
+    let (na, nb, nt) = (inst.n_actions, inst.n_bins, inst.later_stages());
+    let s_n = inst.scenarios();
+    let mut values = vec![0.0; na];
+    let mut v_next = vec![0.0; nb];
+    let mut v = vec![0.0; nb];
+    for s in 0..s_n {
+        v_next.iter_mut().for_each(|x| *x = 0.0);
+        for t in (0..nt).rev() {
+            for q in 0..nb {
+                v[q] = (0..na)
+                    .map(|a| inst.cost[s][t][q][a] + v_next[inst.next[s][t][q][a]])
+                    .fold(f64::INFINITY, f64::min);
+            }
+            std::mem::swap(&mut v, &mut v_next);
+        }
+        for a in 0..na {
+            values[a] += inst.first_cost[s][a] + v_next[inst.first_next[s][a]];
+        }
+    }
+    values.iter_mut().for_each(|x| *x /= s_n.max(1) as f64);
+    values
 }

@@ -5,11 +5,12 @@ mod common;
 use std::path::PathBuf;
 
 use common::{fitted, small_cfg};
-use leanstream_runtime::control::ControlTable;
+use leanstream_runtime::control::{ControlState, ControlTable};
 use leanstream_runtime::generate::sampler::Rng;
+use leanstream_synth::model::{step, Draw};
 use leanstream_synth::sim::{compare, Half, SimConfig};
-use leanstream_synth::solve::{solve_enumerate, solve_milp, Instance};
-use leanstream_synth::synth::{env_for, state_at, synthesize};
+use leanstream_synth::solve::{first_action_values, solve_dp, solve_enumerate, solve_milp, Instance, Solver};
+use leanstream_synth::synth::{deepest_queue_first, env_for, state_at, synthesize};
 use leanstream_synth::SynthError;
 
 fn random_instance(r: &mut Rng, na: usize, nb: usize, ns: usize, nt: usize) -> Instance {
@@ -49,6 +50,78 @@ fn milp_matches_enumeration_on_random_instances() {
             "case {case}: {m:?} vs {e:?}"
         );
         assert!((m.objective - e.objective).abs() < 1e-6, "case {case}: {m:?} vs {e:?}");
+    }
+}
+
+#[test]
+fn backward_induction_matches_enumeration_and_breaks_ties_as_asked() {
+    let mut r = Rng::with_stream(43, 0);
+    for case in 0..60 {
+        let (na, nb, ns, nt) = (2 + case % 5, 1 + case % 3, 1 + case % 4, case % 4);
+        let inst = random_instance(&mut r, na, nb, ns, nt);
+        let values = first_action_values(&inst);
+        for (a, v) in values.iter().enumerate() {
+            let e = inst.enumerate_value(a);
+            assert!((v - e).abs() < 1e-9 * e.max(1.0), "case {case} action {a}: {v} vs {e}");
+        }
+        let e = solve_enumerate(&inst);
+        let order: Vec<usize> = (0..na).rev().collect();
+        let d = solve_dp(&inst, &order);
+        assert!(
+            (d.objective - e.objective).abs() < 1e-9 * e.objective.max(1.0),
+            "case {case}"
+        );
+        assert_eq!(d.objective, d.solver_objective);
+    }
+    // Actions 0 and 2 have identical rows and are cheaper than 1 by more
+    // than any recourse can make up: they tie, and the preference decides.
+    let mut inst = random_instance(&mut r, 3, 2, 3, 2);
+    for s in 0..3 {
+        inst.first_cost[s][0] = 0.0;
+        inst.first_cost[s][2] = 0.0;
+        inst.first_next[s][2] = inst.first_next[s][0];
+        inst.first_cost[s][1] = 1000.0;
+    }
+    assert_eq!(solve_dp(&inst, &[2, 0, 1]).action, 2);
+    assert_eq!(solve_dp(&inst, &[0, 2, 1]).action, 0);
+    assert_eq!(
+        solve_dp(&inst, &[1, 0, 2]).action,
+        0,
+        "a dearer action is never preferred"
+    );
+}
+
+#[test]
+fn the_dp_tie_rule_puts_deep_queues_first_and_solvers_are_named() {
+    let cfg = small_cfg();
+    let (env, _) = env_for(&cfg, &fitted()).unwrap();
+    let order = deepest_queue_first(&env.codebook);
+    assert_eq!(order.len(), env.codebook.len());
+    for w in order.windows(2) {
+        let (a, b) = (&env.codebook[w[0]], &env.codebook[w[1]]);
+        assert!(a.queue_depth > b.queue_depth || (a.queue_depth == b.queue_depth && w[0] < w[1]));
+    }
+    assert_eq!("milp".parse::<Solver>().unwrap(), Solver::Milp);
+    let e = "simplex".parse::<Solver>().unwrap_err().to_string();
+    assert!(e.contains("solver") && e.contains("simplex"), "{e}");
+}
+
+#[test]
+fn every_solver_reaches_the_same_optimum_on_model_instances() {
+    let cfg = small_cfg();
+    let f = fitted();
+    let (env, axes) = env_for(&cfg, &f).unwrap();
+    let n: usize = axes.iter().map(|a| a.bins()).product();
+    let order = deepest_queue_first(&env.codebook);
+    for i in (0..n).step_by(5) {
+        let mut rng = Rng::with_stream(11, i as u64);
+        let inst = Instance::build(&env, &state_at(&axes, i), &cfg.solver, &mut rng);
+        let e = solve_enumerate(&inst);
+        let d = solve_dp(&inst, &order);
+        assert!(
+            (d.objective - e.objective).abs() <= 1e-9 * e.objective.abs().max(1.0),
+            "state {i}: {d:?} vs {e:?}"
+        );
     }
 }
 
@@ -209,14 +282,16 @@ fn measured_recall_and_engine_latencies_change_what_the_table_chooses() {
     );
 
     // Two engines: one where sixteen reads in flight take barely longer
-    // than one, one where they take sixteen times as long (a deep queue
-    // buys nothing). Fitted to the first, the table keeps more reads in
-    // flight.
+    // than one, one where they take longer than sixteen reads one after
+    // another (a deep queue costs). Fitted to the first, the table keeps
+    // more reads in flight. A read takes 50 µs alone, so reads can meet the
+    // deadlines: where none can, every depth costs the same and the
+    // solver's tie rule alone picks one.
     let engine = |per_read: f64| leanstream_synth::engine_fit::EngineFit {
         block: 20480,
         latency_us: [1u32, 4, 16]
             .iter()
-            .map(|&q| (q, vec![900.0 + per_read * (q - 1) as f64; 101]))
+            .map(|&q| (q, vec![50.0 + per_read * (q - 1) as f64; 101]))
             .collect(),
         ns_per_neuron: None,
         resident_rows: None,
@@ -229,11 +304,52 @@ fn measured_recall_and_engine_latencies_change_what_the_table_chooses() {
         synthesize(&c, &f, false).unwrap()
     };
     let deep = |a: &leanstream_runtime::control::Action| a.queue_depth == 16;
-    let (free, costly) = (table_for(10.0), table_for(900.0));
+    let (free, costly) = (table_for(1.0), table_for(75.0));
     assert!(
         share(&free, deep) > share(&costly, deep),
         "q=16 in {} of states where a deep queue is nearly free, {} where it costs its depth",
         share(&free, deep),
         share(&costly, deep)
     );
+}
+
+#[test]
+fn reads_between_profiled_depths_take_an_interpolated_wave_and_queued_bytes_count() {
+    let mut cfg = small_cfg();
+    cfg.space.queue_depths = vec![1, 4, 16];
+    let (env, _) = env_for(&cfg, &fitted()).unwrap();
+    // Wave latencies 190, 310 and 790 µs at depths 1, 4, 16; no compute noise.
+    let draw = Draw {
+        lat_us: vec![190.0, 310.0, 790.0],
+        split: vec![1.0; env.ks.len()],
+        compute_noise: 1.0,
+    };
+    let action = *env
+        .codebook
+        .iter()
+        .find(|a| a.stages == 1 && a.queue_depth == 16 && a.prefetch_breadth == 1.0 && a.deadline_factor == 16.0)
+        .unwrap();
+    let block = env.params.block as f64;
+    let layer_us = |reads: f64, queued_blocks: f64| {
+        let x = ControlState {
+            queued_bytes: queued_blocks * block,
+            missing_bytes: (reads + queued_blocks) * block,
+            read_bw_bytes_s: env.bw_median,
+            compute_ns_per_neuron: 1000.0,
+            layer_position: 0.0,
+        };
+        let o = step(&env, &x, &action, &draw);
+        // One stage: the read, then the compute of everything that landed.
+        let tc = (reads + queued_blocks) * block / env.params.bundle_bytes;
+        assert!(o.late_bytes < 1e-6 * block, "the deadline is far");
+        o.layer_us - tc
+    };
+    let close = |a: f64, b: f64| (a - b).abs() < 1e-6 * b;
+    // 8 reads at depth 16: a third of the way from depth 4's wave to 16's,
+    // not depth 4's wave (the old rounding made 4..15 reads cost the same).
+    assert!(close(layer_us(8.0, 0.0), 470.0), "{}", layer_us(8.0, 0.0));
+    assert!(close(layer_us(5.0, 3.0), 350.0), "{}", layer_us(5.0, 3.0));
+    assert!(close(layer_us(16.0, 0.0), 790.0));
+    assert!(close(layer_us(4.0, 0.0), 310.0));
+    assert!(close(layer_us(32.0, 0.0), 2.0 * 790.0), "two full waves");
 }

@@ -14,7 +14,7 @@ use leanstream_synth::inspect::{describe, heatmap_svg};
 use leanstream_synth::model::{GridSpec, ModelParams};
 use leanstream_synth::predictor::{train as train_predictors, LayerLoss, TrainOptions};
 use leanstream_synth::sim::{compare, simulate_policy, Half, Policy, SimConfig};
-use leanstream_synth::solve::SolverSettings;
+use leanstream_synth::solve::{Solver, SolverSettings};
 use leanstream_synth::synth::{synthesize, SynthConfig};
 
 #[derive(Parser)]
@@ -95,6 +95,11 @@ struct ModelArgs {
     /// Scenarios of the sample average.
     #[arg(long, default_value_t = 24)]
     scenarios: usize,
+    /// How each instance is solved: dp (backward induction; ties to the
+    /// deepest queue), milp (good_lp + microlp) or enumerate (a check,
+    /// exponential in the horizon). All three reach the same optimum.
+    #[arg(long, default_value = "dp")]
+    solver: Solver,
     /// Bins of the queued-bytes axis.
     #[arg(long, default_value_t = 4)]
     queued_bins: usize,
@@ -176,7 +181,7 @@ impl ModelArgs {
             solver: SolverSettings {
                 horizon: self.horizon,
                 scenarios: self.scenarios,
-                ..SolverSettings::default()
+                solver: self.solver,
             },
             grid: GridSpec {
                 queued: self.queued_bins,

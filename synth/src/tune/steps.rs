@@ -613,6 +613,8 @@ impl Step {
                     "w_skip_us": o.w_skip_us,
                     "predictor": ctx.hash_of(PREDICTOR)?,
                     "engine": ctx.outputs_of(Step::EngineProbe)?,
+                    // The control model and the solver are compiled into this binary.
+                    "synthesizer": ctx.code.profiler,
                 }),
                 Profiling::Adaptive => json!({
                     "adaptive": ctx.outputs_of(Step::ProfileAdaptive)?,
@@ -621,6 +623,8 @@ impl Step {
                     "w_skip_us": o.w_skip_us,
                     "predictor": ctx.hash_of(PREDICTOR)?,
                     "engine": ctx.outputs_of(Step::EngineProbe)?,
+                    // The control model and the solver are compiled into this binary.
+                    "synthesizer": ctx.code.profiler,
                 }),
             },
             Step::Predictor => json!({
