@@ -73,12 +73,15 @@
 //! **Solver**: sample-average stochastic MPC over a horizon of H layers
 //! (default 3) with S scenarios (default 24). The first-stage action is shared
 //! by all scenarios; the later stages are per-scenario recourse actions. The
-//! next state's Q is discretized to the Q axis, so each scenario's recourse
-//! is a shortest path over (stage, Q bin): [`solve::solve_dp`] solves it by
+//! next state's Q is discretized to as many levels as the Q axis has bins,
+//! from nothing to the widest breadth's load ([`solve::prefetch_levels`]:
+//! "the next layer all prefetched" is a level, which the table's absolute
+//! Q axis does not give), so each scenario's recourse is a shortest path
+//! over (stage, Q level): [`solve::solve_dp`] solves it by
 //! backward induction and averages each first action's cost plus cost-to-go
 //! over the scenarios (exact, O(S·H·bins·actions); the default). The same
 //! problem is a MILP, a binary one-hot first action and, per scenario, a flow
-//! over (stage, Q bin, action) arcs, formulated with `good_lp` and solved
+//! over (stage, Q level, action) arcs, formulated with `good_lp` and solved
 //! with the pure-Rust `microlp` (`--solver milp`, about 8x slower);
 //! [`solve::solve_enumerate`] enumerates every action sequence (tests check
 //! all three reach the same optimum). They differ only in which of several

@@ -110,12 +110,13 @@ impl Instance {
         };
         for si in 0..settings.scenarios.max(1) {
             let x = &xs[si % xs.len()];
+            let levels = prefetch_levels(env, x, nb);
             let d = env.draw(rng);
             let (mut fc, mut fnx) = (Vec::with_capacity(na), Vec::with_capacity(na));
             for a in &env.codebook {
                 let o = step(env, x, a, &d);
                 fc.push(o.cost);
-                fnx.push(env.q_axis.bin(o.next_queued));
+                fnx.push(nearest(&levels, o.next_queued));
             }
             inst.first_cost.push(fc);
             inst.first_next.push(fnx);
@@ -125,7 +126,7 @@ impl Instance {
                 let (mut cq, mut nq) = (Vec::new(), Vec::new());
                 for q in 0..nb {
                     let y = ControlState {
-                        queued_bytes: env.q_axis.centers[q],
+                        queued_bytes: levels[q],
                         layer_position: x.layer_position + t as f64 / env.params.n_layers as f64,
                         ..*x
                     };
@@ -133,7 +134,7 @@ impl Instance {
                     for a in &env.codebook {
                         let o = step(env, &y, a, &d);
                         c.push(o.cost);
-                        n.push(env.q_axis.bin(o.next_queued));
+                        n.push(nearest(&levels, o.next_queued));
                     }
                     cq.push(c);
                     nq.push(n);
@@ -163,6 +164,41 @@ impl Instance {
             .map(|s| self.first_cost[s][a] + rec(self, s, 0, self.first_next[s][a]))
             .sum::<f64>()
             / s_n as f64
+    }
+}
+
+/// The queued-bytes levels the recourse of a scenario starting at `x` moves
+/// between: `n` evenly from nothing to the most any action prefetches (the
+/// widest breadth's load, at most the layer). The horizon keeps `x`'s
+/// missing bytes, so "all of the next layer prefetched, no read left" is a
+/// level of its own. Snapped to the table's Q axis instead (absolute bytes,
+/// the same for every state), a prefetch that covered the next layer
+/// mostly looked one read short, and a read is a whole wave: Gemma 3's
+/// 408 KiB block is a fifth of its typical load, so prefetching was
+/// undervalued and online MPC lost to a fixed action that always prefetches.
+pub fn prefetch_levels(env: &Env, x: &ControlState, n: usize) -> Vec<f64> {
+    let widest = env
+        .codebook
+        .iter()
+        .map(|a| a.prefetch_breadth as f64)
+        .fold(0.0, f64::max);
+    let layer = env.params.n_ff as f64 * env.params.bundle_bytes;
+    let top = (widest * x.missing_bytes.max(0.0)).min(layer);
+    if n < 2 {
+        return vec![0.0; n.max(1)];
+    }
+    (0..n).map(|i| top * i as f64 / (n - 1) as f64).collect()
+}
+
+/// Index of the level nearest `v` (levels ascending).
+fn nearest(levels: &[f64], v: f64) -> usize {
+    let i = levels.partition_point(|&l| l < v);
+    if i == 0 {
+        0
+    } else if i == levels.len() || v - levels[i - 1] <= levels[i] - v {
+        i.min(levels.len()) - 1
+    } else {
+        i
     }
 }
 

@@ -9,7 +9,9 @@ use leanstream_runtime::control::{ControlState, ControlTable};
 use leanstream_runtime::generate::sampler::Rng;
 use leanstream_synth::model::{step, Draw};
 use leanstream_synth::sim::{compare, Half, SimConfig};
-use leanstream_synth::solve::{first_action_values, solve_dp, solve_enumerate, solve_milp, Instance, Solver};
+use leanstream_synth::solve::{
+    first_action_values, prefetch_levels, solve_dp, solve_enumerate, solve_milp, Instance, Solver,
+};
 use leanstream_synth::synth::{deepest_queue_first, env_for, state_at, synthesize};
 use leanstream_synth::SynthError;
 
@@ -352,4 +354,46 @@ fn reads_between_profiled_depths_take_an_interpolated_wave_and_queued_bytes_coun
     assert!(close(layer_us(16.0, 0.0), 790.0));
     assert!(close(layer_us(4.0, 0.0), 310.0));
     assert!(close(layer_us(32.0, 0.0), 2.0 * 790.0), "two full waves");
+}
+
+#[test]
+fn a_prefetch_that_covers_the_next_layer_is_a_level_of_its_own() {
+    let cfg = small_cfg();
+    let (env, _) = env_for(&cfg, &fitted()).unwrap();
+    let layer = env.params.n_ff as f64 * env.params.bundle_bytes;
+    let x = ControlState {
+        queued_bytes: 0.0,
+        missing_bytes: 0.1 * layer,
+        read_bw_bytes_s: env.bw_median,
+        // Compute slow enough that the idle I/O time prefetches the whole load.
+        compute_ns_per_neuron: 50_000.0,
+        layer_position: 0.0,
+    };
+    let levels = prefetch_levels(&env, &x, 4);
+    let top = 2.5 * 0.1 * layer;
+    assert_eq!(levels.len(), 4);
+    for (i, l) in levels.iter().enumerate() {
+        assert!((l - top * i as f64 / 3.0).abs() < 1e-6 * top, "{levels:?}");
+    }
+    // The widest breadth's load is capped at the layer.
+    let big = ControlState {
+        missing_bytes: 0.9 * layer,
+        ..x
+    };
+    assert!((prefetch_levels(&env, &big, 4)[3] - layer).abs() < 1e-6 * layer);
+
+    let wide = env
+        .codebook
+        .iter()
+        .position(|a| a.stages == 1 && a.prefetch_breadth == 2.5 && a.queue_depth == 16)
+        .unwrap();
+    let mut rng = Rng::with_stream(5, 0);
+    let inst = Instance::build(&env, &x, &cfg.solver, &mut rng);
+    for s in 0..inst.scenarios() {
+        assert_eq!(
+            inst.first_next[s][wide],
+            inst.n_bins - 1,
+            "scenario {s}: the next layer is all prefetched"
+        );
+    }
 }
