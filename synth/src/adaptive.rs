@@ -275,7 +275,7 @@ pub fn sensitivity(
         for r in 0..replicates {
             let mut rng = Rng::with_stream(cfg.seed ^ 0xb007, (ki * 1000 + r) as u64);
             let d = resample(&fitted.fit, key, cfg.params.block, &mut rng);
-            let env = Env::new(cfg.params.clone(), &cfg.space, &d, axes[0].clone());
+            let env = Env::new(cfg.params.clone(), &cfg.space, &d, axes[0].bins());
             let acts = solve(&env)?;
             changed += acts.iter().zip(&base).filter(|(a, b)| a != b).count();
         }

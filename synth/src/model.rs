@@ -202,12 +202,13 @@ pub struct Env {
     pub ns_per_neuron: Empirical,
     /// Median bandwidth at the reference queue depth (B₅₀).
     pub bw_median: f64,
-    /// Bins of the queued-bytes axis (the MILP's discretized next state).
-    pub q_axis: Axis,
+    /// Levels of queued bytes the MPC's recourse moves between (as many as
+    /// the table's queued-bytes axis has bins; see `solve::prefetch_levels`).
+    pub q_levels: usize,
 }
 
 impl Env {
-    pub fn new(params: ModelParams, space: &ActionSpace, d: &Dists, q_axis: Axis) -> Self {
+    pub fn new(params: ModelParams, space: &ActionSpace, d: &Dists, q_levels: usize) -> Self {
         let qds = space.queue_depths.clone();
         let lat: Vec<Empirical> = qds
             .iter()
@@ -226,7 +227,7 @@ impl Env {
             split,
             ns_per_neuron: d.ns_per_neuron.clone(),
             bw_median,
-            q_axis,
+            q_levels,
             params,
         }
     }

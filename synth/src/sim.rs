@@ -192,12 +192,7 @@ pub fn simulate_policy(
     sim: &SimConfig,
 ) -> Result<PolicyReport> {
     let (model, _) = env_for(cfg, fitted)?;
-    let mut truth = Env::new(
-        cfg.params.clone(),
-        &cfg.space,
-        sim.truth.of(fitted),
-        model.q_axis.clone(),
-    );
+    let mut truth = Env::new(cfg.params.clone(), &cfg.space, sim.truth.of(fitted), model.q_levels);
     truth.bw_median = model.bw_median;
     let eps = episodes(cfg, fitted, sim);
     let per: Vec<Vec<Layer>> = eps

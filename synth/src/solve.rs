@@ -99,7 +99,7 @@ impl Instance {
         let x0 = &xs[0];
         let h = settings.horizon.min(layers_left(&env.params, x0.layer_position)).max(1);
         let na = env.codebook.len();
-        let nb = env.q_axis.bins();
+        let nb = env.q_levels;
         let mut inst = Instance {
             n_actions: na,
             n_bins: nb,
@@ -196,7 +196,7 @@ fn nearest(levels: &[f64], v: f64) -> usize {
     if i == 0 {
         0
     } else if i == levels.len() || v - levels[i - 1] <= levels[i] - v {
-        i.min(levels.len()) - 1
+        i - 1
     } else {
         i
     }
@@ -334,7 +334,7 @@ pub fn solve_milp(inst: &Instance) -> Result<Solved> {
 }
 
 /// Exact backward induction: each scenario's recourse is a shortest path
-/// over (stage, Q bin), so the value of every first action is the sample
+/// over (stage, Q level), so the value of every first action is the sample
 /// average of its first cost plus the scenario's cost-to-go. Among first
 /// actions whose values tie (to rounding), the one earliest in `prefer`
 /// wins.

@@ -111,8 +111,8 @@ pub fn env_for(cfg: &SynthConfig, fitted: &Fitted) -> Result<(Env, Vec<Axis>)> {
         return Err(SynthError::Settings("every grid axis needs 1..=64 bins".into()));
     }
     let axes = grid(&cfg.params, &cfg.grid, &fitted.fit);
-    let q_axis = axes[0].clone();
-    Ok((Env::new(cfg.params.clone(), &cfg.space, &fitted.fit, q_axis), axes))
+    let q_levels = axes[0].bins();
+    Ok((Env::new(cfg.params.clone(), &cfg.space, &fitted.fit, q_levels), axes))
 }
 
 /// Solves one state with the configured solver.
