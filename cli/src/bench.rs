@@ -502,7 +502,9 @@ fn quality(
     let (ctx, chunks) = (q.ctx, q.chunks);
     let sparsity = settings.sparsity;
     let text = std::fs::read_to_string(file).with_context(|| format!("reading {}", file.display()))?;
-    let eval = |policy: Policy, level: SparsityLevel| -> Result<_> {
+    // The policy's run is audited: beside perplexity, the share of the true
+    // active mass (what dense keeps at the policy's own state) it skipped.
+    let eval = |policy: Policy, level: SparsityLevel, audit: bool| -> Result<_> {
         let speculation = settings.speculation(fm, policy)?;
         let mut e = fm.engine_with(EngineOptions {
             policy,
@@ -516,20 +518,23 @@ fn quality(
             speculation,
             retention: None,
         })?;
+        if audit {
+            fm.audit(&mut e)?;
+        }
         // A predictor's choice for a batch is a union over its rows, wider
         // than any one token's: such a policy is scored as it decodes.
         let batch = if policy.predicts() { 1 } else { 512 };
         let p = perplexity_in_batches(&fm.model, &text, ctx, Some(chunks), false, &mut e, batch)?;
-        Ok((p, e.stats().skipped_fraction()))
+        Ok((p, e.stats()))
     };
-    let (dense, _) = eval(Policy::DenseStream, SparsityLevel::dense(fm.flash.n_layer()))?;
+    let (dense, _) = eval(Policy::DenseStream, SparsityLevel::dense(fm.flash.n_layer()), false)?;
     // Policies that decide what to read by prediction run themselves; the
     // others keep what dense-stream keeps at the same thresholds.
     let same_as = match policy {
         p if p == Policy::GateFirst || p.predicts() => p,
         _ => Policy::DenseStream,
     };
-    let (ours, skipped) = eval(same_as, fm.sparsity_level(sparsity)?)?;
+    let (ours, stats) = eval(same_as, fm.sparsity_level(sparsity)?, true)?;
     let reference = match q.reference.as_deref() {
         None => Value::Null,
         Some(path) => {
@@ -559,7 +564,8 @@ fn quality(
         "ppl_ratio": to_dense.ratio,
         "ppl_ratio_stderr": to_dense.stderr,
         "top1_agreement": ours.top1_agreement(&dense),
-        "skipped_fraction": skipped,
+        "skipped_fraction": stats.skipped_fraction(),
+        "skipped_mass": stats.skipped_mass(),
         "reference": reference,
     }))
 }

@@ -337,6 +337,60 @@ fn a_missed_deadline_skips_bundles_instead_of_waiting() {
     assert!(s.skipped_fraction() > 0.0, "{s:?}");
 }
 
+/// The audit (`FlashModel::audit`) counts the share of the true active mass
+/// (what `dense` keeps at the policy's own state) a policy skipped: none for
+/// `dense-stream`, which keeps by the same thresholds, and for `speculate`
+/// at sparsity 0 without a deadline; some when a deadline skips late
+/// bundles, and when a random predictor picks half the neurons without a
+/// cache. Auditing changes nothing the policy computes.
+#[test]
+fn the_audit_counts_the_active_mass_a_policy_skipped() {
+    let prompt = [1u32, 20, 33, 47, 5, 9];
+    // The audit's whole layers are the source's matrices where the file
+    // has down tiles: still the streamed bits.
+    let (_, fm) = synthetic("audit_tiles", 2048, DownType::Source, false);
+    let mut e = fm.engine_with(options(&fm, 0.25, half_level(&fm), None)).unwrap();
+    fm.audit(&mut e).unwrap();
+    common::greedy_flash(&fm, &mut e, &prompt, 6).unwrap();
+    assert_eq!(e.stats().skipped_mass(), Some(0.0), "{:?}", e.stats());
+
+    let (_, fm) = synthetic("audit", 2048, DownType::Q8_0, false);
+    let dense_level = || SparsityLevel::dense(fm.flash.n_layer());
+    let run = |opts: EngineOptions, backend: Option<BackendFactory>, audit: bool| {
+        let mut e = fm.engine_on(opts, backend).unwrap();
+        if audit {
+            fm.audit(&mut e).unwrap();
+        }
+        let out = common::greedy_flash(&fm, &mut e, &prompt, 6).unwrap();
+        (out, e.stats())
+    };
+    let (plain, s) = run(options(&fm, 0.25, half_level(&fm), None), None, false);
+    assert_eq!(s.skipped_mass(), None, "no audit, no measure");
+    let (audited, s) = run(options(&fm, 0.25, half_level(&fm), None), None, true);
+    assert!(common::same_bits(&plain, &audited), "the audit changes nothing");
+    assert_eq!(s.skipped_mass(), Some(0.0), "{s:?}");
+    assert!(s.active_mass > 0.0);
+
+    let sp = speculation(&fm, fixed("fixed:K=2,b=1,d=inf,q=4"), 3);
+    let (_, s) = run(options(&fm, 0.0, dense_level(), Some(sp)), None, true);
+    assert_eq!(s.skipped_mass(), Some(0.0), "{s:?}");
+
+    let sp = speculation(&fm, fixed("fixed:K=2,b=1,d=0.01,q=4"), 7);
+    let late = Some(shuffled(8, Duration::from_millis(3), None));
+    let (_, s) = run(options(&fm, 0.0, dense_level(), Some(sp)), late, true);
+    assert!(s.late_skipped > 0, "{s:?}");
+    let m = s.skipped_mass().unwrap();
+    assert!(m > 0.0 && m < 1.0, "{s:?}");
+
+    let sp = speculation(&fm, fixed("fixed:K=1,b=1,d=inf,q=4"), 5);
+    let (_, s) = run(options(&fm, 0.0, half_level(&fm), Some(sp)), None, true);
+    let m = s.skipped_mass().unwrap();
+    assert!(
+        m > 0.1 && m < 0.9,
+        "a random pick of half the neurons misses part of the mass: {s:?}"
+    );
+}
+
 #[test]
 fn a_predictor_for_another_model_is_refused_by_name() {
     let (_, fm) = synthetic("refuse", 512, DownType::Q8_0, false);

@@ -17,6 +17,7 @@
 //! order ([`tail`]), so policies that keep the same neurons give
 //! bit-identical logits, whatever order the bundles arrive in.
 
+mod audit;
 pub mod controller;
 mod device_call;
 pub mod handoff;
@@ -37,6 +38,7 @@ use crate::flash::io::{Backend, IoConfig};
 use crate::model::{FfnBy, LayerAt, LayerHook, Model, RunState};
 use crate::predict::Predictor;
 use crate::{Result, RuntimeError};
+use audit::Audit;
 pub use controller::{Controller, Decisions};
 pub use device_call::{keeps, DeviceCall};
 
@@ -320,7 +322,25 @@ impl FlashModel {
             tokens: 0,
             pending: None,
             retention_bytes: o.retention.as_ref().map_or(0, |t| t.bytes()),
+            audit: None,
         })
+    }
+
+    /// Audits `engine`: from now on each FFN call is checked against the
+    /// layer computed whole (the `audit` module), and its stats count the true
+    /// active mass and what the policy skipped of it. Holds a second copy
+    /// of the whole FFN and computes every layer twice: for measurement
+    /// runs, not timed ones.
+    pub fn audit(&self, engine: &mut FlashEngine) -> Result<()> {
+        let resident = self.read_all()?;
+        let formats = resident.formats.clone();
+        let c = &self.model.config;
+        engine.audit = Some(Box::new(Audit::new(
+            Source::Resident(resident),
+            formats,
+            Tail::new(c.ffn_activation, c.n_embd, c.n_ff),
+        )));
+        Ok(())
     }
 
     /// Each layer's gate rows in neuron order (for `gate-first`).
@@ -449,6 +469,11 @@ pub struct EngineStats {
     /// Bundles requested for a layer that had not landed by its deadline
     /// (skipped, not waited for).
     pub late_skipped: u64,
+    /// An audited engine ([`FlashModel::audit`]): the |act(g)·u| mass of
+    /// the neurons `dense` would keep at the policy's own state, and of
+    /// that what the policy did not keep (0 without an audit).
+    pub active_mass: f64,
+    pub missed_mass: f64,
 }
 
 impl EngineStats {
@@ -459,6 +484,12 @@ impl EngineStats {
         } else {
             1.0 - self.kept as f64 / self.considered as f64
         }
+    }
+
+    /// Of the true active mass, the share the policy skipped (mispredicted
+    /// or late); `None` without an audit.
+    pub fn skipped_mass(&self) -> Option<f64> {
+        (self.active_mass > 0.0).then(|| self.missed_mass / self.active_mass)
     }
 
     /// Time the I/O thread was busy while compute was not waiting on it:
@@ -495,6 +526,8 @@ pub struct FlashEngine {
     pending: Option<RuntimeError>,
     /// Bytes of the learned cache policy's retention table (0 without one).
     retention_bytes: u64,
+    /// The reference computation of an audited engine.
+    audit: Option<Box<Audit>>,
 }
 
 impl FlashEngine {
@@ -512,6 +545,9 @@ impl FlashEngine {
         s.considered = self.tail.considered;
         s.rows_computed = self.tail.stage1_rows;
         s.ffn_seconds = self.tail.seconds;
+        if let Some(a) = &self.audit {
+            (s.active_mass, s.missed_mass) = (a.active_mass, a.missed_mass);
+        }
         s
     }
 
@@ -622,6 +658,9 @@ impl LayerHook for FlashEngine {
         let plan = self.plan.plan(&call, &mut self.source, &self.tail)?;
         let record = self.recorder.as_mut().map(|t| t.begin_call(layer, n));
         self.tail.run(&f, layer, xb, n, out, &mut self.source, plan, record)?;
+        if let Some(a) = &mut self.audit {
+            a.check(layer, xb, n, self.level.full[layer], self.tail.kept_acts(n))?;
+        }
         self.finish_call(layer);
         Ok(FfnBy::Hook)
     }

@@ -359,6 +359,11 @@ impl Tail {
         self.scratch = vec![0.0; Self::piece_values(n)];
     }
 
+    /// The last call's kept activations, `[n][n_ff]` (0: not kept).
+    pub(crate) fn kept_acts(&self, n: usize) -> &[f32] {
+        &self.a[..n * self.n_ff]
+    }
+
     /// Converts the rows for the gate and up dot products.
     pub fn prepare(&mut self, f: &BundleFormat, xb: &[f32], n: usize) -> Result<()> {
         self.reserve(n);
