@@ -148,6 +148,27 @@ pub fn check_tuned(out: &Path, steps: usize) -> Value {
         recorded.keys().collect::<Vec<_>>()
     );
 
+    // The control model's recall is the engine's where the probe audited
+    // it (small budgets run its floor of held-out tokens).
+    let probe = &m["steps"]["engine-probe"]["summary"];
+    let solved = &m["steps"]["controller"]["summary"];
+    let measured: Vec<f64> = probe["recall"]
+        .as_array()
+        .expect("the probe's recall")
+        .iter()
+        .map(|r| r["recall"].as_f64().unwrap())
+        .collect();
+    assert!(probe["recall_tokens"].as_u64().unwrap() > 0, "{probe}");
+    assert_eq!(solved["recall_source"], "engine", "{solved}");
+    let used: Vec<f64> = solved["recall_by_breadth"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|p| p[1].as_f64().unwrap())
+        .collect();
+    assert_eq!(used, measured);
+    assert!(measured.iter().all(|r| (0.0..=1.0).contains(r)), "{measured:?}");
+
     let verify = json_file(&out.join("work/verify.json"));
     let runs = verify["runs"].as_array().expect("runs");
     let tuned = runs.iter().find(|r| r["config"] == "tuned").expect("a tuned run");

@@ -19,5 +19,21 @@ fn tune_on_smollm2_drives_the_engine() {
     let tuned = &verify["runs"][0];
     assert_eq!(tuned["config"], "tuned");
     assert!(report.contains(&format!("{:.1}", tuned["decode_tok_s"].as_f64().unwrap())));
+    // Quality runs are audited: dense-stream keeps what dense keeps at the
+    // same thresholds, so it skips none of the true active mass; speculate
+    // reports a share.
+    for run in verify["runs"].as_array().unwrap() {
+        let Some(mass) = run["quality"]["skipped_mass"].as_f64() else {
+            assert!(
+                run["quality"].is_null(),
+                "a quality run without its skipped mass: {run}"
+            );
+            continue;
+        };
+        assert!((0.0..=1.0).contains(&mass), "{run}");
+        if run["config"] == "default" {
+            assert_eq!(mass, 0.0, "{run}");
+        }
+    }
     let _ = std::fs::remove_dir_all(&dir);
 }

@@ -35,13 +35,18 @@
 //!   Tc covers every row the layer holds: the bundles loaded (wasted ones
 //!   too: the thresholds select after the gate and up products) and the
 //!   rows the neuron cache adds (`resident_rows`, from the engine's runs);
-//! - `prefetch_breadth` b: load `L = b·D` bytes (at most the layer) from the top of the predicted
-//!   priority list. The activation mass covered is `recall(b)`: the
-//!   predictor's measured mass recall at each breadth on held-out traces
-//!   where tune has measured it ([`eval::breadth_recall`], interpolated),
-//!   else `1 − (1−r₀)^b` (r₀ = recall at breadth 1, a parameter); the rest
-//!   of `L` is wasted reads. Idle I/O time of a layer prefetches up to `b·D`
-//!   bytes of the next layer (that is the next state's Q);
+//! - `prefetch_breadth` b: load `L = b·D` bytes (at most the layer) from the
+//!   top of the predicted priority list, or, where the engine's bytes per
+//!   breadth are measured (tune's engine probe), at least their share of
+//!   the widest breadth's load ([`model::ModelParams::load`]: the engine
+//!   re-ranks at each stage and reads the union of its picks). The
+//!   activation mass covered is `recall(b)`: the engine's own at each
+//!   breadth where tune's probe audited it, else the predictor's mass
+//!   recall on held-out traces ([`eval::breadth_recall`], which misses what
+//!   merged reads and the cache add), interpolated, else `1 − (1−r₀)^b`
+//!   (r₀ = recall at breadth 1, a parameter); the rest of `L` is wasted
+//!   reads. Idle I/O time of a layer prefetches up to `b·D` bytes of the
+//!   next layer (that is the next state's Q);
 //! - `deadline_factor` d: reads not landed by `d ×` the expected compute of
 //!   the rows asked for are skipped (the engine's rule). Each read lands at
 //!   its wave's start plus its own latency from the profiled distribution,

@@ -26,6 +26,12 @@ pub struct ModelParams {
     /// `recall_at_1` curve.
     #[serde(default)]
     pub recall_by_breadth: Vec<(f64, f64)>,
+    /// Bytes the engine read per token at each breadth over what it read at
+    /// the widest, `(breadth, share)` ascending, the widest last (the engine
+    /// probe's); when present, a layer reads at least that share of the
+    /// widest breadth's load (see [`load`](Self::load)).
+    #[serde(default)]
+    pub read_share_by_breadth: Vec<(f64, f64)>,
     /// Neuron rows per layer the engine computes from its cache besides
     /// those it reads (they add compute, not reads; `engine_fit`).
     #[serde(default)]
@@ -49,6 +55,7 @@ impl Default for ModelParams {
             ref_qd: 4,
             recall_at_1: 0.85,
             recall_by_breadth: Vec::new(),
+            read_share_by_breadth: Vec::new(),
             resident_rows: 0.0,
             w_skip_us: 2000.0,
             w_waste_us_per_mib: 100.0,
@@ -279,20 +286,45 @@ impl ModelParams {
     /// ranking: the measured points interpolated linearly (from 0 at
     /// breadth 0, flat past the last), else `1 − (1 − r₁)^b`.
     pub fn recall(&self, b: f64) -> f64 {
-        let pts = &self.recall_by_breadth;
-        if pts.is_empty() {
+        if self.recall_by_breadth.is_empty() {
             return 1.0 - (1.0 - self.recall_at_1).powf(b);
         }
-        let mut prev = (0.0, 0.0);
-        for &(x, y) in pts {
-            if b <= x {
-                let f = if x > prev.0 { (b - prev.0) / (x - prev.0) } else { 1.0 };
-                return (prev.1 + f * (y - prev.1)).clamp(0.0, 1.0);
-            }
-            prev = (x, y);
-        }
-        prev.1.clamp(0.0, 1.0)
+        interpolate(&self.recall_by_breadth, b)
     }
+
+    /// Bytes a layer missing `d` bytes asks for at breadth `b`: `b·d`, at
+    /// most the whole layer; where the engine's read shares are measured,
+    /// at least the share at `b` of what the widest breadth asks for. The
+    /// engine re-ranks at each stage and reads the union of its picks, so
+    /// a narrower breadth reads less than its nominal load suggests
+    /// (Gemma 3 and SmolLM2: breadth 1.5 read 0.99 and 1.00 of breadth
+    /// 2.5's bytes), and a model charging `b·d` saw time saved that the
+    /// engine never saves.
+    pub fn load(&self, b: f64, d: f64) -> f64 {
+        let whole = self.n_ff as f64 * self.bundle_bytes;
+        let asked = (b * d).min(whole);
+        match self.read_share_by_breadth.last() {
+            Some(&(widest, _)) => {
+                let share = interpolate(&self.read_share_by_breadth, b);
+                asked.max(share * (widest * d).min(whole)).min(whole)
+            }
+            None => asked,
+        }
+    }
+}
+
+/// `points` (ascending x) interpolated linearly at `x`, from 0 at 0 and
+/// flat past the last point, clamped to [0, 1].
+fn interpolate(points: &[(f64, f64)], x: f64) -> f64 {
+    let mut prev = (0.0, 0.0);
+    for &(px, py) in points {
+        if x <= px {
+            let f = if px > prev.0 { (x - prev.0) / (px - prev.0) } else { 1.0 };
+            return (prev.1 + f * (py - prev.1)).clamp(0.0, 1.0);
+        }
+        prev = (px, py);
+    }
+    prev.1.clamp(0.0, 1.0)
 }
 
 /// One layer of the dynamics.
@@ -302,8 +334,7 @@ pub fn step(env: &Env, s: &ControlState, a: &Action, d: &Draw) -> Outcome {
     let ki = env.ks.iter().position(|&k| k == a.stages).unwrap_or(0);
     let big_d = s.missing_bytes.max(0.0);
     let b = a.prefetch_breadth as f64;
-    // The engine asks for at most the whole layer.
-    let load = (b * big_d).min(p.n_ff as f64 * p.bundle_bytes);
+    let load = p.load(b, big_d);
     let rec = p.recall(b);
     let useful_frac = if load > 0.0 { (rec * big_d / load).min(1.0) } else { 0.0 };
     // Reads: regime-scaled waves of requests.
@@ -481,6 +512,23 @@ mod tests {
         assert!((f - 0.9).abs() < 0.02, "{f}");
         // A regime twice as fast halves every latency: all land.
         assert_eq!(landed_fraction(&lat, 2.0, 16.0, 16.0, 95.0, 500.0), 1.0);
+    }
+
+    #[test]
+    fn a_measured_read_share_floors_a_narrow_breadths_load() {
+        let mut p = ModelParams::default();
+        let whole = p.n_ff as f64 * p.bundle_bytes;
+        let d = 0.5 * whole;
+        assert!((p.load(1.5, d) - 1.5 * d).abs() < 1e-6);
+        assert!((p.load(2.5, d) - whole).abs() < 1e-6, "at most the layer");
+        p.read_share_by_breadth = vec![(1.0, 0.8), (1.5, 0.99), (2.5, 1.0)];
+        // The widest breadth asks for the whole layer; breadth 1.5 reads 99% of it.
+        assert!((p.load(2.5, d) - whole).abs() < 1e-6);
+        assert!((p.load(1.5, d) - 0.99 * whole).abs() < 1e-6);
+        assert!((p.load(1.0, d) - 0.8 * whole).abs() < 1e-6);
+        // Never less than asked for.
+        p.read_share_by_breadth = vec![(1.0, 0.1), (2.5, 1.0)];
+        assert!((p.load(1.0, d) - d).abs() < 1e-6);
     }
 
     #[test]

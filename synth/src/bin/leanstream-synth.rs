@@ -83,6 +83,11 @@ struct ModelArgs {
     /// what `tune` records as `recall_by_breadth`); replaces --recall.
     #[arg(long)]
     recall_by_breadth: Option<String>,
+    /// Bytes read per token at each breadth over those at the widest, as
+    /// the engine measured them, `B:S,...` (what `tune` records as
+    /// `read_share_by_breadth`): a narrow breadth reads at least that share.
+    #[arg(long)]
+    read_share_by_breadth: Option<String>,
     /// Cost of skipping the whole active mass of a layer, µs.
     #[arg(long, default_value_t = 2000.0)]
     w_skip_us: f64,
@@ -120,29 +125,26 @@ struct ModelArgs {
 }
 
 /// `B:R,...` with breadths ascending and recalls in [0, 1].
-fn parse_recall(s: &str) -> Result<Vec<(f64, f64)>> {
+/// `B:V,...` points of a per-breadth curve in [0, 1] (`flag` names it in errors).
+fn parse_curve(flag: &str, s: &str) -> Result<Vec<(f64, f64)>> {
     let pts = s
         .split(',')
         .map(|p| {
             let (b, r) = p
                 .split_once(':')
-                .with_context(|| format!("--recall-by-breadth {p:?}: expected B:R"))?;
+                .with_context(|| format!("--{flag} {p:?}: expected B:V"))?;
             let (b, r): (f64, f64) = (
-                b.trim()
-                    .parse()
-                    .with_context(|| format!("--recall-by-breadth {p:?}: breadth"))?,
-                r.trim()
-                    .parse()
-                    .with_context(|| format!("--recall-by-breadth {p:?}: recall"))?,
+                b.trim().parse().with_context(|| format!("--{flag} {p:?}: breadth"))?,
+                r.trim().parse().with_context(|| format!("--{flag} {p:?}: value"))?,
             );
             if !(b > 0.0 && (0.0..=1.0).contains(&r)) {
-                bail!("--recall-by-breadth {p:?}: breadth must be > 0 and recall in [0, 1]");
+                bail!("--{flag} {p:?}: breadth must be > 0 and the value in [0, 1]");
             }
             Ok((b, r))
         })
         .collect::<Result<Vec<_>>>()?;
     if pts.windows(2).any(|w| w[1].0 <= w[0].0) {
-        bail!("--recall-by-breadth {s:?}: breadths must ascend");
+        bail!("--{flag} {s:?}: breadths must ascend");
     }
     Ok(pts)
 }
@@ -171,7 +173,11 @@ impl ModelArgs {
                 block: self.block,
                 recall_at_1: self.recall,
                 recall_by_breadth: match &self.recall_by_breadth {
-                    Some(s) => parse_recall(s)?,
+                    Some(s) => parse_curve("recall-by-breadth", s)?,
+                    None => Vec::new(),
+                },
+                read_share_by_breadth: match &self.read_share_by_breadth {
+                    Some(s) => parse_curve("read-share-by-breadth", s)?,
                     None => Vec::new(),
                 },
                 w_skip_us: self.w_skip_us,

@@ -143,7 +143,10 @@ pub(super) fn write(ctx: &Ctx) -> Result<(Vec<String>, Value)> {
          predictor; `default` is `dense-stream`, what the same file does without them. Sparsity {}, decode of \
          {} tokens after one warm-up, each run its own process{}. Perplexity is held-out text's, against the \
          packed file's dense run (ppl ratio ± its standard error over the chunks, top-1) and against the \
-         source GGUF's dense engine, which also counts the packed down columns' rounding.\n",
+         source GGUF's dense engine, which also counts the packed down columns' rounding. `skipped` is the \
+         share of neurons not computed while decoding random tokens; `skipped mass`, measured on the \
+         held-out text, the share of the true active mass (what dense keeps at the run's own state) that \
+         the run did not compute, mispredicted or late.\n",
         ctx.opts.sparsity,
         verify["plan"]["gen_tokens"],
         match verify["plan"]["rounds"].as_u64().unwrap_or(1) {
@@ -162,19 +165,20 @@ pub(super) fn write(ctx: &Ctx) -> Result<(Vec<String>, Value)> {
     }
     let _ = writeln!(
         r,
-        "| run | FFN budget | memory (MiB) | decode tok/s | MiB read/token | skipped | ppl ratio | top-1 | ppl ratio to the source |\n|---|---|---|---|---|---|---|---|---|"
+        "| run | FFN budget | memory (MiB) | decode tok/s | MiB read/token | skipped | skipped mass | ppl ratio | top-1 | ppl ratio to the source |\n|---|---|---|---|---|---|---|---|---|---|"
     );
     let mib = |v: &Value| f(v) / (1u64 << 20) as f64;
     for v in &runs {
         let _ = writeln!(
             r,
-            "| {} | {} | {:.1} | {} | {:.2} | {:.3} | {} | {} | {} |",
+            "| {} | {} | {:.1} | {} | {:.2} | {:.3} | {} | {} | {} | {} |",
             v["label"].as_str().unwrap_or("?"),
             v["budget"].as_str().unwrap_or("?"),
             mib(&v["memory"]["total"]),
             speed_cell(v),
             mib(&v["bytes_read_per_token"]),
             f(&v["skipped_fraction"]),
+            cell(&v["quality"]["skipped_mass"], 4),
             ratio_cell(&v["quality"]),
             cell(&v["quality"]["top1_agreement"], 3),
             ratio_cell(&v["quality"]["reference"]),
@@ -266,6 +270,26 @@ pub(super) fn write(ctx: &Ctx) -> Result<(Vec<String>, Value)> {
                 f(&row["skipped_mass"])
             );
         }
+        // The recall the table was solved with, and where it came from.
+        let curve = |v: &Value| {
+            v.as_array()
+                .into_iter()
+                .flatten()
+                .map(|p| format!("{} at breadth {}", cell(&p[1], 3), cell(&p[0], 1)))
+                .collect::<Vec<_>>()
+                .join(", ")
+        };
+        let _ = writeln!(
+            r,
+            "\nRecall (share of the true active mass computed) the table was solved with, {}: {}; the \
+             predictor's offline recall of the top b × need: {}.",
+            match s["recall_source"].as_str() {
+                Some("engine") => "the engine's, audited on the held-out text by the engine probe",
+                _ => "the predictor's offline recall (the engine probe did not measure it)",
+            },
+            curve(&s["recall_by_breadth"]),
+            curve(&s["offline_recall_by_breadth"]),
+        );
     }
     let _ = writeln!(r, "\n![controller actions]({rel})");
 

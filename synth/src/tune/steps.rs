@@ -97,6 +97,13 @@ const ENGINE_TOK_S: f64 = 18.0;
 const LOAD_BYTES_S: f64 = 500e6;
 /// Decoded tokens of an engine probe run, fewest and most.
 const PROBE_TOKENS: (usize, usize) = (4, 48);
+/// Of the engine probe's share, what its audited recall runs take (the
+/// queue-depth runs take the rest).
+const RECALL_SHARE: f64 = 0.4;
+/// Held-out tokens an audited recall run scores, fewest and most.
+const RECALL_TOKENS_RANGE: (usize, usize) = (16, 256);
+/// Seconds the recall runs may overrun their share at the floor.
+const RECALL_OVERRUN_S: f64 = 10.0;
 /// The adaptive profile takes this fraction of the uniform profiles' shares
 /// (`scripts/bench_adaptive_profile.sh` compared tables at that ratio)...
 const ADAPTIVE_FRACTION: f64 = 1.0 / 45.0;
@@ -148,6 +155,25 @@ fn probe_tokens_for(share_s: f64, runs: usize, load_s: f64, tok_s: f64) -> usize
     let per_run = share_s / runs.max(1) as f64 - load_s;
     let tokens = (per_run * tok_s / 2.0).floor().max(0.0) as usize;
     tokens.clamp(PROBE_TOKENS.0, PROBE_TOKENS.1)
+}
+
+/// Held-out tokens each of `runs` audited recall runs scores in `share_s`:
+/// what fits at half `tok_s` (the audit computes every layer twice) after
+/// each run's `load_s`; the floor where fewer fit but the floor's runs take
+/// at most four times the share or [`RECALL_OVERRUN_S`] (small budgets
+/// overrun, as elsewhere); else 0: not measured, and the control model
+/// keeps the predictor's offline recall.
+fn recall_tokens_for(share_s: f64, runs: usize, load_s: f64, tok_s: f64) -> usize {
+    let runs = runs.max(1) as f64;
+    let fit = ((share_s / runs - load_s) * tok_s / 2.0).floor().max(0.0) as usize;
+    let (lo, hi) = RECALL_TOKENS_RANGE;
+    if fit >= lo {
+        fit.min(hi)
+    } else if runs * (load_s + 2.0 * lo as f64 / tok_s) <= (4.0 * share_s).max(RECALL_OVERRUN_S) {
+        lo
+    } else {
+        0
+    }
 }
 
 impl VerifyPlan {
@@ -417,11 +443,24 @@ impl Step {
         Ok(bytes as f64 / LOAD_BYTES_S)
     }
 
-    /// Decoded tokens of each engine probe run (see [`probe_tokens_for`]).
+    /// Decoded tokens of each engine probe run at a queue depth (see
+    /// [`probe_tokens_for`]).
     pub fn probe_tokens(ctx: &Ctx) -> Result<usize> {
         let runs = crate::model::ActionSpace::default().queue_depths.len();
         Ok(probe_tokens_for(
-            ctx.budget_of(Step::EngineProbe),
+            ctx.budget_of(Step::EngineProbe) * (1.0 - RECALL_SHARE),
+            runs,
+            Self::load_s(ctx)?,
+            Self::estimated_tok_s(ctx),
+        ))
+    }
+
+    /// Held-out tokens of each engine probe run at a prefetch breadth (see
+    /// [`recall_tokens_for`]; 0: none).
+    pub fn recall_tokens(ctx: &Ctx) -> Result<usize> {
+        let runs = crate::model::ActionSpace::default().prefetch_breadths.len();
+        Ok(recall_tokens_for(
+            ctx.budget_of(Step::EngineProbe) * RECALL_SHARE,
             runs,
             Self::load_s(ctx)?,
             Self::estimated_tok_s(ctx),
@@ -603,6 +642,10 @@ impl Step {
                 "ffn_budget": o.ffn_budget,
                 "queue_depths": crate::model::ActionSpace::default().queue_depths,
                 "gen_tokens": Self::probe_tokens(ctx)?,
+                "prefetch_breadths": crate::model::ActionSpace::default().prefetch_breadths,
+                "recall_tokens": Self::recall_tokens(ctx)?,
+                "recall_gen_tokens": super::verify::RECALL_GEN_TOKENS,
+                "heldout": ctx.hash_of(HELDOUT_TEXT)?,
             }),
             Step::Controller => match o.profiling {
                 Profiling::Uniform => json!({
@@ -876,7 +919,8 @@ fn adaptive_profile(ctx: &Ctx) -> Result<(Vec<String>, Value)> {
     use crate::adaptive::{profile, AdaptiveOptions};
     let dir = ctx.out.join(ADAPTIVE_TRACES);
     remove(&dir)?;
-    let cfg = controller_config(ctx)?;
+    // Before the engine probe: the predictor's offline recall.
+    let cfg = controller_config(ctx, None)?;
     let budget_s = Step::adaptive_budget(ctx);
     let o = AdaptiveOptions {
         budget_s,
@@ -920,24 +964,39 @@ fn adaptive_profile(ctx: &Ctx) -> Result<(Vec<String>, Value)> {
 const RECALL_TOKENS: usize = 512;
 
 /// The synthesis settings of this run (the adaptive profile's sensitivity
-/// analysis solves with them too), with the predictor's recall at each
-/// breadth of the codebook measured on the held-out trace.
-fn controller_config(ctx: &Ctx) -> Result<crate::synth::SynthConfig> {
+/// analysis solves with them too), with the recall at each breadth of the
+/// codebook: `engine_recall` where given (the engine probe's, audited on
+/// the held-out text: what the engine computes at that breadth, merged
+/// reads and cache included), else the predictor's offline recall of the
+/// top b × need on the held-out trace, which misses those (Gemma 3: 0.72
+/// and 0.88 at breadth 1 and 1.5 offline, 0.93 and 0.997 in the engine).
+fn controller_config(ctx: &Ctx, engine_recall: Option<Vec<(f64, f64)>>) -> Result<crate::synth::SynthConfig> {
     let mut cfg = crate::synth::SynthConfig::for_flash(&ctx.out.join(MODEL))?;
     cfg.solver.scenarios = Step::scenarios(ctx);
     cfg.params.w_skip_us = ctx.opts.w_skip_us;
+    cfg.params.recall_by_breadth = match engine_recall {
+        Some(r) => r,
+        None => offline_recall(ctx, &cfg)?,
+    };
+    Ok(cfg)
+}
+
+/// The predictor's offline mass recall at each breadth of `cfg`'s codebook.
+fn offline_recall(ctx: &Ctx, cfg: &crate::synth::SynthConfig) -> Result<Vec<(f64, f64)>> {
     // Both callers run after the predictor step (the pipelines' order).
     let trace = Trace::open(&ctx.out.join(ACTS))?;
     let p = leanstream_runtime::predict::Predictor::load(&ctx.out.join(PREDICTOR))?;
     let breadths: Vec<f64> = cfg.space.prefetch_breadths.iter().map(|&b| b as f64).collect();
-    cfg.params.recall_by_breadth =
-        crate::eval::breadth_recall(&trace, &p, "heldout", ctx.opts.sparsity, &breadths, RECALL_TOKENS)?;
-    Ok(cfg)
+    crate::eval::breadth_recall(&trace, &p, "heldout", ctx.opts.sparsity, &breadths, RECALL_TOKENS)
 }
 
 fn controller(ctx: &Ctx) -> Result<(Vec<String>, Value)> {
     use crate::sim::{compare, SimConfig};
-    let mut cfg = controller_config(ctx)?;
+    let engine_recall = super::verify::probe_recall(ctx);
+    let recall_source = if engine_recall.is_some() { "engine" } else { "offline" };
+    let mut cfg = controller_config(ctx, engine_recall)?;
+    cfg.params.read_share_by_breadth = super::verify::probe_read_share(ctx).unwrap_or_default();
+    let offline = offline_recall(ctx, &cfg)?;
     let traces = match ctx.opts.profiling {
         Profiling::Uniform => TRACES,
         Profiling::Adaptive => ADAPTIVE_TRACES,
@@ -961,7 +1020,9 @@ fn controller(ctx: &Ctx) -> Result<(Vec<String>, Value)> {
     Ok((
         vec![CONTROLLER.into()],
         json!({"states": table.n_states(), "actions": table.codebook.len(), "sim_tokens": SIM_TOKENS, "simulated": rows,
-               "recall_by_breadth": cfg.params.recall_by_breadth, "engine_fit": {
+               "recall_by_breadth": cfg.params.recall_by_breadth, "recall_source": recall_source,
+               "offline_recall_by_breadth": offline, "read_share_by_breadth": cfg.params.read_share_by_breadth,
+               "engine_fit": {
                    "block": engine.block, "ns_per_neuron": engine.ns_per_neuron, "resident_rows": engine.resident_rows,
                    "latency_us_median": engine.latency_us.iter().map(|(q, l)| (q, l[l.len() / 2])).collect::<Vec<_>>()}}),
     ))
@@ -1013,6 +1074,17 @@ fn eviction(ctx: &Ctx) -> Result<(Vec<String>, Value)> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn recall_tokens_fit_the_share_or_take_the_floor_or_none() {
+        // 4.5 s a run after 0.5 s of loading, at 20 tok/s halved by the audit.
+        assert_eq!(recall_tokens_for(13.5, 3, 0.5, 20.0), 40);
+        assert_eq!(recall_tokens_for(600.0, 3, 0.5, 20.0), RECALL_TOKENS_RANGE.1);
+        // A 60 s tune's share fits less than the floor, which costs seconds.
+        assert_eq!(recall_tokens_for(0.7, 3, 0.2, 18.0), RECALL_TOKENS_RANGE.0);
+        // A 7B shape at 0.4 tok/s: the floor would take minutes.
+        assert_eq!(recall_tokens_for(18.0, 3, 10.0, 0.4), 0);
+    }
 
     #[test]
     fn probe_tokens_fit_the_share() {

@@ -154,6 +154,52 @@ fn probe_file(q: u16) -> String {
     format!("{ENGINE_RUNS}/q{q}.json")
 }
 
+/// The engine probe's audited run at prefetch breadth `b`: the deepest
+/// queue, no deadline, so what it skips is what the breadth misses.
+fn recall_action(b: f32) -> String {
+    let q = crate::model::ActionSpace::default()
+        .queue_depths
+        .into_iter()
+        .max()
+        .unwrap_or(16);
+    format!("fixed:K=1,b={b},d=inf,q={q}")
+}
+
+fn recall_file(b: f32) -> String {
+    format!("{ENGINE_RUNS}/recall-b{b}.json")
+}
+
+/// Tokens each audited recall run decodes (after its warm-up) to measure
+/// the bytes a token reads at its breadth.
+pub(super) const RECALL_GEN_TOKENS: usize = 4;
+
+/// `(breadth, field)` of each of this run's engine probe runs at a
+/// breadth, from the probe's summary in the manifest; `None` where it did
+/// not measure them.
+fn probe_breadth_points(ctx: &Ctx, field: &str) -> Option<Vec<(f64, f64)>> {
+    let rows = ctx.summary_of(Step::EngineProbe)?["recall"].as_array()?.clone();
+    let points: Vec<(f64, f64)> = rows
+        .iter()
+        .filter_map(|r| Some((r["breadth"].as_f64()?, r[field].as_f64()?)))
+        .collect();
+    (!points.is_empty() && points.len() == rows.len()).then_some(points)
+}
+
+/// The engine's recall at each prefetch breadth as this run's engine probe
+/// measured it: 1 − the audited skipped mass on the held-out text.
+pub(super) fn probe_recall(ctx: &Ctx) -> Option<Vec<(f64, f64)>> {
+    probe_breadth_points(ctx, "recall")
+}
+
+/// Bytes a token read at each breadth over those at the widest, as this
+/// run's engine probe measured them; `None` without them or where the
+/// widest read nothing (a cache that holds every layer).
+pub(super) fn probe_read_share(ctx: &Ctx) -> Option<Vec<(f64, f64)>> {
+    let bytes = probe_breadth_points(ctx, "bytes_read_per_token")?;
+    let widest = bytes.last()?.1;
+    (widest > 0.0).then(|| bytes.iter().map(|&(b, v)| (b, (v / widest).min(1.0))).collect())
+}
+
 /// The engine probe's reports, one per queue depth of the codebook.
 pub(super) fn probe_runs(ctx: &Ctx) -> Result<Vec<std::path::PathBuf>> {
     let runs: Vec<_> = crate::model::ActionSpace::default()
@@ -172,8 +218,9 @@ pub(super) fn probe_runs(ctx: &Ctx) -> Result<Vec<std::path::PathBuf>> {
 
 /// `speculate` with the tuned predictor at each queue depth of the
 /// codebook, the rest of the action fixed: the engine's read latencies per
-/// depth and its compute time per neuron, which the controller step fits
-/// the control model to.
+/// depth and its compute time per neuron; then at each prefetch breadth,
+/// audited on the held-out text: the engine's recall and the bytes a token
+/// reads. The controller step fits the control model to all of them.
 pub(super) fn engine_probe(ctx: &Ctx) -> Result<(Vec<String>, Value)> {
     let bin = super::leanstream_bin(ctx.opts)?;
     let dir = ctx.out.join(ENGINE_RUNS);
@@ -201,7 +248,49 @@ pub(super) fn engine_probe(ctx: &Ctx) -> Result<(Vec<String>, Value)> {
             "mean_bytes": d["mean_bytes"], "median_us": d["latency_us"][50]})).collect::<Vec<_>>()}),
         );
     }
-    Ok((files, json!({ "runs": brief })))
+    // The engine's recall per breadth: audited quality runs on held-out
+    // text, each layer also computed whole, so the share of the true active
+    // mass a breadth leaves out is measured, not inferred from the
+    // predictor's ranking alone (merged reads and the cache add neurons).
+    let tokens = Step::recall_tokens(ctx)?;
+    let mut recall = Vec::new();
+    if tokens > 0 {
+        let heldout = ctx.out.join(HELDOUT_TEXT).display().to_string();
+        for b in crate::model::ActionSpace::default().prefetch_breadths {
+            let action = recall_action(b);
+            let args = [
+                "--policy",
+                "speculate",
+                "--controller",
+                &action,
+                "--quality-file",
+                &heldout,
+                "--quality-ctx",
+                &tokens.to_string(),
+                "--quality-chunks",
+                "1",
+            ]
+            .map(String::from);
+            let v = bench(ctx, &bin, &action, &ctx.opts.ffn_budget, RECALL_GEN_TOKENS, 1, &args)?;
+            let skipped = v["quality"]["skipped_mass"].as_f64().ok_or_else(|| {
+                SynthError::Settings(format!(
+                    "bench run `{action}`: no audited skipped mass in its quality report"
+                ))
+            })?;
+            let rel = recall_file(b);
+            let text = serde_json::to_vec_pretty(&v).map_err(|e| SynthError::Settings(e.to_string()))?;
+            leanstream_profiler::shard::write_atomic(&ctx.out.join(&rel), &text)?;
+            files.push(rel);
+            recall.push(
+                json!({"breadth": b, "recall": 1.0 - skipped, "ppl_ratio": v["quality"]["ppl_ratio"],
+                "top1_agreement": v["quality"]["top1_agreement"], "bytes_read_per_token": v["bytes_read_per_token"]}),
+            );
+        }
+    }
+    Ok((
+        files,
+        json!({ "runs": brief, "recall_tokens": tokens, "recall": recall }),
+    ))
 }
 
 /// Tokens/s, skipped share and quality of each run, for the manifest.
@@ -218,6 +307,7 @@ fn summarize(rows: &[Value]) -> Value {
                 "ppl_ratio": r["quality"]["ppl_ratio"],
                 "ppl_ratio_stderr": r["quality"]["ppl_ratio_stderr"],
                 "top1_agreement": r["quality"]["top1_agreement"],
+                "skipped_mass": r["quality"]["skipped_mass"],
                 "ppl_ratio_source": r["quality"]["reference"]["ppl_ratio"],
             })
         })
