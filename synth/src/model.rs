@@ -296,10 +296,9 @@ impl ModelParams {
     /// most the whole layer; where the engine's read shares are measured,
     /// at least the share at `b` of what the widest breadth asks for. The
     /// engine re-ranks at each stage and reads the union of its picks, so
-    /// a narrower breadth reads less than its nominal load suggests
-    /// (Gemma 3 and SmolLM2: breadth 1.5 read 0.99 and 1.00 of breadth
-    /// 2.5's bytes), and a model charging `b·d` saw time saved that the
-    /// engine never saves.
+    /// a narrow breadth reads more than `b·d` (Gemma 3 and SmolLM2:
+    /// breadth 1.5 read 0.99 and 1.00 of breadth 2.5's bytes), and a model
+    /// charging `b·d` saw time saved that the engine never saves.
     pub fn load(&self, b: f64, d: f64) -> f64 {
         let whole = self.n_ff as f64 * self.bundle_bytes;
         let asked = (b * d).min(whole);
