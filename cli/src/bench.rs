@@ -502,6 +502,22 @@ fn quality(
     let (ctx, chunks) = (q.ctx, q.chunks);
     let sparsity = settings.sparsity;
     let text = std::fs::read_to_string(file).with_context(|| format!("reading {}", file.display()))?;
+    // Policies that decide what to read by prediction run themselves; the
+    // others keep what dense-stream keeps at the same thresholds.
+    let same_as = match policy {
+        p if p == Policy::GateFirst || p.predicts() => p,
+        _ => Policy::DenseStream,
+    };
+    // Every run and its references are scored as they decode, one token at
+    // a time. A predictor's choice for a batch is a union over its rows,
+    // wider than any one token's, so predicting policies must be; and
+    // batched and decoded scoring differ by more than the policies do
+    // (Gemma 3's packed file, one chunk of 256, dense: perplexity 12.63
+    // batched, 12.83 decoded; at sparsity 0.5 `dense-stream` batched 1.121x
+    // its batched reference, decoded 1.073x, the same bits as `speculate`
+    // at breadth 2.5), so ratios taken in different modes compared the
+    // modes, not the policies.
+    const DECODE: usize = 1;
     // The policy's run is audited: beside perplexity, the share of the true
     // active mass (what dense keeps at the policy's own state) it skipped.
     let eval = |policy: Policy, level: SparsityLevel, audit: bool| -> Result<_> {
@@ -521,19 +537,10 @@ fn quality(
         if audit {
             fm.audit(&mut e)?;
         }
-        // A predictor's choice for a batch is a union over its rows, wider
-        // than any one token's: such a policy is scored as it decodes.
-        let batch = if policy.predicts() { 1 } else { 512 };
-        let p = perplexity_in_batches(&fm.model, &text, ctx, Some(chunks), false, &mut e, batch)?;
+        let p = perplexity_in_batches(&fm.model, &text, ctx, Some(chunks), false, &mut e, DECODE)?;
         Ok((p, e.stats()))
     };
     let (dense, _) = eval(Policy::DenseStream, SparsityLevel::dense(fm.flash.n_layer()), false)?;
-    // Policies that decide what to read by prediction run themselves; the
-    // others keep what dense-stream keeps at the same thresholds.
-    let same_as = match policy {
-        p if p == Policy::GateFirst || p.predicts() => p,
-        _ => Policy::DenseStream,
-    };
     let (ours, stats) = eval(same_as, fm.sparsity_level(sparsity)?, true)?;
     let reference = match q.reference.as_deref() {
         None => Value::Null,
@@ -582,7 +589,8 @@ fn load_reference(path: &Path, fm: Option<&FlashModel>, flash_attn: FlashAttn) -
 }
 
 /// The CPU's dense engine's perplexity of `model` on `text` at `q`'s
-/// context and chunks: what quality is scored against.
+/// context and chunks, decoded as every quality run is: what quality is
+/// scored against.
 fn dense_perplexity(model: &Model, text: &str, q: &QualityArgs) -> Result<Perplexity> {
     Ok(perplexity_in_batches(
         model,
@@ -591,7 +599,7 @@ fn dense_perplexity(model: &Model, text: &str, q: &QualityArgs) -> Result<Perple
         Some(q.chunks),
         false,
         &mut leanstream_runtime::model::DenseFfn,
-        512,
+        1,
     )?)
 }
 
