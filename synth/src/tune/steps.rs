@@ -920,7 +920,7 @@ fn adaptive_profile(ctx: &Ctx) -> Result<(Vec<String>, Value)> {
     let dir = ctx.out.join(ADAPTIVE_TRACES);
     remove(&dir)?;
     // Before the engine probe: the predictor's offline recall.
-    let cfg = controller_config(ctx, None)?;
+    let cfg = controller_config(ctx)?;
     let budget_s = Step::adaptive_budget(ctx);
     let o = AdaptiveOptions {
         budget_s,
@@ -964,39 +964,37 @@ fn adaptive_profile(ctx: &Ctx) -> Result<(Vec<String>, Value)> {
 const RECALL_TOKENS: usize = 512;
 
 /// The synthesis settings of this run (the adaptive profile's sensitivity
-/// analysis solves with them too), with the recall at each breadth of the
-/// codebook: `engine_recall` where given (the engine probe's, audited on
-/// the held-out text: what the engine computes at that breadth, merged
-/// reads and cache included), else the predictor's offline recall of the
-/// top b × need on the held-out trace, which misses those (Gemma 3: 0.72
-/// and 0.88 at breadth 1 and 1.5 offline, 0.93 and 0.997 in the engine).
-fn controller_config(ctx: &Ctx, engine_recall: Option<Vec<(f64, f64)>>) -> Result<crate::synth::SynthConfig> {
+/// analysis solves with them too), with the predictor's offline recall at
+/// each breadth of the codebook: the mass of the top b × need on the
+/// held-out trace. The controller step replaces it with the engine's own
+/// where the engine probe audited it, since the offline recall misses what
+/// merged reads and the cache add (Gemma 3: 0.72 and 0.88 at breadth 1 and
+/// 1.5 offline, 0.93 and 0.997 in the engine).
+fn controller_config(ctx: &Ctx) -> Result<crate::synth::SynthConfig> {
     let mut cfg = crate::synth::SynthConfig::for_flash(&ctx.out.join(MODEL))?;
     cfg.solver.scenarios = Step::scenarios(ctx);
     cfg.params.w_skip_us = ctx.opts.w_skip_us;
-    cfg.params.recall_by_breadth = match engine_recall {
-        Some(r) => r,
-        None => offline_recall(ctx, &cfg)?,
-    };
-    Ok(cfg)
-}
-
-/// The predictor's offline mass recall at each breadth of `cfg`'s codebook.
-fn offline_recall(ctx: &Ctx, cfg: &crate::synth::SynthConfig) -> Result<Vec<(f64, f64)>> {
     // Both callers run after the predictor step (the pipelines' order).
     let trace = Trace::open(&ctx.out.join(ACTS))?;
     let p = leanstream_runtime::predict::Predictor::load(&ctx.out.join(PREDICTOR))?;
     let breadths: Vec<f64> = cfg.space.prefetch_breadths.iter().map(|&b| b as f64).collect();
-    crate::eval::breadth_recall(&trace, &p, "heldout", ctx.opts.sparsity, &breadths, RECALL_TOKENS)
+    cfg.params.recall_by_breadth =
+        crate::eval::breadth_recall(&trace, &p, "heldout", ctx.opts.sparsity, &breadths, RECALL_TOKENS)?;
+    Ok(cfg)
 }
 
 fn controller(ctx: &Ctx) -> Result<(Vec<String>, Value)> {
     use crate::sim::{compare, SimConfig};
-    let engine_recall = super::verify::probe_recall(ctx);
-    let recall_source = if engine_recall.is_some() { "engine" } else { "offline" };
-    let mut cfg = controller_config(ctx, engine_recall)?;
+    let mut cfg = controller_config(ctx)?;
+    let offline = cfg.params.recall_by_breadth.clone();
+    let recall_source = match super::verify::probe_recall(ctx) {
+        Some(engine) => {
+            cfg.params.recall_by_breadth = engine;
+            "engine"
+        }
+        None => "offline",
+    };
     cfg.params.read_share_by_breadth = super::verify::probe_read_share(ctx).unwrap_or_default();
-    let offline = offline_recall(ctx, &cfg)?;
     let traces = match ctx.opts.profiling {
         Profiling::Uniform => TRACES,
         Profiling::Adaptive => ADAPTIVE_TRACES,

@@ -177,7 +177,7 @@ pub(super) const RECALL_GEN_TOKENS: usize = 4;
 /// breadth, from the probe's summary in the manifest; `None` where it did
 /// not measure them.
 fn probe_breadth_points(ctx: &Ctx, field: &str) -> Option<Vec<(f64, f64)>> {
-    let rows = ctx.summary_of(Step::EngineProbe)?["recall"].as_array()?.clone();
+    let rows = ctx.summary_of(Step::EngineProbe)?["recall"].as_array()?;
     let points: Vec<(f64, f64)> = rows
         .iter()
         .filter_map(|r| Some((r["breadth"].as_f64()?, r[field].as_f64()?)))
