@@ -13,7 +13,7 @@ use leanstream_runtime::fetch::{self, resolve_model};
 use leanstream_runtime::flash;
 use leanstream_runtime::generate::{generate_with, ChatTemplate, Sampler, SamplerConfig};
 use leanstream_runtime::model::{DenseFfn, FlashAttn, LayerHook, Model};
-use leanstream_runtime::perplexity::perplexity_with;
+use leanstream_runtime::perplexity::perplexity_in_batches;
 use leanstream_runtime::session::{Session, StreamSettings};
 use leanstream_runtime::sparsity::{calibrate_run, Calibration, CalibrationRun, Sparsifier};
 use leanstream_runtime::synthetic;
@@ -106,6 +106,11 @@ enum Cmd {
         /// Attention path: auto (flash attention on a CPU, llama.cpp's default), on or off.
         #[arg(long, default_value = "auto")]
         flash_attn: FlashAttn,
+        /// Tokens per forward pass: 512 as llama-perplexity runs; 1 scores
+        /// the text as generation decodes it (other kernels and attention
+        /// routes, so other rounding).
+        #[arg(long, default_value_t = 512, value_parser = clap::value_parser!(u64).range(1..=512))]
+        batch: u64,
     },
     /// Calibrate per-layer activation-sparsity thresholds on real text; writes JSON.
     Calibrate {
@@ -490,7 +495,9 @@ fn real_main(cli: Cli) -> Result<()> {
             thresholds,
             sparsity,
             flash_attn,
+            batch,
         } => {
+            let batch = batch as usize;
             let mut model = load(&model)?;
             model.flash_attn = flash_attn;
             let text = std::fs::read_to_string(&file).with_context(|| format!("reading {}", file.display()))?;
@@ -514,12 +521,13 @@ fn real_main(cli: Cli) -> Result<()> {
                 Some(s) => s,
                 None => &mut DenseFfn,
             };
-            let p = perplexity_with(&model, &text, ctx, chunks, true, hook)?;
+            let p = perplexity_in_batches(&model, &text, ctx, chunks, true, hook, batch)?;
             let mut report = serde_json::to_value(&p)?;
+            report["batch"] = serde_json::json!(batch);
             if let Some(skipped) = sparsifier.as_ref().and_then(|s| s.skipped_fraction()) {
                 // The cost is what thresholds are measured for: the same
                 // text dense, paired chunk by chunk.
-                let dense = perplexity_with(&model, &text, ctx, chunks, true, &mut DenseFfn)?;
+                let dense = perplexity_in_batches(&model, &text, ctx, chunks, true, &mut DenseFfn, batch)?;
                 let r = p.ratio_to(&dense);
                 report["sparsity_target"] = serde_json::json!(sparsity);
                 report["skipped_fraction"] = serde_json::json!(skipped);

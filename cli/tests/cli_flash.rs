@@ -379,7 +379,7 @@ fn thresholds_report_their_cost_against_dense() {
         cal.to_str().unwrap(),
     ]);
     assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
-    let ppl = |sparsity: &str| {
+    let ppl_in_batches = |sparsity: &str, batch: &str| {
         json_of(&leanstream(&[
             "perplexity",
             "--model",
@@ -394,8 +394,11 @@ fn thresholds_report_their_cost_against_dense() {
             cal.to_str().unwrap(),
             "--sparsity",
             sparsity,
+            "--batch",
+            batch,
         ]))
     };
+    let ppl = |sparsity: &str| ppl_in_batches(sparsity, "512");
     // Sparsity 0 keeps everything: the dense run, chunk for chunk.
     let zero = ppl("0");
     assert_eq!(zero["ppl"], zero["ppl_dense"], "{zero}");
@@ -409,4 +412,21 @@ fn thresholds_report_their_cost_against_dense() {
     let e = half["ppl_ratio_stderr"].as_f64().unwrap();
     assert!(e > 0.0 && e.is_finite(), "{half}");
     assert!(half["skipped_fraction"].as_f64().unwrap() > 0.3, "{half}");
+    // Decoded, a token a pass: the same positions scored through other
+    // kernels, so close to the batched numbers but its own dense reference.
+    let decoded = ppl_in_batches("0.5", "1");
+    assert_eq!(decoded["batch"].as_u64(), Some(1), "{decoded}");
+    let d_dense = decoded["ppl_dense"].as_f64().unwrap();
+    assert!(
+        (d_dense / dense - 1.0).abs() < 0.02,
+        "decoded {d_dense} batched {dense}"
+    );
+    assert_eq!(decoded["tokens_scored"], half["tokens_scored"], "{decoded}");
+    let o = leanstream(&["perplexity", "--model", model, "--file", text, "--batch", "0"]);
+    assert!(!o.status.success());
+    assert!(
+        String::from_utf8_lossy(&o.stderr).contains("--batch"),
+        "{}",
+        String::from_utf8_lossy(&o.stderr)
+    );
 }
