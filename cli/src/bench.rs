@@ -10,7 +10,7 @@ use anyhow::{bail, Context, Result};
 use clap::Args;
 use leanstream_cuda::engine::GpuModel;
 use leanstream_cuda::model::DeviceModel;
-use leanstream_runtime::engine::{CachePolicy, EngineOptions, FlashModel, Policy};
+use leanstream_runtime::engine::{CachePolicy, EngineOptions, FlashModel, Policy, Speculation};
 use leanstream_runtime::flash::{pagecache, SparsityLevel};
 use leanstream_runtime::generate::sampler::Rng;
 use leanstream_runtime::model::{FlashAttn, Model, RunState};
@@ -284,6 +284,9 @@ pub fn run(a: BenchArgs) -> Result<()> {
         }
         if let Some(p) = engine.predictor_name() {
             report["predictor"] = json!(p);
+        }
+        if engine.policy().is_prior_system() {
+            report["prior_breadth"] = json!(settings.prior_breadth.unwrap_or(Speculation::PRIOR_BREADTH));
         }
         if let Some(l) = engine.read_latencies() {
             report["read_latency"] = json!(l);
@@ -644,6 +647,9 @@ fn sweep(a: &BenchArgs) -> Result<()> {
             if let Some(g) = &a.flash.staging {
                 cmd.args(["--staging", g]);
             }
+            if let (Some(b), true) = (a.flash.prior_breadth, policy.is_prior_system()) {
+                cmd.args(["--prior-breadth", &b.to_string()]);
+            }
             if let Some(q) = &a.quality.file {
                 cmd.arg("--quality-file").arg(q);
                 cmd.args(["--quality-ctx", &a.quality.ctx.to_string()]);
@@ -715,16 +721,26 @@ fn sweep(a: &BenchArgs) -> Result<()> {
     Ok(())
 }
 
-/// One sweep run: policy, budget, accounted bytes, decode tokens/s.
+/// One sweep run: policy, budget, accounted bytes, decode tokens/s, and
+/// the share of neuron computations it skipped.
 struct SweepPoint<'a> {
     policy: &'a str,
     budget: &'a str,
     memory: f64,
     tok_s: f64,
+    skipped: Option<f64>,
 }
 
+/// How much more of the neurons a baseline may skip than `speculate` and
+/// still count as running at its sparsity (the level's thresholds decide
+/// the same neurons for both; a policy that also skips what its predictor
+/// missed computes less, and is faster for it).
+const SAME_SPARSITY_SLACK: f64 = 0.02;
+
 /// `speculate` against the best baseline (neither `speculate`, `oracle`
-/// nor `dense`): the speed ratio at each budget, and the memory ratio at
+/// nor `dense`): the speed ratio at each budget, the same against the best
+/// baseline at `speculate`'s sparsity (skipping at most
+/// [`SAME_SPARSITY_SLACK`] more of the neurons), and the memory ratio at
 /// matched throughput: the memory of the baseline run with the highest
 /// tokens/s over the memory at which `speculate` first reaches that speed
 /// (interpolated linearly between its runs in order of memory; null when it
@@ -738,6 +754,7 @@ fn sweep_summary(runs: &[Value]) -> Value {
                 budget: r["ffn_budget"].as_str()?,
                 memory: r["memory"]["total"].as_f64()?,
                 tok_s: r["decode_tok_s"].as_f64()?,
+                skipped: r["skipped_fraction"].as_f64(),
             })
         })
         .collect();
@@ -747,16 +764,29 @@ fn sweep_summary(runs: &[Value]) -> Value {
     let per_budget: Vec<Value> = ours
         .iter()
         .filter_map(|o| {
-            let best = points
-                .iter()
-                .filter(|p| is_baseline(p) && p.budget == o.budget)
-                .max_by(|a, b| a.tok_s.total_cmp(&b.tok_s))?;
+            let fastest = |same_sparsity: bool| {
+                points
+                    .iter()
+                    .filter(|p| is_baseline(p) && p.budget == o.budget)
+                    .filter(|p| {
+                        !same_sparsity
+                            || matches!((p.skipped, o.skipped), (Some(b), Some(s)) if b <= s + SAME_SPARSITY_SLACK)
+                    })
+                    .max_by(|a, b| a.tok_s.total_cmp(&b.tok_s))
+            };
+            let best = fastest(false)?;
+            let same = fastest(true);
             Some(json!({
                 "ffn_budget": o.budget,
                 "speculate_tok_s": o.tok_s,
+                "speculate_skipped": o.skipped,
                 "best_baseline": best.policy,
                 "best_baseline_tok_s": best.tok_s,
+                "best_baseline_skipped": best.skipped,
                 "ratio": o.tok_s / best.tok_s,
+                "best_baseline_at_sparsity": same.map(|p| p.policy),
+                "best_baseline_at_sparsity_tok_s": same.map(|p| p.tok_s),
+                "ratio_at_sparsity": same.map(|p| o.tok_s / p.tok_s),
             }))
         })
         .collect();
@@ -879,6 +909,35 @@ mod tests {
 
     fn run(policy: &str, budget: &str, memory: f64, tok_s: f64) -> Value {
         json!({"policy": policy, "ffn_budget": budget, "memory": {"total": memory}, "decode_tok_s": tok_s})
+    }
+
+    fn skipping(mut r: Value, skipped: f64) -> Value {
+        r["skipped_fraction"] = json!(skipped);
+        r
+    }
+
+    #[test]
+    fn the_sweep_summary_compares_at_the_same_sparsity_too() {
+        let runs = [
+            skipping(run("speculate", "25%", 200.0, 3.0), 0.52),
+            // Faster for computing a quarter of the neurons, where the level keeps half.
+            skipping(run("powerinfer2", "25%", 200.0, 4.0), 0.74),
+            skipping(run("dejavu", "25%", 200.0, 3.5), 0.535),
+            skipping(run("dense-stream", "25%", 200.0, 2.0), 0.52),
+            skipping(run("speculate", "100%", 400.0, 6.0), 0.52),
+            skipping(run("powerinfer2", "100%", 400.0, 8.0), 0.74),
+        ];
+        let b = &sweep_summary(&runs)["per_budget"];
+        assert_eq!(b[0]["best_baseline"], "powerinfer2");
+        assert_eq!(b[0]["ratio"], 0.75);
+        assert_eq!(b[0]["best_baseline_at_sparsity"], "dejavu");
+        assert_eq!(b[0]["ratio_at_sparsity"], 3.0 / 3.5);
+        // No baseline at its sparsity at 100%.
+        assert!(b[1]["best_baseline_at_sparsity"].is_null() && b[1]["ratio_at_sparsity"].is_null());
+        // Runs without the field compare only by speed.
+        let b = &sweep_summary(&[run("speculate", "25%", 1.0, 1.0), run("dejavu", "25%", 1.0, 2.0)])["per_budget"];
+        assert_eq!(b[0]["ratio"], 0.5);
+        assert!(b[0]["ratio_at_sparsity"].is_null());
     }
 
     #[test]

@@ -375,6 +375,12 @@ pub(crate) struct FlashArgs {
     /// flash path has. Default: about four layers (the stages streamed at once), 2 to 16 MiB.
     #[arg(long)]
     pub(crate) staging: Option<String>,
+    /// dejavu, llm-in-a-flash, powerinfer2: read each row's top B × need
+    /// predicted neurons, need the share the sparsity level keeps. Default
+    /// 1, a predictor sized to the level as the originals size theirs,
+    /// which misses part of the active set; wider reads more and misses less.
+    #[arg(long)]
+    pub(crate) prior_breadth: Option<f32>,
 }
 
 impl FlashArgs {
@@ -405,6 +411,7 @@ impl FlashArgs {
             predictor: self.predictor.clone(),
             controller: self.controller.clone(),
             flash_attn: self.flash_attn,
+            prior_breadth: self.prior_breadth,
         })
     }
 }

@@ -418,6 +418,7 @@ fn policy_engine(fm: &FlashModel, policy: Policy, level: &SparsityLevel, seed: u
             predictor: Arc::new(predictor),
             predictor_name: "random.lspred".into(),
             controller: Controller::parse_fixed("fixed:K=1,b=1.5,d=inf,q=16").unwrap(),
+            prior_breadth: Speculation::PRIOR_BREADTH,
         }),
         retention: None,
     };

@@ -6,8 +6,12 @@
 //! a neuron is judged by the size of what it adds to the output. Allocations:
 //! `uniform` gives every layer the target sparsity; `energy` spreads the same
 //! mean over layers so that the dropped share of `Σ (|a|·‖d_i‖)²` grows
-//! equally everywhere (greedy in 5% steps). Thresholds come from the
-//! calibration text, quality from the held-out text.
+//! equally everywhere (greedy in 5% steps); `sensitivity` picks the levels
+//! that minimize the summed end-to-end costs of the layers, each measured
+//! alone (KL divergence from dense at each level, on more of the
+//! calibration text; `KEEP_RULES_COSTS=FILE` keeps them for a re-run).
+//! Thresholds come from the calibration text, quality from the held-out
+//! text.
 //!
 //! `cargo run --release -p leanstream-runtime --example keep_rules -- MODEL
 //! TRAIN.txt HELDOUT.txt [SPARSITY]` prints one JSON line per rule and
@@ -30,6 +34,10 @@ const STEP: f32 = 0.05;
 /// about a point between neighbours (the held-out text is 2,921 scored
 /// tokens), more than the rules differ, so one run ranks nothing.
 const JITTERS: [f32; 5] = [0.99, 0.995, 1.0, 1.005, 1.01];
+/// Sensitivity: chunks of the calibration text each layer's levels are scored on.
+const SENSITIVITY_CHUNKS: usize = 4;
+const SENSITIVITY_LEVELS: [f32; 8] = [0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8];
+const MIN_LEVEL: f32 = 0.2;
 
 /// |value| histogram over log2 in [-40, 24), 1/64 octave a bin, with the
 /// squared values summed per bin (the energy below a threshold).
@@ -172,6 +180,124 @@ fn energy_allocation(weighted: &[Histogram], target: f32) -> Vec<f32> {
     at.into_iter().map(|k| k as f32 * STEP).collect()
 }
 
+/// The dense model's `TOP` most likely tokens and their log-probabilities
+/// at every scored row: what a sparsified run's KL divergence is taken against.
+const TOP: usize = 64;
+
+/// Runs the chunks (each from position 0; the second half scored, as
+/// perplexity scores) through `model` with `hook` and hands each scored
+/// row's logits to `f`.
+fn scored_rows(
+    model: &Model,
+    chunks: &[Vec<u32>],
+    hook: &mut dyn LayerHook,
+    mut f: impl FnMut(&[f32]),
+) -> Result<(), Box<dyn Error>> {
+    let mut st = model.new_state(CTX, CTX, CTX / 2);
+    for c in chunks {
+        model.forward_with(&mut st, c, 0, CTX / 2..CTX, hook)?;
+        let logits = model.logits(&mut st, 0, CTX / 2)?;
+        for row in logits.chunks_exact(model.config.n_vocab) {
+            f(row);
+        }
+    }
+    Ok(())
+}
+
+fn log_softmax(row: &[f32]) -> Vec<f64> {
+    let max = row.iter().copied().fold(f32::NEG_INFINITY, f32::max) as f64;
+    let lse = max + row.iter().map(|&v| (v as f64 - max).exp()).sum::<f64>().ln();
+    row.iter().map(|&v| v as f64 - lse).collect()
+}
+
+/// Each layer's cost of its own sparsity: the mean KL divergence (over the
+/// dense model's top tokens) from dense to a run with only that layer
+/// sparsified, on `SENSITIVITY_CHUNKS` chunks of the calibration text, at
+/// each level of `SENSITIVITY_LEVELS` (0 costs nothing). KL needs no target
+/// token, so it is far less noisy than the perplexity on the same tokens.
+fn layer_sensitivity(model: &Model, tokens: &[u32], activation: &[Histogram]) -> Result<Vec<Vec<f64>>, Box<dyn Error>> {
+    let n_layer = activation.len();
+    let bos = model.tokenizer.bos().filter(|_| model.tokenizer.add_bos());
+    let chunks: Vec<Vec<u32>> = tokens
+        .chunks_exact(CTX)
+        .take(SENSITIVITY_CHUNKS)
+        .map(|c| {
+            let mut c = c.to_vec();
+            if let Some(b) = bos {
+                c[0] = b;
+            }
+            c
+        })
+        .collect();
+    let mut reference: Vec<Vec<(usize, f64)>> = Vec::new();
+    scored_rows(model, &chunks, &mut DenseFfn, |row| {
+        let lp = log_softmax(row);
+        let mut idx: Vec<usize> = (0..lp.len()).collect();
+        idx.select_nth_unstable_by(TOP, |&a, &b| lp[b].total_cmp(&lp[a]));
+        reference.push(idx[..TOP].iter().map(|&i| (i, lp[i])).collect());
+    })?;
+    let mut costs = vec![vec![0.0; SENSITIVITY_LEVELS.len() + 1]; n_layer];
+    for (l, h) in activation.iter().enumerate() {
+        for (k, &s) in SENSITIVITY_LEVELS.iter().enumerate() {
+            let mut thresholds = vec![0.0; n_layer];
+            thresholds[l] = h.quantile(s).0;
+            let mut skip = Skip {
+                weights: None,
+                thresholds,
+                skipped: 0,
+                total: 0,
+            };
+            let (mut kl, mut r) = (0.0, 0);
+            scored_rows(model, &chunks, &mut skip, |row| {
+                let lq = log_softmax(row);
+                kl += reference[r].iter().map(|&(i, lp)| lp.exp() * (lp - lq[i])).sum::<f64>();
+                r += 1;
+            })?;
+            costs[l][k + 1] = kl / r.max(1) as f64;
+        }
+        eprintln!("sensitivity of layer {l}: {:?}", costs[l]);
+    }
+    Ok(costs)
+}
+
+/// Per-layer sparsities from `SENSITIVITY_LEVELS` with mean `target` (to
+/// the grid's step) that minimize the summed costs: the layers' costs taken
+/// as additive, solved exactly by dynamic programming over the summed steps.
+/// Levels below `MIN_LEVEL` are not offered: any change at all costs these
+/// small models a KL floor (rounding differences grow through the layers,
+/// about 0.005 here whatever the layer), which does not add up over layers,
+/// so a layer left dense would look like a saving it is not.
+fn sensitivity_allocation(costs: &[Vec<f64>], target: f32) -> Vec<f32> {
+    let step = SENSITIVITY_LEVELS[0];
+    let first = (MIN_LEVEL / step).round() as usize;
+    let total = (target / step * costs.len() as f32).round() as usize;
+    // best[l][u]: least cost of layers 0..l using u steps; from[l][u] the level of layer l-1.
+    let mut best = vec![vec![f64::INFINITY; total + 1]; costs.len() + 1];
+    let mut from = vec![vec![0usize; total + 1]; costs.len() + 1];
+    best[0][0] = 0.0;
+    for (l, c) in costs.iter().enumerate() {
+        for u in 0..=total {
+            if !best[l][u].is_finite() {
+                continue;
+            }
+            for (k, &ck) in c.iter().enumerate().skip(first) {
+                if u + k <= total && best[l][u] + ck < best[l + 1][u + k] {
+                    best[l + 1][u + k] = best[l][u] + ck;
+                    from[l + 1][u + k] = k;
+                }
+            }
+        }
+    }
+    let mut out = vec![0.0; costs.len()];
+    let mut u = total;
+    for l in (0..costs.len()).rev() {
+        let k = from[l + 1][u];
+        out[l] = k as f32 * step;
+        u -= k;
+    }
+    out
+}
+
 fn main() -> Result<(), Box<dyn Error>> {
     let args: Vec<String> = std::env::args().collect();
     let [_, model_path, train, heldout, rest @ ..] = args.as_slice() else {
@@ -199,11 +325,31 @@ fn main() -> Result<(), Box<dyn Error>> {
     let dense = perplexity_with(&model, &heldout, CTX, CHUNKS, false, &mut DenseFfn)?;
     let uniform = vec![sparsity; n_layer];
     let energy = energy_allocation(&recorder.weighted, sparsity);
+    // The sensitivity runs on the calibration text past the tokens the thresholds came from.
+    let all_train = model.tokenizer.encode(&train, true, false);
+    // KEEP_RULES_COSTS=FILE keeps them (made once, read back after).
+    let costs_file = std::env::var_os("KEEP_RULES_COSTS").map(std::path::PathBuf::from);
+    let costs: Vec<Vec<f64>> = match &costs_file {
+        Some(f) if f.exists() => serde_json::from_str(&std::fs::read_to_string(f)?)?,
+        _ => {
+            let c = layer_sensitivity(&model, &all_train[tokens.len()..], &recorder.activation)?;
+            if let Some(f) = &costs_file {
+                std::fs::write(f, serde_json::to_string(&c)?)?;
+            }
+            c
+        }
+    };
+    let sensitivity = sensitivity_allocation(&costs, sparsity);
+    eprintln!("sensitivity allocation: {sensitivity:?}");
     for (rule, histograms, weights) in [
         ("activation", &recorder.activation, None),
         ("down-weighted", &recorder.weighted, Some(norms.as_slice())),
     ] {
-        for (allocation, levels) in [("uniform", &uniform), ("energy", &energy)] {
+        for (allocation, levels) in [
+            ("uniform", &uniform),
+            ("energy", &energy),
+            ("sensitivity", &sensitivity),
+        ] {
             let thresholds: Vec<f32> = histograms
                 .iter()
                 .zip(levels.iter())

@@ -270,5 +270,6 @@ pub fn speculation(
         predictor: Arc::new(p),
         predictor_name: path.display().to_string(),
         controller,
+        prior_breadth: Speculation::PRIOR_BREADTH,
     })
 }

@@ -40,6 +40,9 @@ pub struct StreamSettings {
     pub controller: Option<String>,
     /// The attention path, for any model (llama.cpp's `--flash-attn`).
     pub flash_attn: FlashAttn,
+    /// The prior systems' predicted set, as a multiple of the level's need
+    /// (default [`Speculation::PRIOR_BREADTH`](crate::engine::Speculation::PRIOR_BREADTH)).
+    pub prior_breadth: Option<f32>,
 }
 
 impl StreamSettings {
@@ -121,7 +124,37 @@ impl StreamSettings {
             return Ok(None);
         }
         let (p, c) = (self.predictor.as_deref(), self.controller.as_deref());
-        crate::artifacts::speculation(fm, fm.flash.path(), policy, p, c).map(Some)
+        let mut sp = crate::artifacts::speculation(fm, fm.flash.path(), policy, p, c)?;
+        if let (Some(b), true) = (self.prior_breadth, policy.is_prior_system()) {
+            sp.prior_breadth = self.checked_prior_breadth(b)?;
+        }
+        Ok(Some(sp))
+    }
+
+    /// `prior_breadth` checked against the policy a model is run with: only
+    /// the prior systems take one. (Engines made beside it, such as a
+    /// quality run's dense reference, ignore it.)
+    pub fn check_prior_breadth(&self, policy: Policy) -> Result<()> {
+        let Some(b) = self.prior_breadth else {
+            return Ok(());
+        };
+        if !policy.is_prior_system() {
+            return Err(RuntimeError::Invalid(format!(
+                "--prior-breadth sizes the predicted set of dejavu, llm-in-a-flash and powerinfer2, not {policy} \
+                 (speculate's breadth is its controller's)"
+            )));
+        }
+        self.checked_prior_breadth(b).map(|_| ())
+    }
+
+    fn checked_prior_breadth(&self, b: f32) -> Result<f32> {
+        if b.is_finite() && b > 0.0 {
+            Ok(b)
+        } else {
+            Err(RuntimeError::Invalid(format!(
+                "--prior-breadth {b}: a positive multiple of the neurons the level keeps"
+            )))
+        }
     }
 
     /// The engine for `fm` under these settings with `policy`; `record`
@@ -166,6 +199,7 @@ impl StreamSettings {
     /// as the CPU engine takes them, less what [`refuse_on_device`](Self::refuse_on_device) refuses.
     pub fn device_engine(&self, fm: &FlashModel, policy: Policy) -> Result<FlashEngine> {
         self.refuse_on_device(policy)?;
+        self.check_prior_breadth(policy)?;
         let (cache_policy, retention) = self.eviction(fm, policy)?;
         fm.engine_with(EngineOptions {
             policy,
@@ -271,6 +305,7 @@ impl Session {
             let st = state(&fm.model)?;
             // The oracle's engine is made once its trace is recorded; until
             // then a dense-stream engine of the same budget stands in.
+            settings.check_prior_breadth(settings.policy_for(path))?;
             let policy = match settings.policy_for(path) {
                 Policy::Oracle => Policy::DenseStream,
                 p => p,
@@ -281,7 +316,7 @@ impl Session {
         if settings.is_set() {
             return Err(RuntimeError::Invalid(format!(
                 "--policy, --ffn-budget, --mem-budget, --sparsity, --cache-policy, --eviction, --merge-gap, \
-                 --predictor and --controller apply to .lsflash models; {} is not one",
+                 --predictor, --controller and --prior-breadth apply to .lsflash models; {} is not one",
                 path.display()
             )));
         }

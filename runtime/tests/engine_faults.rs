@@ -76,6 +76,7 @@ fn options(fx: &Fixture, policy: Policy, controller: Controller) -> EngineOption
             predictor: Arc::new(p),
             predictor_name: "random.lspred".into(),
             controller,
+            prior_breadth: Speculation::PRIOR_BREADTH,
         }),
         ..common::plain_options(fm, policy, fm.ffn_bytes() / 4)
     }

@@ -98,6 +98,7 @@ fn options(fm: &FlashModel, policy: Policy, cache: CachePolicy, level: SparsityL
             predictor: Arc::new(p),
             predictor_name: "random.lspred".into(),
             controller: Controller::Fixed(Controller::DEFAULT_FIXED),
+            prior_breadth: Speculation::PRIOR_BREADTH,
         }),
         retention,
     }
@@ -183,6 +184,53 @@ fn with_sparsity_each_reads_only_its_prediction() {
             s.bytes_requested
         );
         assert!(s.skipped_fraction() > 0.25, "{policy}: {s:?}");
+    }
+}
+
+/// A wider predicted set reads more and skips less; one that covers the
+/// layer (breadth 2 where the level keeps half) reads every bundle and
+/// computes `dense-stream`'s bits at the same level.
+#[test]
+fn a_wider_prior_breadth_reads_more_and_at_full_width_is_dense_stream() {
+    let fm = synthetic("breadth", DownType::Q8_0);
+    let level = SparsityLevel {
+        sparsity: 0.5,
+        full: vec![1e-3; 3],
+        gate: vec![1e-3; 3],
+    };
+    let prompt = [1u32, 20, 33, 47];
+    let run_with = |policy: Policy, breadth: f32| {
+        let mut opts = options(
+            &fm,
+            policy,
+            CachePolicy::Lru,
+            level.clone(),
+            predictor_for(&fm, 1, false, 2),
+        );
+        if policy == Policy::DenseStream {
+            opts.speculation = None;
+        } else if let Some(sp) = opts.speculation.as_mut() {
+            sp.prior_breadth = breadth;
+        }
+        let mut e = fm.engine_on(opts, Some(shuffled(7))).unwrap();
+        let run = common::greedy_flash(&fm, &mut e, &prompt, 4).unwrap();
+        (run, e.stats().bytes_requested, e.stats().skipped_fraction())
+    };
+    let (stream, all, stream_skipped) = run_with(Policy::DenseStream, Speculation::PRIOR_BREADTH);
+    for policy in PRIOR {
+        let (_, narrow, narrow_skipped) = run_with(policy, 1.0);
+        let (_, wide, wide_skipped) = run_with(policy, 1.5);
+        assert!(narrow < wide && wide <= all, "{policy}: {narrow} {wide} {all}");
+        assert!(
+            narrow_skipped > wide_skipped,
+            "{policy}: {narrow_skipped} {wide_skipped}"
+        );
+        // (Not byte for byte dense-stream's: it reads further ahead, so its
+        // LRU cache keeps other bundles.)
+        let (full, full_bytes, full_skipped) = run_with(policy, 2.0);
+        assert!(common::same_bits(&full, &stream), "{policy} at breadth 2");
+        assert_eq!(full_skipped, stream_skipped, "{policy}");
+        assert!(full_bytes >= wide, "{policy}: {full_bytes} {wide}");
     }
 }
 
@@ -290,4 +338,28 @@ fn a_retention_table_is_found_beside_the_model_and_checked() {
     let e = clash.eviction(&fm, Policy::DenseStream).unwrap_err().to_string();
     assert!(e.contains("--eviction") && e.contains("lru"), "{e}");
     std::fs::remove_file(&beside).unwrap();
+}
+
+/// `prior_breadth` sizes the prior systems' sets only: another policy, or
+/// a breadth that is not a positive number, is refused by the flag's name.
+#[test]
+fn a_prior_breadth_is_refused_where_it_means_nothing() {
+    let fm = synthetic("breadth_flags", DownType::Q8_0);
+    let with = |b: f32| StreamSettings {
+        prior_breadth: Some(b),
+        ..StreamSettings::default()
+    };
+    for policy in [Policy::Speculate, Policy::DenseStream] {
+        let e = with(1.5).check_prior_breadth(policy).unwrap_err().to_string();
+        assert!(e.contains("--prior-breadth") && e.contains(&policy.to_string()), "{e}");
+        let e = with(1.5).device_engine(&fm, policy).err().unwrap().to_string();
+        assert!(e.contains("--prior-breadth"), "{e}");
+    }
+    with(1.5).check_prior_breadth(Policy::PowerInfer2).unwrap();
+    // A dense reference made beside a prior system's run ignores it.
+    assert!(with(1.5).speculation(&fm, Policy::Dense).unwrap().is_none());
+    for b in [0.0, -1.0, f32::NAN, f32::INFINITY] {
+        let e = with(b).check_prior_breadth(Policy::DejaVu).unwrap_err().to_string();
+        assert!(e.contains("--prior-breadth"), "{b}: {e}");
+    }
 }

@@ -65,6 +65,7 @@ fn speculation(fm: &FlashModel, controller: Controller, seed: u64) -> Speculatio
         predictor: Arc::new(predictor_for(fm, 1, seed)),
         predictor_name: "random.lspred".into(),
         controller,
+        prior_breadth: Speculation::PRIOR_BREADTH,
     }
 }
 
@@ -173,6 +174,14 @@ fn layers_held_or_read_whole_are_taken_unranked() {
             // Layers 1 and 2 are re-ranked from their true input in the first
             // call only; the next layer is read whole, so no stage re-ranks it.
             assert_eq!(d.refinements, 2, "{d:?}");
+            // Reading whole needs no prediction, so the reads run as far
+            // ahead as dense-stream's: into the next token's layers.
+            let queued = |e: &leanstream_runtime::engine::FlashEngine| {
+                let s = e.streamer().unwrap();
+                (0..n_layer as usize).map(|l| s.is_queued(l)).collect::<Vec<_>>()
+            };
+            assert_eq!(queued(&e), queued(&plain));
+            assert!(queued(&e)[0], "the next token's first layer is requested");
         }
     }
 }
@@ -196,6 +205,7 @@ fn real_model_exact(name: &str) {
         predictor: Arc::new(predictor_for(&fm, group.min(32), 9)),
         predictor_name: "random.lspred".into(),
         controller: fixed("fixed:K=4,b=1,d=inf,q=16"),
+        prior_breadth: Speculation::PRIOR_BREADTH,
     };
     let opts = options(&fm, 0.25, SparsityLevel::dense(fm.flash.n_layer()), Some(sp));
     let mut e = fm.engine_with(opts).unwrap();

@@ -88,6 +88,19 @@ pub struct Speculation {
     /// Where the predictor came from (for errors and reports).
     pub predictor_name: String,
     pub controller: Controller,
+    /// The prior systems' predicted set: each input row's top `prior_breadth
+    /// × need` neurons, `need` the level's share of the layer
+    /// ([`Speculation::PRIOR_BREADTH`] by default). `speculate` takes its
+    /// breadth from its controller instead.
+    pub prior_breadth: f32,
+}
+
+impl Speculation {
+    /// The top `need` neurons: a predictor sized to the sparsity level, as
+    /// the originals size theirs. An imperfect predictor then misses part
+    /// of the active set, so the prior systems compute fewer neurons than
+    /// the level keeps; a wider breadth reads more to miss less.
+    pub const PRIOR_BREADTH: f32 = 1.0;
 }
 
 /// Makes the I/O backend of a streaming engine from its settings.
@@ -260,11 +273,11 @@ impl FlashModel {
                     post_ffn_norm: self.model.has_ffn_post_norm(),
                 };
                 let sparsity = o.level.sparsity;
-                let (predictor, name) = (sp.predictor, sp.predictor_name);
+                let (predictor, name, breadth) = (sp.predictor, sp.predictor_name, sp.prior_breadth);
                 let policy: Box<dyn FfnPolicy> = match p {
-                    Policy::DejaVu => Box::new(policy::DejaVu::new(predictor, name, shape, sparsity)?),
+                    Policy::DejaVu => Box::new(policy::DejaVu::new(predictor, name, shape, sparsity, breadth)?),
                     Policy::LlmInAFlash | Policy::PowerInfer2 => {
-                        Box::new(policy::CurrentLayer::new(p, predictor, name, shape, sparsity)?)
+                        Box::new(policy::CurrentLayer::new(p, predictor, name, shape, sparsity, breadth)?)
                     }
                     _ => {
                         let bundle_bytes = (0..n_layer).map(|l| self.flash.layout(l).bundle_bytes()).collect();

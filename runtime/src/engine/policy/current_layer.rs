@@ -36,6 +36,8 @@ pub(crate) struct CurrentLayer {
     kind: Policy,
     ranking: Ranking,
     own_input: usize,
+    /// Each row's top `breadth × need` neurons are read.
+    breadth: f32,
 }
 
 impl CurrentLayer {
@@ -45,6 +47,7 @@ impl CurrentLayer {
         name: String,
         shape: Shape,
         sparsity: f32,
+        breadth: f32,
     ) -> Result<Self> {
         let ranking = Ranking::new(predictor, name, shape, sparsity)?;
         let own_input = match ranking.predictor.use_index("refine") {
@@ -55,6 +58,7 @@ impl CurrentLayer {
             kind,
             ranking,
             own_input,
+            breadth,
         })
     }
 }
@@ -65,14 +69,15 @@ impl FfnPolicy for CurrentLayer {
     }
 
     fn layer_input(&mut self, layer: usize, x: &[f32], n: usize, source: &mut Source) -> Result<()> {
-        self.ranking.request(self.own_input, layer, x, n, streamer(source)?)
+        self.ranking
+            .request(self.own_input, layer, x, n, self.breadth, streamer(source)?)
     }
 
     fn plan<'p>(&'p mut self, call: &LayerCall<'_>, source: &mut Source, _tail: &Tail) -> Result<Plan<'p>> {
         // Without the input hook the prediction comes from the residual.
         let s = streamer(source)?;
         self.ranking
-            .request(self.own_input, call.layer, call.resid, call.n, s)?;
+            .request(self.own_input, call.layer, call.resid, call.n, self.breadth, s)?;
         Ok(Plan::new(Select::Threshold(call.threshold), None))
     }
 

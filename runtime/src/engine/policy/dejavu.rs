@@ -26,10 +26,18 @@ pub(crate) struct DejaVu {
     speculate: usize,
     own_input: usize,
     n_layer: usize,
+    /// Each row's top `breadth × need` neurons are read.
+    breadth: f32,
 }
 
 impl DejaVu {
-    pub(crate) fn new(predictor: Arc<Predictor>, name: String, shape: Shape, sparsity: f32) -> Result<Self> {
+    pub(crate) fn new(
+        predictor: Arc<Predictor>,
+        name: String,
+        shape: Shape,
+        sparsity: f32,
+        breadth: f32,
+    ) -> Result<Self> {
         let ranking = Ranking::new(predictor, name, shape, sparsity)?;
         let speculate = ranking.use_index("speculate")?;
         let own_input = ranking.predictor.use_index("refine").unwrap_or(speculate);
@@ -38,6 +46,7 @@ impl DejaVu {
             speculate,
             own_input,
             n_layer: shape.n_layer,
+            breadth,
         })
     }
 }
@@ -49,7 +58,8 @@ impl FfnPolicy for DejaVu {
 
     fn layer_input(&mut self, layer: usize, x: &[f32], n: usize, source: &mut Source) -> Result<()> {
         if layer == 0 {
-            self.ranking.request(self.own_input, 0, x, n, streamer(source)?)?;
+            self.ranking
+                .request(self.own_input, 0, x, n, self.breadth, streamer(source)?)?;
         }
         Ok(())
     }
@@ -58,11 +68,12 @@ impl FfnPolicy for DejaVu {
         let (l, n) = (call.layer, call.n);
         // Nothing predicted for this layer yet (a caller without the input
         // hook): predict it now from what there is.
+        let b = self.breadth;
         self.ranking
-            .request(self.own_input, l, call.resid, n, streamer(source)?)?;
+            .request(self.own_input, l, call.resid, n, b, streamer(source)?)?;
         if l + 1 < self.n_layer {
             self.ranking
-                .prefetch(self.speculate, l + 1, call.resid, n, streamer(source)?)?;
+                .prefetch(self.speculate, l + 1, call.resid, n, b, streamer(source)?)?;
         }
         Ok(Plan::new(Select::Threshold(call.threshold), None))
     }

@@ -75,6 +75,11 @@ impl Policy {
             Self::Speculate | Self::DejaVu | Self::LlmInAFlash | Self::PowerInfer2
         )
     }
+
+    /// Whether this is one of the prior systems' policies.
+    pub fn is_prior_system(self) -> bool {
+        matches!(self, Self::DejaVu | Self::LlmInAFlash | Self::PowerInfer2)
+    }
 }
 
 impl std::str::FromStr for Policy {

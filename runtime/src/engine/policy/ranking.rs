@@ -122,30 +122,47 @@ impl Ranking {
     }
 
     /// Unless layer `layer` is queued already: ranks it for `use_` from `n`
-    /// rows `rows` at breadth 1 and asks `s` for the selection, most likely
+    /// rows `rows` at `breadth` and asks `s` for the selection, most likely
     /// first (what the policies that predict and then wait do). A layer the
-    /// cache holds whole is asked for whole, unranked: nothing is read, so
-    /// a ranking would decide nothing.
-    pub fn request(&mut self, use_: usize, layer: usize, rows: &[f32], n: usize, s: &mut Streamer) -> Result<()> {
+    /// cache holds whole, or a breadth that selects every neuron, is asked
+    /// for whole, unranked: a ranking would decide nothing.
+    pub fn request(
+        &mut self,
+        use_: usize,
+        layer: usize,
+        rows: &[f32],
+        n: usize,
+        breadth: f32,
+        s: &mut Streamer,
+    ) -> Result<()> {
         if s.is_queued(layer) {
             return Ok(());
         }
-        if s.holds_layer(layer) {
+        if s.holds_layer(layer) || self.selects_all(breadth) {
             return s.ensure(layer, Want::All);
         }
-        self.rank(use_, layer, rows, n, 1.0)?;
+        self.rank(use_, layer, rows, n, breadth)?;
         s.ensure_ranked(layer, Want::Set(&self.bits), Some(&self.urgency))
     }
 
     /// Unless layer `layer` is queued already: ranks it for `use_` from `n`
-    /// rows `rows` at breadth 1 and queues the selection behind the stages
+    /// rows `rows` at `breadth` and queues the selection behind the stages
     /// `s` holds, most likely first (a look-ahead). A layer the cache holds
-    /// whole is queued whole, unranked, as in [`request`](Self::request).
-    pub fn prefetch(&mut self, use_: usize, layer: usize, rows: &[f32], n: usize, s: &mut Streamer) -> Result<()> {
-        if s.holds_layer(layer) {
+    /// whole, or every neuron, is queued whole, unranked, as in
+    /// [`request`](Self::request).
+    pub fn prefetch(
+        &mut self,
+        use_: usize,
+        layer: usize,
+        rows: &[f32],
+        n: usize,
+        breadth: f32,
+        s: &mut Streamer,
+    ) -> Result<()> {
+        if s.holds_layer(layer) || self.selects_all(breadth) {
             return s.prefetch(layer, Want::All);
         }
-        self.rank(use_, layer, rows, n, 1.0)?;
+        self.rank(use_, layer, rows, n, breadth)?;
         s.prefetch_ranked(layer, Want::Set(&self.bits), Some(&self.urgency))
     }
 

@@ -26,7 +26,8 @@
 //!   is computed whole when ranking would cost more than the compute it
 //!   saves; an action whose breadth selects every neuron reads them all in
 //!   file order, unless a deadline fired within the last token (then the
-//!   ranked order decides what is cut). Counted as `unranked`.
+//!   ranked order decides what is cut), and reads the layers after it
+//!   whole as far ahead as `dense-stream` does. Counted as `unranked`.
 //!
 //! `need` is the share of neurons the sparsity level keeps, `(1 - s) ×
 //! n_ff`; at sparsity 0 every neuron is needed, every breadth reads them
@@ -41,7 +42,7 @@ use super::ranking::Ranking;
 use super::{streamer, FfnPolicy, LayerCall, Plan, Policy, Shape};
 use crate::control::{Action, ControlState};
 use crate::engine::controller::{ewma, ActionCount, Controller, Decisions, Meter};
-use crate::engine::stream::{Streamer, Want};
+use crate::engine::stream::{Streamer, Want, STAGES};
 use crate::engine::tail::{Select, Source, StageHook, Tail};
 use crate::predict::Predictor;
 use crate::Result;
@@ -305,11 +306,15 @@ impl FfnPolicy for Speculate {
         }
         // Speculate the next layer of this token (layer 0 of the next one
         // waits for its embedding; one the cache holds whole needs no reads,
-        // and is ranked, if at all, from its true input; one read whole
-        // needs no ranking).
+        // and is ranked, if at all, from its true input). An action that
+        // reads whole needs no prediction, so its reads run as far ahead as
+        // dense-stream's, into the next token's layers; a later layer whose
+        // action ranks cancels what it does not want.
         r.no_refine = l + 1 == r.shape.n_layer || s.holds_layer(l + 1) || whole;
-        if whole && l + 1 < r.shape.n_layer {
-            s.prefetch(l + 1, Want::All)?;
+        if whole {
+            for ahead in 1..STAGES {
+                s.prefetch(call.layer_ahead(ahead), Want::All)?;
+            }
         } else if !r.no_refine {
             let m = n * r.shape.n_embd;
             r.resid.clear();
