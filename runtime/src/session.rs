@@ -126,7 +126,7 @@ impl StreamSettings {
         let (p, c) = (self.predictor.as_deref(), self.controller.as_deref());
         let mut sp = crate::artifacts::speculation(fm, fm.flash.path(), policy, p, c)?;
         if let (Some(b), true) = (self.prior_breadth, policy.is_prior_system()) {
-            sp.prior_breadth = self.checked_prior_breadth(b)?;
+            sp.prior_breadth = positive_breadth(b)?;
         }
         Ok(Some(sp))
     }
@@ -144,17 +144,7 @@ impl StreamSettings {
                  (speculate's breadth is its controller's)"
             )));
         }
-        self.checked_prior_breadth(b).map(|_| ())
-    }
-
-    fn checked_prior_breadth(&self, b: f32) -> Result<f32> {
-        if b.is_finite() && b > 0.0 {
-            Ok(b)
-        } else {
-            Err(RuntimeError::Invalid(format!(
-                "--prior-breadth {b}: a positive multiple of the neurons the level keeps"
-            )))
-        }
+        positive_breadth(b).map(|_| ())
     }
 
     /// The engine for `fm` under these settings with `policy`; `record`
@@ -277,6 +267,17 @@ impl StreamSettings {
     }
 }
 
+/// `b` if it is a breadth: a positive multiple of the neurons the level keeps.
+fn positive_breadth(b: f32) -> Result<f32> {
+    if b.is_finite() && b > 0.0 {
+        Ok(b)
+    } else {
+        Err(RuntimeError::Invalid(format!(
+            "--prior-breadth {b}: a positive multiple of the neurons the level keeps"
+        )))
+    }
+}
+
 /// A GGUF model, or a `.lsflash` model with its FFN engine.
 pub enum Session {
     Gguf(Box<Model>, DenseFfn),
@@ -303,9 +304,9 @@ impl Session {
             let mut fm = FlashModel::open(path)?;
             fm.model.flash_attn = settings.flash_attn;
             let st = state(&fm.model)?;
+            settings.check_prior_breadth(settings.policy_for(path))?;
             // The oracle's engine is made once its trace is recorded; until
             // then a dense-stream engine of the same budget stands in.
-            settings.check_prior_breadth(settings.policy_for(path))?;
             let policy = match settings.policy_for(path) {
                 Policy::Oracle => Policy::DenseStream,
                 p => p,
