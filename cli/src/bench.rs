@@ -65,6 +65,17 @@ pub struct BenchArgs {
     device: String,
 }
 
+/// Every run and its references are scored as they decode, one token at
+/// a time. A predictor's choice for a batch is a union over its rows,
+/// wider than any one token's, so predicting policies must be; and
+/// batched and decoded scoring differ by more than the policies do
+/// (Gemma 3's packed file, one chunk of 256, dense: perplexity 12.63
+/// batched, 12.83 decoded; at sparsity 0.5 `dense-stream` batched 1.121x
+/// its batched reference, decoded 1.073x, the same bits as `speculate`
+/// at breadth 2.5), so ratios taken in different modes compared the
+/// modes, not the policies.
+const DECODE: usize = 1;
+
 /// What quality is measured on, and against what.
 #[derive(Args)]
 pub struct QualityArgs {
@@ -511,16 +522,6 @@ fn quality(
         p if p == Policy::GateFirst || p.predicts() => p,
         _ => Policy::DenseStream,
     };
-    // Every run and its references are scored as they decode, one token at
-    // a time. A predictor's choice for a batch is a union over its rows,
-    // wider than any one token's, so predicting policies must be; and
-    // batched and decoded scoring differ by more than the policies do
-    // (Gemma 3's packed file, one chunk of 256, dense: perplexity 12.63
-    // batched, 12.83 decoded; at sparsity 0.5 `dense-stream` batched 1.121x
-    // its batched reference, decoded 1.073x, the same bits as `speculate`
-    // at breadth 2.5), so ratios taken in different modes compared the
-    // modes, not the policies.
-    const DECODE: usize = 1;
     // The policy's run is audited: beside perplexity, the share of the true
     // active mass (what dense keeps at the policy's own state) it skipped.
     let eval = |policy: Policy, level: SparsityLevel, audit: bool| -> Result<_> {
@@ -602,7 +603,7 @@ fn dense_perplexity(model: &Model, text: &str, q: &QualityArgs) -> Result<Perple
         Some(q.chunks),
         false,
         &mut leanstream_runtime::model::DenseFfn,
-        1,
+        DECODE,
     )?)
 }
 
