@@ -8,7 +8,9 @@ token the cache holds the top `--budget` share of all neurons by that
 probability, as if any neuron could be loaded for free between tokens. No
 cache ranking by the same state can miss less. States: the neuron's training
 frequency (the static hot set), its last-k-token use pattern (k = 2, 3, 4, 6),
-and a ridge regression from the layer's active set at token t to t + 1.
+its last activation's size against the threshold (binned: a neuron just below
+it is likelier to be used next than one far below), and a ridge regression
+from the layer's active set at token t to t + 1.
 
 Usage: scripts/eviction_history_ceiling.py ACTS_DIR [--sparsity 0.5] [--budget 0.25]
 Needs numpy (`pip install numpy`). Prints one miss ratio per state.
@@ -21,12 +23,13 @@ import numpy as np
 
 
 def load(acts, split, thr):
+    """|activation| / the layer's threshold, [token, layer * neuron] (used: >= 1)."""
     parts = []
     for shard in sorted(glob.glob(f"{acts}/{split}/shard-*")):
         a = np.load(f"{shard}/act.npy")  # [layer, token, neuron]
-        parts.append(np.abs(a.astype(np.float32)) >= thr[:, None, None])
+        parts.append(np.abs(a.astype(np.float32)) / thr[:, None, None])
     x = np.concatenate(parts, axis=1)
-    return x.transpose(1, 0, 2).reshape(x.shape[1], -1)  # [token, layer * neuron]
+    return x.transpose(1, 0, 2).reshape(x.shape[1], -1)
 
 
 def replay(held, slots, score):
@@ -49,7 +52,8 @@ def main():
     if not level:
         raise SystemExit(f"{a.acts}/manifest.json: no thresholds for sparsity {a.sparsity}")
     thr = np.array(level[0]["per_layer"], dtype=np.float32)
-    train, held = load(a.acts, "train", thr), load(a.acts, "heldout", thr)
+    train_size, held_size = load(a.acts, "train", thr), load(a.acts, "heldout", thr)
+    train, held = train_size >= 1, held_size >= 1
     n_layer, n_ff = m["model"]["n_layer"], m["model"]["n_ff"]
     neurons = train.shape[1]
     slots = int(a.budget * neurons)
@@ -74,6 +78,19 @@ def main():
         prob = (used + 4 * prior) / (seen + 4)
         miss = replay(held, slots, lambda t: prob[idx, pattern(held, t)])
         print(f"last {k} tokens' use pattern: {miss:.4f}")
+    edges = np.array([0.25, 0.5, 0.75, 1, 1.5, 2, 3, 5], dtype=np.float32)
+    bins = len(edges) + 1
+    seen = np.zeros((neurons, bins))
+    used = np.zeros((neurons, bins))
+    for t in range(train.shape[0] - 1):
+        b = np.searchsorted(edges, train_size[t], side="right")
+        np.add.at(seen, (idx, b), 1)
+        np.add.at(used, (idx, b), train[t + 1])
+    rate = used.sum(0) / np.maximum(seen.sum(0), 1)
+    prior = np.clip(freq[:, None] * rate[None, :] / freq.mean(), 0, 1)
+    prob = (used + 4 * prior) / (seen + 4)
+    miss = replay(held, slots, lambda t: prob[idx, np.searchsorted(edges, held_size[t], side="right")])
+    print(f"last activation's size against the threshold: {miss:.4f}")
     score = np.zeros((held.shape[0], neurons), dtype=np.float32)
     for layer in range(n_layer):
         cols = slice(layer * n_ff, (layer + 1) * n_ff)

@@ -3,7 +3,10 @@
 //! [`Sparsifier`](leanstream_runtime::sparsity::Sparsifier) measures the
 //! engine's rule). Rules: `activation` skips `|a| < t` (the engine's);
 //! `down-weighted` skips `|a|·‖d_i‖ < t`, `d_i` the neuron's down column, so
-//! a neuron is judged by the size of what it adds to the output. Allocations:
+//! a neuron is judged by the size of what it adds to the output;
+//! `post-norm-weighted` (models with a norm after the FFN, Gemma 3) skips
+//! `|a|·‖w ⊙ d_i‖ < t`, `w` that norm's weight, which scales each output
+//! dimension before the residual sees it. Allocations:
 //! `uniform` gives every layer the target sparsity; `energy` spreads the same
 //! mean over layers so that the dropped share of `Σ (|a|·‖d_i‖)²` grows
 //! equally everywhere (greedy in 5% steps); `sensitivity` picks the levels
@@ -17,7 +20,8 @@
 //! TRAIN.txt HELDOUT.txt [SPARSITY]` prints one JSON line per rule and
 //! allocation: perplexity over every 256-token chunk as a ratio to dense,
 //! skipped share and top-1 agreement with dense, each at five scalings of
-//! the thresholds (±1%) and their mean.
+//! the thresholds (±1%) and their mean. `KEEP_RULES=rule,...` runs only
+//! those rules.
 
 use std::error::Error;
 
@@ -88,20 +92,30 @@ impl Histogram {
     }
 }
 
-/// Records, per layer, `|a|` and `|a|·‖d_i‖`.
+/// A keep rule: `|a|`, or `|a|` times a per-neuron weight.
+struct Rule {
+    name: &'static str,
+    weights: Option<Vec<Vec<f32>>>,
+}
+
+/// Records, per rule and layer, the rule's values.
 struct Recorder<'a> {
-    norms: &'a [Vec<f32>],
-    activation: Vec<Histogram>,
-    weighted: Vec<Histogram>,
+    rules: &'a [Rule],
+    histograms: Vec<Vec<Histogram>>,
 }
 
 impl LayerHook for Recorder<'_> {
     fn activations(&mut self, at: &LayerAt, acts: &mut [f32]) {
-        let norms = &self.norms[at.layer];
-        for row in acts.chunks_exact(norms.len()) {
-            for (&a, &n) in row.iter().zip(norms) {
-                self.activation[at.layer].add(a.abs());
-                self.weighted[at.layer].add(a.abs() * n);
+        for (rule, h) in self.rules.iter().zip(&mut self.histograms) {
+            let h = &mut h[at.layer];
+            match &rule.weights {
+                None => acts.iter().for_each(|a| h.add(a.abs())),
+                Some(w) => {
+                    let w = &w[at.layer];
+                    for row in acts.chunks_exact(w.len()) {
+                        row.iter().zip(w).for_each(|(a, n)| h.add(a.abs() * n));
+                    }
+                }
             }
         }
     }
@@ -132,8 +146,12 @@ impl LayerHook for Skip<'_> {
     }
 }
 
-/// ‖d_i‖ for every neuron of every layer.
-fn down_column_norms(model: &Model) -> Result<Vec<Vec<f32>>, Box<dyn Error>> {
+/// ‖d_i‖ for every neuron of every layer, or with `post_norm` ‖w ⊙ d_i‖,
+/// `w` the layer's post-FFN norm weight (`None` if the model has none).
+fn down_column_norms(model: &Model, post_norm: bool) -> Result<Option<Vec<Vec<f32>>>, Box<dyn Error>> {
+    if post_norm && !model.has_ffn_post_norm() {
+        return Ok(None);
+    }
     let (n_embd, n_ff) = (model.config.n_embd, model.config.n_ff);
     let data = model.gguf.data();
     model
@@ -142,19 +160,25 @@ fn down_column_norms(model: &Model) -> Result<Vec<Vec<f32>>, Box<dyn Error>> {
         .iter()
         .map(|l| {
             let down = l.ffn_down.as_ref().ok_or("the model has no FFN down matrix")?;
+            let scale = |r: usize| match (post_norm, &l.ffn_post_norm) {
+                (true, Some(w)) => f64::from(w[r]),
+                _ => 1.0,
+            };
             let row_bytes = down.ty.row_bytes(n_ff)?;
             let mut squares = vec![0f64; n_ff];
             let mut row = vec![0f32; n_ff];
             for r in 0..n_embd {
                 let at = down.offset + r * row_bytes;
                 dequantize_row(down.ty, &data[at..at + row_bytes], &mut row)?;
+                let k = scale(r);
                 for (s, &v) in squares.iter_mut().zip(&row) {
-                    *s += f64::from(v) * f64::from(v);
+                    *s += (k * f64::from(v)).powi(2);
                 }
             }
             Ok(squares.into_iter().map(|s| s.sqrt() as f32).collect())
         })
-        .collect()
+        .collect::<Result<_, Box<dyn Error>>>()
+        .map(Some)
 }
 
 /// Per-layer sparsities with mean `target`: each 5% step goes to the layer
@@ -308,14 +332,33 @@ fn main() -> Result<(), Box<dyn Error>> {
     let train = std::fs::read_to_string(train)?;
     let heldout = std::fs::read_to_string(heldout)?;
     let n_layer = model.config.n_layer;
-    let norms = down_column_norms(&model)?;
+    let mut rules = vec![
+        Rule {
+            name: "activation",
+            weights: None,
+        },
+        Rule {
+            name: "down-weighted",
+            weights: down_column_norms(&model, false)?,
+        },
+    ];
+    if let Some(w) = down_column_norms(&model, true)? {
+        rules.push(Rule {
+            name: "post-norm-weighted",
+            weights: Some(w),
+        });
+    }
+    let only = std::env::var("KEEP_RULES").ok();
+    let chosen = |name: &str| only.as_deref().is_none_or(|o| o.split(',').any(|r| r == name));
 
     let mut tokens = model.tokenizer.encode(&train, true, false);
     tokens.truncate(CALIB_TOKENS);
     let mut recorder = Recorder {
-        norms: &norms,
-        activation: (0..n_layer).map(|_| Histogram::new()).collect(),
-        weighted: (0..n_layer).map(|_| Histogram::new()).collect(),
+        rules: &rules,
+        histograms: rules
+            .iter()
+            .map(|_| (0..n_layer).map(|_| Histogram::new()).collect())
+            .collect(),
     };
     let mut state = model.new_state(CTX, CTX, 1);
     for window in tokens.chunks(CTX) {
@@ -324,7 +367,9 @@ fn main() -> Result<(), Box<dyn Error>> {
 
     let dense = perplexity_with(&model, &heldout, CTX, CHUNKS, false, &mut DenseFfn)?;
     let uniform = vec![sparsity; n_layer];
-    let energy = energy_allocation(&recorder.weighted, sparsity);
+    // (The first two rules: `|a|`, then `|a|·‖d_i‖`.)
+    let (activation, weighted) = (&recorder.histograms[0], &recorder.histograms[1]);
+    let energy = energy_allocation(weighted, sparsity);
     // The sensitivity runs on the calibration text past the tokens the thresholds came from.
     let all_train = model.tokenizer.encode(&train, true, false);
     // KEEP_RULES_COSTS=FILE keeps them (made once, read back after).
@@ -332,7 +377,7 @@ fn main() -> Result<(), Box<dyn Error>> {
     let costs: Vec<Vec<f64>> = match &costs_file {
         Some(f) if f.exists() => serde_json::from_str(&std::fs::read_to_string(f)?)?,
         _ => {
-            let c = layer_sensitivity(&model, &all_train[tokens.len()..], &recorder.activation)?;
+            let c = layer_sensitivity(&model, &all_train[tokens.len()..], activation)?;
             if let Some(f) = &costs_file {
                 std::fs::write(f, serde_json::to_string(&c)?)?;
             }
@@ -341,10 +386,11 @@ fn main() -> Result<(), Box<dyn Error>> {
     };
     let sensitivity = sensitivity_allocation(&costs, sparsity);
     eprintln!("sensitivity allocation: {sensitivity:?}");
-    for (rule, histograms, weights) in [
-        ("activation", &recorder.activation, None),
-        ("down-weighted", &recorder.weighted, Some(norms.as_slice())),
-    ] {
+    for (rule, histograms) in rules.iter().zip(&recorder.histograms) {
+        if !chosen(rule.name) {
+            continue;
+        }
+        let weights = rule.weights.as_deref();
         for (allocation, levels) in [
             ("uniform", &uniform),
             ("energy", &energy),
@@ -373,7 +419,7 @@ fn main() -> Result<(), Box<dyn Error>> {
             }
             let mean = |key: &str| runs.iter().filter_map(|r| r[key].as_f64()).sum::<f64>() / runs.len() as f64;
             let line = serde_json::json!({
-                "rule": rule,
+                "rule": rule.name,
                 "allocation": allocation,
                 "layer_sparsity": levels,
                 "dense_ppl": dense.ppl,
