@@ -20,8 +20,11 @@
 //! TRAIN.txt HELDOUT.txt [SPARSITY]` prints one JSON line per rule and
 //! allocation: perplexity over every 256-token chunk as a ratio to dense,
 //! skipped share and top-1 agreement with dense, each at five scalings of
-//! the thresholds (±1%) and their mean. `KEEP_RULES=rule,...` runs only
-//! those rules.
+//! the thresholds (±1%) and their mean. A skipped neuron is zeroed, or
+//! (`fill` `mean`) set to its mean below the threshold on the calibration
+//! text. `KEEP_RULES=rule,...`, `KEEP_RULES_ALLOCATIONS=...` and
+//! `KEEP_RULES_FILL=zero,mean` choose what runs (default: every rule and
+//! allocation, zero fill).
 
 use std::error::Error;
 
@@ -122,27 +125,84 @@ impl LayerHook for Recorder<'_> {
 }
 
 /// Zeroes `a` where `|a|·w_i` is below the layer's threshold.
+/// Or, with `fill`, replaces it by the neuron's mean below the threshold.
 struct Skip<'a> {
+    n_ff: usize,
     weights: Option<&'a [Vec<f32>]>,
     thresholds: Vec<f32>,
+    fill: Option<&'a [Vec<f32>]>,
     skipped: u64,
     total: u64,
+}
+
+impl<'a> Skip<'a> {
+    fn new(n_ff: usize, weights: Option<&'a [Vec<f32>]>, thresholds: Vec<f32>) -> Self {
+        Self {
+            n_ff,
+            weights,
+            thresholds,
+            fill: None,
+            skipped: 0,
+            total: 0,
+        }
+    }
 }
 
 impl LayerHook for Skip<'_> {
     fn activations(&mut self, at: &LayerAt, acts: &mut [f32]) {
         let t = self.thresholds[at.layer];
-        let n_ff = self.weights.map_or(acts.len(), |w| w[at.layer].len());
-        for row in acts.chunks_exact_mut(n_ff) {
+        for row in acts.chunks_exact_mut(self.n_ff) {
             for (i, a) in row.iter_mut().enumerate() {
                 let w = self.weights.map_or(1.0, |w| w[at.layer][i]);
                 if (*a * w).abs() < t {
-                    *a = 0.0;
+                    *a = self.fill.map_or(0.0, |f| f[at.layer][i]);
                     self.skipped += 1;
                 }
             }
         }
         self.total += acts.len() as u64;
+    }
+}
+
+/// Each neuron's mean activation over the calibration rows where a rule
+/// skips it: what a skipped neuron adds on average. The engine could add
+/// it at no read cost: `Σ_skipped m_i d_i` is a per-layer constant
+/// `Σ_i m_i d_i` less the kept neurons' `m_i d_i`, whose columns it reads
+/// anyway.
+struct SkippedMean<'a> {
+    skip: Skip<'a>,
+    sum: Vec<Vec<f64>>,
+    count: Vec<Vec<u32>>,
+}
+
+impl LayerHook for SkippedMean<'_> {
+    fn activations(&mut self, at: &LayerAt, acts: &mut [f32]) {
+        let (sum, count) = (&mut self.sum[at.layer], &mut self.count[at.layer]);
+        let mut kept = acts.to_vec();
+        self.skip.activations(at, &mut kept);
+        for (row, kept) in acts.chunks_exact(self.skip.n_ff).zip(kept.chunks_exact(self.skip.n_ff)) {
+            for (i, (&a, &k)) in row.iter().zip(kept).enumerate() {
+                if k == 0.0 && a != 0.0 {
+                    sum[i] += f64::from(a);
+                    count[i] += 1;
+                }
+            }
+        }
+    }
+}
+
+impl SkippedMean<'_> {
+    fn means(&self) -> Vec<Vec<f32>> {
+        self.sum
+            .iter()
+            .zip(&self.count)
+            .map(|(s, c)| {
+                s.iter()
+                    .zip(c)
+                    .map(|(&s, &c)| (s / f64::from(c.max(1))) as f32)
+                    .collect()
+            })
+            .collect()
     }
 }
 
@@ -265,12 +325,7 @@ fn layer_sensitivity(model: &Model, tokens: &[u32], activation: &[Histogram]) ->
         for (k, &s) in SENSITIVITY_LEVELS.iter().enumerate() {
             let mut thresholds = vec![0.0; n_layer];
             thresholds[l] = h.quantile(s).0;
-            let mut skip = Skip {
-                weights: None,
-                thresholds,
-                skipped: 0,
-                total: 0,
-            };
+            let mut skip = Skip::new(model.config.n_ff, None, thresholds);
             let (mut kl, mut r) = (0.0, 0);
             scored_rows(model, &chunks, &mut skip, |row| {
                 let lq = log_softmax(row);
@@ -331,7 +386,7 @@ fn main() -> Result<(), Box<dyn Error>> {
     let model = Model::load(model_path)?;
     let train = std::fs::read_to_string(train)?;
     let heldout = std::fs::read_to_string(heldout)?;
-    let n_layer = model.config.n_layer;
+    let (n_layer, n_ff) = (model.config.n_layer, model.config.n_ff);
     let mut rules = vec![
         Rule {
             name: "activation",
@@ -348,8 +403,9 @@ fn main() -> Result<(), Box<dyn Error>> {
             weights: Some(w),
         });
     }
-    let only = std::env::var("KEEP_RULES").ok();
-    let chosen = |name: &str| only.as_deref().is_none_or(|o| o.split(',').any(|r| r == name));
+    // KEEP_RULES, KEEP_RULES_ALLOCATIONS, KEEP_RULES_FILL: comma lists of what to run.
+    let chosen =
+        |var: &str, name: &str, default: bool| std::env::var(var).map_or(default, |o| o.split(',').any(|r| r == name));
 
     let mut tokens = model.tokenizer.encode(&train, true, false);
     tokens.truncate(CALIB_TOKENS);
@@ -375,6 +431,9 @@ fn main() -> Result<(), Box<dyn Error>> {
     // KEEP_RULES_COSTS=FILE keeps them (made once, read back after).
     let costs_file = std::env::var_os("KEEP_RULES_COSTS").map(std::path::PathBuf::from);
     let costs: Vec<Vec<f64>> = match &costs_file {
+        _ if !chosen("KEEP_RULES_ALLOCATIONS", "sensitivity", true) => {
+            vec![vec![0.0; SENSITIVITY_LEVELS.len() + 1]; n_layer]
+        }
         Some(f) if f.exists() => serde_json::from_str(&std::fs::read_to_string(f)?)?,
         _ => {
             let c = layer_sensitivity(&model, &all_train[tokens.len()..], activation)?;
@@ -387,28 +446,44 @@ fn main() -> Result<(), Box<dyn Error>> {
     let sensitivity = sensitivity_allocation(&costs, sparsity);
     eprintln!("sensitivity allocation: {sensitivity:?}");
     for (rule, histograms) in rules.iter().zip(&recorder.histograms) {
-        if !chosen(rule.name) {
+        if !chosen("KEEP_RULES", rule.name, true) {
             continue;
         }
         let weights = rule.weights.as_deref();
-        for (allocation, levels) in [
+        let allocations = [
             ("uniform", &uniform),
             ("energy", &energy),
             ("sensitivity", &sensitivity),
-        ] {
+        ];
+        let fills = [("zero", true), ("mean", false)];
+        for ((allocation, levels), (fill, fill_default)) in allocations.into_iter().flat_map(|a| fills.map(|f| (a, f)))
+        {
+            if !chosen("KEEP_RULES_ALLOCATIONS", allocation, true) || !chosen("KEEP_RULES_FILL", fill, fill_default) {
+                continue;
+            }
             let thresholds: Vec<f32> = histograms
                 .iter()
                 .zip(levels.iter())
                 .map(|(h, &s)| h.quantile(s).0)
                 .collect();
+            let means = if fill == "mean" {
+                let mut recorder = SkippedMean {
+                    skip: Skip::new(n_ff, weights, thresholds.clone()),
+                    sum: vec![vec![0.0; n_ff]; n_layer],
+                    count: vec![vec![0; n_ff]; n_layer],
+                };
+                let mut state = model.new_state(CTX, CTX, 1);
+                for window in tokens.chunks(CTX) {
+                    ingest_every_row_with(&model, &mut state, window, 0, &mut recorder)?;
+                }
+                Some(recorder.means())
+            } else {
+                None
+            };
             let mut runs = Vec::new();
             for jitter in JITTERS {
-                let mut skip = Skip {
-                    weights,
-                    thresholds: thresholds.iter().map(|t| t * jitter).collect(),
-                    skipped: 0,
-                    total: 0,
-                };
+                let mut skip = Skip::new(n_ff, weights, thresholds.iter().map(|t| t * jitter).collect());
+                skip.fill = means.as_deref();
                 let p = perplexity_with(&model, &heldout, CTX, CHUNKS, false, &mut skip)?;
                 runs.push(serde_json::json!({
                     "threshold_scale": jitter,
@@ -421,6 +496,7 @@ fn main() -> Result<(), Box<dyn Error>> {
             let line = serde_json::json!({
                 "rule": rule.name,
                 "allocation": allocation,
+                "fill": fill,
                 "layer_sparsity": levels,
                 "dense_ppl": dense.ppl,
                 "ppl_ratio_mean": mean("ppl_ratio"),
