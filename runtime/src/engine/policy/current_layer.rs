@@ -26,7 +26,7 @@
 
 use std::sync::Arc;
 
-use super::ranking::Ranking;
+use super::ranking::{Ranking, When};
 use super::{streamer, FfnPolicy, LayerCall, Plan, Policy, Shape};
 use crate::engine::tail::{Select, Source, Tail};
 use crate::predict::Predictor;
@@ -50,10 +50,7 @@ impl CurrentLayer {
         breadth: f32,
     ) -> Result<Self> {
         let ranking = Ranking::new(predictor, name, shape, sparsity)?;
-        let own_input = match ranking.predictor.use_index("refine") {
-            Some(u) => u,
-            None => ranking.use_index("speculate")?,
-        };
+        let own_input = ranking.own_input_use()?;
         Ok(Self {
             kind,
             ranking,
@@ -69,15 +66,23 @@ impl FfnPolicy for CurrentLayer {
     }
 
     fn layer_input(&mut self, layer: usize, x: &[f32], n: usize, source: &mut Source) -> Result<()> {
+        let s = streamer(source)?;
         self.ranking
-            .request(self.own_input, layer, x, n, self.breadth, streamer(source)?)
+            .request(When::Now, self.own_input, layer, x, n, self.breadth, s)
     }
 
     fn plan<'p>(&'p mut self, call: &LayerCall<'_>, source: &mut Source, _tail: &Tail) -> Result<Plan<'p>> {
         // Without the input hook the prediction comes from the residual.
         let s = streamer(source)?;
-        self.ranking
-            .request(self.own_input, call.layer, call.resid, call.n, self.breadth, s)?;
+        self.ranking.request(
+            When::Now,
+            self.own_input,
+            call.layer,
+            call.resid,
+            call.n,
+            self.breadth,
+            s,
+        )?;
         Ok(Plan::new(Select::Threshold(call.threshold), None))
     }
 

@@ -14,7 +14,7 @@
 
 use std::sync::Arc;
 
-use super::ranking::Ranking;
+use super::ranking::{Ranking, When};
 use super::{streamer, FfnPolicy, LayerCall, Plan, Policy, Shape};
 use crate::engine::tail::{Select, Source, Tail};
 use crate::predict::Predictor;
@@ -40,7 +40,7 @@ impl DejaVu {
     ) -> Result<Self> {
         let ranking = Ranking::new(predictor, name, shape, sparsity)?;
         let speculate = ranking.use_index("speculate")?;
-        let own_input = ranking.predictor.use_index("refine").unwrap_or(speculate);
+        let own_input = ranking.own_input_use()?;
         Ok(Self {
             ranking,
             speculate,
@@ -58,8 +58,9 @@ impl FfnPolicy for DejaVu {
 
     fn layer_input(&mut self, layer: usize, x: &[f32], n: usize, source: &mut Source) -> Result<()> {
         if layer == 0 {
+            let s = streamer(source)?;
             self.ranking
-                .request(self.own_input, 0, x, n, self.breadth, streamer(source)?)?;
+                .request(When::Now, self.own_input, 0, x, n, self.breadth, s)?;
         }
         Ok(())
     }
@@ -70,10 +71,10 @@ impl FfnPolicy for DejaVu {
         // hook): predict it now from what there is.
         let b = self.breadth;
         self.ranking
-            .request(self.own_input, l, call.resid, n, b, streamer(source)?)?;
+            .request(When::Now, self.own_input, l, call.resid, n, b, streamer(source)?)?;
         if l + 1 < self.n_layer {
             self.ranking
-                .prefetch(self.speculate, l + 1, call.resid, n, b, streamer(source)?)?;
+                .request(When::Ahead, self.speculate, l + 1, call.resid, n, b, streamer(source)?)?;
         }
         Ok(Plan::new(Select::Threshold(call.threshold), None))
     }

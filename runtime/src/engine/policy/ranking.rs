@@ -12,6 +12,16 @@ use crate::engine::trace::set_bit;
 use crate::predict::{top_groups, ComputePath, Predictor, Scratch};
 use crate::{Result, RuntimeError};
 
+/// When a ranked layer is asked for.
+#[derive(Clone, Copy)]
+pub(crate) enum When {
+    /// It runs next: anything else queued is dropped (what the policies
+    /// that predict and then wait do).
+    Now,
+    /// A look-ahead, queued behind the stages the streamer holds.
+    Ahead,
+}
+
 pub(crate) struct Ranking {
     pub predictor: Arc<Predictor>,
     pub predictor_name: String,
@@ -62,6 +72,15 @@ impl Ranking {
                 self.predictor.uses.join(", ")
             ))
         })
+    }
+
+    /// The use that predicts a layer from its own input: `refine`, else
+    /// `speculate` (an error naming the uses the file has if neither).
+    pub fn own_input_use(&self) -> Result<usize> {
+        match self.predictor.use_index("refine") {
+            Some(u) => Ok(u),
+            None => self.use_index("speculate"),
+        }
     }
 
     /// Scores layer `layer` for use `use_` from `n` input rows `rows`.
@@ -123,11 +142,13 @@ impl Ranking {
 
     /// Unless layer `layer` is queued already: ranks it for `use_` from `n`
     /// rows `rows` at `breadth` and asks `s` for the selection, most likely
-    /// first (what the policies that predict and then wait do). A layer the
-    /// cache holds whole, or a breadth that selects every neuron, is asked
-    /// for whole, unranked: a ranking would decide nothing.
+    /// first, for the layer about to run or as a look-ahead (`when`). A
+    /// layer the cache holds whole, or a breadth that selects every neuron,
+    /// is asked for whole, unranked: a ranking would decide nothing.
+    #[allow(clippy::too_many_arguments)]
     pub fn request(
         &mut self,
+        when: When,
         use_: usize,
         layer: usize,
         rows: &[f32],
@@ -138,32 +159,19 @@ impl Ranking {
         if s.is_queued(layer) {
             return Ok(());
         }
-        if s.holds_layer(layer) || self.selects_all(breadth) {
-            return s.ensure(layer, Want::All);
+        let whole = s.holds_layer(layer) || self.selects_all(breadth);
+        if !whole {
+            self.rank(use_, layer, rows, n, breadth)?;
         }
-        self.rank(use_, layer, rows, n, breadth)?;
-        s.ensure_ranked(layer, Want::Set(&self.bits), Some(&self.urgency))
-    }
-
-    /// Unless layer `layer` is queued already: ranks it for `use_` from `n`
-    /// rows `rows` at `breadth` and queues the selection behind the stages
-    /// `s` holds, most likely first (a look-ahead). A layer the cache holds
-    /// whole, or every neuron, is queued whole, unranked, as in
-    /// [`request`](Self::request).
-    pub fn prefetch(
-        &mut self,
-        use_: usize,
-        layer: usize,
-        rows: &[f32],
-        n: usize,
-        breadth: f32,
-        s: &mut Streamer,
-    ) -> Result<()> {
-        if s.holds_layer(layer) || self.selects_all(breadth) {
-            return s.prefetch(layer, Want::All);
+        let (want, urgency) = if whole {
+            (Want::All, None)
+        } else {
+            (Want::Set(&self.bits), Some(&self.urgency[..]))
+        };
+        match when {
+            When::Now => s.ensure_ranked(layer, want, urgency),
+            When::Ahead => s.prefetch_ranked(layer, want, urgency),
         }
-        self.rank(use_, layer, rows, n, breadth)?;
-        s.prefetch_ranked(layer, Want::Set(&self.bits), Some(&self.urgency))
     }
 
     /// Bytes of scratch (the predictor's weights are counted where it is held).

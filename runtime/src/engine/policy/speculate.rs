@@ -156,7 +156,7 @@ impl Speculate {
     ) -> Result<Self> {
         let ranking = Ranking::new(predictor, predictor_name, shape, sparsity)?;
         let speculate = ranking.use_index("speculate")?;
-        let refine = ranking.predictor.use_index("refine").unwrap_or(speculate);
+        let refine = ranking.own_input_use()?;
         let n_codes = controller.codebook().len();
         Ok(Self {
             ranker: Ranker {
