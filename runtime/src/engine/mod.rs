@@ -272,23 +272,16 @@ impl FlashModel {
                     n_ff: c.n_ff,
                     post_ffn_norm: self.model.has_ffn_post_norm(),
                 };
-                let sparsity = o.level.sparsity;
-                let (predictor, name, breadth) = (sp.predictor, sp.predictor_name, sp.prior_breadth);
+                let ranking = policy::Ranking::new(sp.predictor, sp.predictor_name, shape, o.level.sparsity)?;
+                let breadth = sp.prior_breadth;
                 let policy: Box<dyn FfnPolicy> = match p {
-                    Policy::DejaVu => Box::new(policy::DejaVu::new(predictor, name, shape, sparsity, breadth)?),
+                    Policy::DejaVu => Box::new(policy::DejaVu::new(ranking, n_layer, breadth)?),
                     Policy::LlmInAFlash | Policy::PowerInfer2 => {
-                        Box::new(policy::CurrentLayer::new(p, predictor, name, shape, sparsity, breadth)?)
+                        Box::new(policy::CurrentLayer::new(p, ranking, breadth)?)
                     }
                     _ => {
                         let bundle_bytes = (0..n_layer).map(|l| self.flash.layout(l).bundle_bytes()).collect();
-                        Box::new(policy::Speculate::new(
-                            predictor,
-                            name,
-                            sp.controller,
-                            shape,
-                            bundle_bytes,
-                            sparsity,
-                        )?)
+                        Box::new(policy::Speculate::new(ranking, sp.controller, shape, bundle_bytes)?)
                     }
                 };
                 (policy, None)

@@ -24,12 +24,9 @@
 //! predictor's `refine` use is trained on), so the reads overlap the layer's
 //! attention; both originals predict from the attention output, later.
 
-use std::sync::Arc;
-
 use super::ranking::{Ranking, When};
-use super::{streamer, FfnPolicy, LayerCall, Plan, Policy, Shape};
+use super::{streamer, FfnPolicy, LayerCall, Plan, Policy};
 use crate::engine::tail::{Select, Source, Tail};
-use crate::predict::Predictor;
 use crate::Result;
 
 pub(crate) struct CurrentLayer {
@@ -41,15 +38,7 @@ pub(crate) struct CurrentLayer {
 }
 
 impl CurrentLayer {
-    pub(crate) fn new(
-        kind: Policy,
-        predictor: Arc<Predictor>,
-        name: String,
-        shape: Shape,
-        sparsity: f32,
-        breadth: f32,
-    ) -> Result<Self> {
-        let ranking = Ranking::new(predictor, name, shape, sparsity)?;
+    pub(crate) fn new(kind: Policy, ranking: Ranking, breadth: f32) -> Result<Self> {
         let own_input = ranking.own_input_use()?;
         Ok(Self {
             kind,

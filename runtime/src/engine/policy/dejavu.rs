@@ -12,12 +12,9 @@
 //! with the low-rank baseline of `leanstream-synth predictor --baseline`
 //! for DejaVu's own kind).
 
-use std::sync::Arc;
-
 use super::ranking::{Ranking, When};
-use super::{streamer, FfnPolicy, LayerCall, Plan, Policy, Shape};
+use super::{streamer, FfnPolicy, LayerCall, Plan, Policy};
 use crate::engine::tail::{Select, Source, Tail};
-use crate::predict::Predictor;
 use crate::Result;
 
 pub(crate) struct DejaVu {
@@ -31,21 +28,14 @@ pub(crate) struct DejaVu {
 }
 
 impl DejaVu {
-    pub(crate) fn new(
-        predictor: Arc<Predictor>,
-        name: String,
-        shape: Shape,
-        sparsity: f32,
-        breadth: f32,
-    ) -> Result<Self> {
-        let ranking = Ranking::new(predictor, name, shape, sparsity)?;
+    pub(crate) fn new(ranking: Ranking, n_layer: usize, breadth: f32) -> Result<Self> {
         let speculate = ranking.use_index("speculate")?;
         let own_input = ranking.own_input_use()?;
         Ok(Self {
             ranking,
             speculate,
             own_input,
-            n_layer: shape.n_layer,
+            n_layer,
             breadth,
         })
     }

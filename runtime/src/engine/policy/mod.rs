@@ -19,6 +19,7 @@ pub(crate) use dense::Dense;
 pub(crate) use dense_stream::DenseStream;
 pub(crate) use gate_first::GateFirst;
 pub(crate) use oracle::Oracle;
+pub(crate) use ranking::Ranking;
 pub(crate) use speculate::Speculate;
 
 pub(crate) use super::tail::Plan;

@@ -35,7 +35,6 @@
 //! for bit. Computed neurons are kept by the level's thresholds, as in
 //! `dense`; neurons the predictor missed are not read and so not computed.
 
-use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use super::ranking::Ranking;
@@ -44,7 +43,6 @@ use crate::control::{Action, ControlState};
 use crate::engine::controller::{ewma, ActionCount, Controller, Decisions, Meter};
 use crate::engine::stream::{Streamer, Want, STAGES};
 use crate::engine::tail::{Select, Source, StageHook, Tail};
-use crate::predict::Predictor;
 use crate::Result;
 
 /// Ranks a layer's neurons with the predictor (shared by refinement
@@ -147,14 +145,11 @@ pub(crate) struct Speculate {
 
 impl Speculate {
     pub(crate) fn new(
-        predictor: Arc<Predictor>,
-        predictor_name: String,
+        ranking: Ranking,
         controller: Controller,
         shape: Shape,
         bundle_bytes: Vec<usize>,
-        sparsity: f32,
     ) -> Result<Self> {
-        let ranking = Ranking::new(predictor, predictor_name, shape, sparsity)?;
         let speculate = ranking.use_index("speculate")?;
         let refine = ranking.own_input_use()?;
         let n_codes = controller.codebook().len();
