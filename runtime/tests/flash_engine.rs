@@ -342,8 +342,10 @@ fn arrival_order_case(down: DownType) {
     }
 }
 
-/// Staging far below a layer (two 128 KiB read buffers against 1.7 MB
-/// layers) still gives the dense bits, in shuffled arrival order too.
+/// Staging far below a layer (two or six 128 KiB read buffers against 1.7
+/// MB layers) still gives the dense bits, in shuffled arrival order too.
+/// With six, a layer may keep its first run for stage 2 to read in place
+/// and have the down columns of the others copied out.
 #[test]
 fn staging_smaller_than_a_layer_gives_the_same_bits() {
     for down in [DownType::Q8_0, DownType::Source] {
@@ -352,9 +354,9 @@ fn staging_smaller_than_a_layer_gives_the_same_bits() {
         let mut dense = fm.engine(Policy::Dense, FfnBudget::Percent(100.0)).unwrap();
         let reference = greedy_flash(&fm, &mut dense, &prompt, 6);
         let layer_bytes = fm.ffn_bytes() / fm.flash.n_layer() as u64;
-        for (seed, share) in [(4u64, 0.0), (5, 0.3)] {
+        for (seed, share, staging) in [(4u64, 0.0, 256u64 << 10), (5, 0.3, 256 << 10), (6, 0.0, 768 << 10)] {
             let o = EngineOptions {
-                staging_bytes: Some(256 << 10),
+                staging_bytes: Some(staging),
                 ..scattered(&fm, share)
             };
             let mut e = fm.engine_on(o, Some(shuffled_backend(seed))).unwrap();
@@ -396,6 +398,62 @@ fn staging_is_bounded_by_the_pool() {
     }
     let layer_bytes = fm.ffn_bytes() / fm.flash.n_layer() as u64;
     assert!(s.stats().bytes_read >= 2 * layer_bytes);
+}
+
+/// A layer whose predecessor never waited for a read keeps its first runs
+/// (a quarter of the pool) until it is finished, each bundle found where it
+/// landed; the rest go back to the pool as the next is taken. A layer after
+/// one that waited keeps nothing.
+#[test]
+fn a_layer_after_one_that_never_waited_keeps_its_first_runs() {
+    let fm = multi_read_model("keeps");
+    // Sixteen 128 KiB buffers: four kept, against 1.7 MB layers.
+    let mut s = Streamer::new(&fm, 0, CachePolicy::Lru, None, 0, Some(2 << 20), None).unwrap();
+    let landed = |s: &mut Streamer, l: usize| {
+        s.ensure(l, Want::All).unwrap();
+        std::thread::sleep(Duration::from_millis(300));
+        let mut runs = Vec::new();
+        while let Some(r) = s.next_run(l).unwrap() {
+            runs.push((r.neurons.to_vec(), r.bytes.to_vec(), r.kept));
+        }
+        runs
+    };
+    let (n_ff, bb) = (fm.flash.n_ff(), fm.flash.layout(0).bundle_bytes());
+    // The first layer starts with nothing known: it keeps nothing, and
+    // neither does the next if the first waited.
+    s.ensure(0, Want::All).unwrap();
+    while let Some(r) = s.next_run(0).unwrap() {
+        assert!(!r.kept);
+    }
+    let waited = s.wait_seconds() > 0.0;
+    s.finish(0, false);
+    let runs = landed(&mut s, 1);
+    assert!(runs.len() > 4, "{} runs", runs.len());
+    if waited {
+        assert!(runs.iter().all(|r| !r.2));
+    }
+    s.finish(1, false);
+    // Layer 1 had every read back before compute asked: layer 2 keeps its
+    // first four runs and finds each bundle of them where it landed.
+    let runs = landed(&mut s, 2);
+    let kept: Vec<bool> = runs.iter().map(|r| r.2).collect();
+    assert_eq!(kept.iter().filter(|&&k| k).count(), 4, "{kept:?}");
+    assert!(kept[..4].iter().all(|&k| k), "{kept:?}");
+    let mut found = 0;
+    for (neurons, bytes, kept) in &runs {
+        for (j, &i) in neurons.iter().enumerate() {
+            let b = s.kept_bundle(2, i as usize);
+            if *kept {
+                assert_eq!(b, Some(&bytes[j * bb..(j + 1) * bb]), "neuron {i}");
+                found += 1;
+            } else {
+                assert!(b.is_none(), "neuron {i} of a run let go");
+            }
+        }
+    }
+    assert!(found > 0 && found < n_ff);
+    s.finish(2, false);
+    assert!((0..n_ff).all(|i| s.kept_bundle(2, i).is_none()));
 }
 
 /// The streamer keeps several layers requested ahead of the one computing

@@ -19,9 +19,14 @@
 //! and its buffer goes back to the pool when compute takes the next one. So
 //! the bytes staged are the bytes in flight plus those landed and not yet
 //! computed, bounded by the pool ([`staging_bytes`](super::EngineOptions::staging_bytes)), whatever
-//! the layer size. The stage behind the front may hold at most half the
-//! pool's buffers until it is the front (or the front has every read back),
-//! so the layer being computed always gets buffers.
+//! the layer size. The exception is a layer's first runs, up to a quarter
+//! of the pool, while compute is what holds the token back (the layer
+//! before never waited for a read): with down columns, those are kept until
+//! the layer is done, and stage 2 reads their columns where they landed
+//! rather than a copy (see [`LandedRun::kept`]). The stage behind the front
+//! may hold at most half the pool's buffers until it is the front (or the
+//! front has every read back), so the layer being computed always gets
+//! buffers.
 
 use std::collections::VecDeque;
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -314,8 +319,24 @@ pub struct Streamer {
     /// Time compute spent blocked on arrivals.
     wait_ns: u64,
     /// The run compute took last: offered to the cache and let go (its pool
-    /// buffer back to the I/O engine) when compute takes the next.
-    current: Option<TakenRun>,
+    /// buffer back to the I/O engine) when compute takes the next, unless
+    /// it is kept.
+    current: Option<Taken>,
+    /// The front layer's runs kept whole until it is finished, so that stage
+    /// 2 reads their down columns in place (at most `keep_runs`: a quarter
+    /// of the pool, which leaves the front buffers to read into).
+    kept: Vec<TakenRun>,
+    keep_runs: usize,
+    /// Whether the layer computing keeps runs: the one before it never
+    /// waited for a read. Where the disk is the bottleneck it wants every
+    /// buffer back at once, to keep its queue deep; where compute is, the
+    /// copy a kept run saves is what the token waits for.
+    keeping: bool,
+    /// `wait_ns` when the layer computing started.
+    wait_ns_at_layer: u64,
+    /// By neuron: where a kept run holds its bundle (run in `kept`,
+    /// position in the run); `NOT_KEPT` otherwise.
+    kept_at: Vec<(u32, u32)>,
     /// The run with its held prefix filled in (`gate-first`; empty otherwise).
     assembled: Vec<u8>,
     /// Runs the stages behind the front may have posted together (half the
@@ -323,6 +344,15 @@ pub struct Streamer {
     ahead_runs: usize,
     /// Runs to post (priority, run), reused.
     to_post: Vec<(u32, usize)>,
+}
+
+const NOT_KEPT: (u32, u32) = (u32::MAX, u32::MAX);
+
+/// The run compute took last: its own (let go when compute takes the
+/// next), or one of the layer's kept runs.
+enum Taken {
+    Own(TakenRun),
+    Kept(usize),
 }
 
 /// A landed run compute is working on.
@@ -351,6 +381,10 @@ pub struct LandedRun<'a> {
     pub neurons: &'a [u32],
     /// By neuron id: whether it was asked for.
     pub requested: &'a [bool],
+    /// The run stays in its buffer until the layer is finished: its
+    /// requested bundles are found with [`Streamer::kept_bundle`], and
+    /// stage 2 needs no copy of their down parts.
+    pub kept: bool,
 }
 
 impl Streamer {
@@ -422,6 +456,7 @@ impl Streamer {
         };
         let max_run_bytes = max_run_bytes(engine.config());
         let ahead_runs = (engine.config().pool_buffers / 2).max(1);
+        let keep_runs = engine.config().pool_buffers / 4;
         let io = IoWorker::spawn(engine, LandingSink(Arc::clone(&landings)))?;
         let stage = || Stage {
             layer: usize::MAX,
@@ -469,6 +504,11 @@ impl Streamer {
             seq: 0,
             wait_ns: 0,
             current: None,
+            kept: Vec::with_capacity(keep_runs),
+            keep_runs,
+            keeping: false,
+            wait_ns_at_layer: 0,
+            kept_at: vec![NOT_KEPT; n_ff],
             assembled: Vec::new(),
             ahead_runs,
             to_post: Vec::with_capacity(n_ff),
@@ -952,6 +992,7 @@ impl Streamer {
     /// cancelled, reads in flight are drained.
     fn reset(&mut self) -> Result<()> {
         self.retire();
+        self.release_kept();
         for &k in &self.queue {
             let n = self.stages[k].runs.len();
             self.stages[k].deferred.clear();
@@ -1206,18 +1247,55 @@ impl Streamer {
                 s.staged[i as usize] = true;
             }
         }
-        let taken = self.current.insert(TakenRun { stage: k, run: r, data });
+        // Kept whole where stage 2 takes down columns from it (a held
+        // prefix puts runs back together in one buffer, which is reused).
+        let keep = self.keeping && self.held.is_none() && self.group[l] == 1 && self.kept.len() < self.keep_runs;
+        let run = TakenRun { stage: k, run: r, data };
+        let bytes = if keep {
+            let at = self.kept.len();
+            for (j, &i) in neurons.iter().enumerate() {
+                if s.requested[i as usize] {
+                    self.kept_at[i as usize] = (at as u32, j as u32);
+                }
+            }
+            self.kept.push(run);
+            self.current = Some(Taken::Kept(at));
+            self.kept[at].data.data()
+        } else {
+            let Taken::Own(t) = self.current.insert(Taken::Own(run)) else {
+                unreachable!("just set")
+            };
+            t.bytes(&self.assembled, n * bb)
+        };
         Ok(Some(LandedRun {
-            bytes: taken.bytes(&self.assembled, n * bb),
+            bytes,
             neurons,
             requested: &self.stages[k].requested,
+            kept: keep,
         }))
     }
 
+    /// Neuron `i`'s bundle in a kept run of layer `l` (the front), if one
+    /// holds it ([`LandedRun::kept`]).
+    pub fn kept_bundle(&self, l: usize, i: usize) -> Option<&[u8]> {
+        let (r, j) = *self.kept_at.get(i)?;
+        let run = self.kept.get(r as usize)?;
+        if self.stages[run.stage].layer != l {
+            return None;
+        }
+        let bb = self.bundle_bytes[l];
+        run.data.data().get(j as usize * bb..(j as usize + 1) * bb)
+    }
+
     /// Offers the run compute took last to the cache (its requested
-    /// bundles, in arrival order) and lets go of its pool buffer.
+    /// bundles, in arrival order) and lets go of its pool buffer, unless
+    /// the layer keeps it.
     fn retire(&mut self) {
-        let Some(t) = self.current.take() else { return };
+        let Some(taken) = self.current.take() else { return };
+        let t = match &taken {
+            Taken::Own(t) => t,
+            Taken::Kept(at) => &self.kept[*at],
+        };
         let s = &self.stages[t.stage];
         let (l, (p0, n)) = (s.layer, s.runs[t.run]);
         let bb = self.bundle_bytes[l];
@@ -1231,7 +1309,18 @@ impl Streamer {
                 }
             }
         }
-        // Dropping `t` gives its pool buffer back.
+        // Dropping an own run gives its pool buffer back.
+    }
+
+    /// Lets go of the kept runs (their buffers back to the pool).
+    fn release_kept(&mut self) {
+        for t in self.kept.drain(..) {
+            let s = &self.stages[t.stage];
+            let (p0, n) = s.runs[t.run];
+            for &i in &self.placement[s.layer][p0..p0 + n] {
+                self.kept_at[i as usize] = NOT_KEPT;
+            }
+        }
     }
 
     /// Releases the layer computed last (the run taken last goes to the
@@ -1239,6 +1328,9 @@ impl Streamer {
     /// front, posts the reads it held back.
     pub fn finish(&mut self, l: usize, end_of_token: bool) {
         self.retire();
+        self.release_kept();
+        self.keeping = self.wait_ns == self.wait_ns_at_layer;
+        self.wait_ns_at_layer = self.wait_ns;
         if let Some(k) = self.queue.pop_front() {
             debug_assert_eq!(self.stages[k].layer, l);
             self.landings.stages[k].reset(false);

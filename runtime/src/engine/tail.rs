@@ -7,10 +7,12 @@
 //! bits). A streamed run's bundles are let go once stage 1 has seen them,
 //! so stage 2's operand is copied out as each run is taken: the kept
 //! neurons' down columns, or every neuron's tile part into the gathered
-//! down matrix. Stage 1's values are pure functions of a bundle and a row, and
-//! stage 2's order is fixed, so the output does not depend on arrival order,
-//! run boundaries, batch size or thread count: every policy that keeps the
-//! same neurons gets the same bits.
+//! down matrix; only the first runs of a layer that the streamer keeps
+//! until the layer is done are read in place. Stage 1's values are pure
+//! functions of a bundle and a row, and stage 2's order is fixed, so the
+//! output does not depend on arrival order, run boundaries, which runs
+//! were kept, batch size or thread count: every policy that keeps the same
+//! neurons gets the same bits.
 
 use std::time::Instant;
 
@@ -230,6 +232,9 @@ pub struct Tail {
     /// Neurons whose down column stage 2 reads from their (pinned) cache
     /// slot rather than from `columns`: a streamed layer's hits.
     in_cache: Vec<u64>,
+    /// Neurons whose down column stage 2 reads from a run the streamer
+    /// keeps until the layer is done ([`LandedRun::kept`]).
+    in_run: Vec<u64>,
     /// What a streamed layer computes with (its stage's want, less what did not land).
     have: Vec<u64>,
     /// A resident layer's want widened to whole down-tile groups.
@@ -266,6 +271,7 @@ impl Tail {
             hit_bundles: Vec::new(),
             scattered: Vec::with_capacity(n_ff),
             in_cache: vec![0; n_ff.div_ceil(64)],
+            in_run: vec![0; n_ff.div_ceil(64)],
             have: vec![0; n_ff.div_ceil(64)],
             grouped: vec![0; n_ff.div_ceil(64)],
             fresh: Vec::new(),
@@ -426,6 +432,7 @@ impl Tail {
                 }
                 self.begin_down(f)?;
                 self.in_cache.fill(0);
+                self.in_run.fill(0);
                 let expected = s.progress(l)?.1;
                 let (mut done, mut stage) = (0usize, 0usize);
                 // Cache hits in consecutive slots (a static hot set) are
@@ -489,6 +496,7 @@ impl Tail {
                         bytes,
                         neurons,
                         requested,
+                        kept,
                     }) = s.next_run_until(l, deadline)?
                     else {
                         break;
@@ -506,9 +514,13 @@ impl Tail {
                         let ids = &neurons[p..q];
                         let run = Rows::Bundles(&bytes[p * bb..q * bb]);
                         self.stage1(f, run, |k| ids[k], None, n, select, record.as_deref_mut())?;
-                        for (k, &i) in ids.iter().enumerate() {
-                            let at = (p + k) * bb;
-                            self.keep_down(f, n, i as usize, &bytes[at..at + bb])?;
+                        if kept && f.down_layout == DownLayout::Columns {
+                            ids.iter().for_each(|&i| set_bit(&mut self.in_run, i as usize));
+                        } else {
+                            for (k, &i) in ids.iter().enumerate() {
+                                let at = (p + k) * bb;
+                                self.keep_down(f, n, i as usize, &bytes[at..at + bb])?;
+                            }
                         }
                         done += q - p;
                         p = q;
@@ -643,7 +655,7 @@ impl Tail {
             return Ok(None);
         }
         self.fresh.sort_unstable();
-        let column = Self::column(f, &self.columns, &self.in_cache, s, l);
+        let column = Self::column(f, &self.columns, &self.in_cache, &self.in_run, s, l);
         run_down_columns(
             f,
             &self.fresh,
@@ -683,11 +695,13 @@ impl Tail {
     }
 
     /// Neuron `i`'s down column for stage 2 of streamed layer `l`: from
-    /// its cache slot (a hit) or from the copies the landed runs left.
+    /// its cache slot (a hit), from a run the streamer keeps, or from the
+    /// copies the other landed runs left.
     fn column<'b>(
         f: &'b BundleFormat,
         columns: &'b [u8],
         in_cache: &'b [u64],
+        in_run: &'b [u64],
         s: &'b Streamer,
         l: usize,
     ) -> impl Fn(usize) -> &'b [u8] + Sync + 'b {
@@ -695,6 +709,8 @@ impl Tail {
         move |i| {
             if bit_is_set(in_cache, i) {
                 f.down_part(s.cached(l, i)).unwrap_or(&[])
+            } else if bit_is_set(in_run, i) {
+                s.kept_bundle(l, i).and_then(|b| f.down_part(b).ok()).unwrap_or(&[])
             } else {
                 &columns[i * db..(i + 1) * db]
             }
@@ -735,7 +751,7 @@ impl Tail {
             DownLayout::Columns => {
                 column_ids(&mut self.ids, self.n_ff, Some(have));
                 y.fill(0.0);
-                let column = Self::column(f, &self.columns, &self.in_cache, s, l);
+                let column = Self::column(f, &self.columns, &self.in_cache, &self.in_run, s, l);
                 run_down_columns(f, &self.ids, a, self.n_ff, column, y)?;
             }
             DownLayout::Tiles => {
