@@ -409,9 +409,17 @@ fn a_layer_after_one_that_never_waited_keeps_its_first_runs() {
     let fm = multi_read_model("keeps");
     // Sixteen 128 KiB buffers: four kept, against 1.7 MB layers.
     let mut s = Streamer::new(&fm, 0, CachePolicy::Lru, None, 0, Some(2 << 20), None).unwrap();
+    let layer_bytes = fm.ffn_bytes() / fm.flash.n_layer() as u64;
+    // Every read of the layer landed before compute asks for any.
     let landed = |s: &mut Streamer, l: usize| {
+        let before = s.stats().bytes_read;
         s.ensure(l, Want::All).unwrap();
-        std::thread::sleep(Duration::from_millis(300));
+        let t = Instant::now();
+        while s.stats().bytes_read < before + layer_bytes && t.elapsed() < Duration::from_secs(60) {
+            std::thread::sleep(Duration::from_millis(10));
+        }
+        // The I/O thread counts a read just before it delivers it.
+        std::thread::sleep(Duration::from_millis(50));
         let mut runs = Vec::new();
         while let Some(r) = s.next_run(l).unwrap() {
             runs.push((r.neurons.to_vec(), r.bytes.to_vec(), r.kept));
