@@ -41,6 +41,25 @@ def replay(held, slots, score):
     return 1 - hits / looks
 
 
+def state_miss(train, held, freq, slots, n_states, first, train_state, held_state):
+    """Free-reload miss ratio of ranking each neuron by P(used at t + 1 | its
+    state at t), counted on the training tokens from `first` on; each
+    neuron's rate in a state is shrunk (4 pseudo-counts) toward its training
+    frequency scaled by that state's rate over all neurons."""
+    neurons = train.shape[1]
+    idx = np.arange(neurons)
+    seen = np.zeros((neurons, n_states))
+    used = np.zeros((neurons, n_states))
+    for t in range(first, train.shape[0] - 1):
+        s = train_state(t)
+        np.add.at(seen, (idx, s), 1)
+        np.add.at(used, (idx, s), train[t + 1])
+    rate = used.sum(0) / np.maximum(seen.sum(0), 1)
+    prior = np.clip(freq[:, None] * rate[None, :] / freq.mean(), 0, 1)
+    prob = (used + 4 * prior) / (seen + 4)
+    return replay(held, slots, lambda t: prob[idx, held_state(t)])
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("acts")
@@ -59,7 +78,6 @@ def main():
     slots = int(a.budget * neurons)
     freq = train.mean(0)
     print(f"hot (training frequency): {replay(held, slots, lambda t: freq):.4f}")
-    idx = np.arange(neurons)
     for k in (2, 3, 4, 6):
         weights = 1 << np.arange(k)
 
@@ -67,29 +85,16 @@ def main():
             window = x[max(0, t - k + 1): t + 1][::-1]
             return (window * weights[: window.shape[0], None]).sum(0)
 
-        seen = np.zeros((neurons, 1 << k))
-        used = np.zeros((neurons, 1 << k))
-        for t in range(k, train.shape[0] - 1):
-            p = pattern(train, t)
-            np.add.at(seen, (idx, p), 1)
-            np.add.at(used, (idx, p), train[t + 1])
-        rate = used.sum(0) / np.maximum(seen.sum(0), 1)
-        prior = np.clip(freq[:, None] * rate[None, :] / freq.mean(), 0, 1)
-        prob = (used + 4 * prior) / (seen + 4)
-        miss = replay(held, slots, lambda t: prob[idx, pattern(held, t)])
+        miss = state_miss(train, held, freq, slots, 1 << k, k, lambda t: pattern(train, t), lambda t: pattern(held, t))
         print(f"last {k} tokens' use pattern: {miss:.4f}")
     edges = np.array([0.25, 0.5, 0.75, 1, 1.5, 2, 3, 5], dtype=np.float32)
-    bins = len(edges) + 1
-    seen = np.zeros((neurons, bins))
-    used = np.zeros((neurons, bins))
-    for t in range(train.shape[0] - 1):
-        b = np.searchsorted(edges, train_size[t], side="right")
-        np.add.at(seen, (idx, b), 1)
-        np.add.at(used, (idx, b), train[t + 1])
-    rate = used.sum(0) / np.maximum(seen.sum(0), 1)
-    prior = np.clip(freq[:, None] * rate[None, :] / freq.mean(), 0, 1)
-    prob = (used + 4 * prior) / (seen + 4)
-    miss = replay(held, slots, lambda t: prob[idx, np.searchsorted(edges, held_size[t], side="right")])
+
+    def size_bin(x, t):
+        return np.searchsorted(edges, x[t], side="right")
+
+    miss = state_miss(
+        train, held, freq, slots, len(edges) + 1, 0, lambda t: size_bin(train_size, t), lambda t: size_bin(held_size, t)
+    )
     print(f"last activation's size against the threshold: {miss:.4f}")
     score = np.zeros((held.shape[0], neurons), dtype=np.float32)
     for layer in range(n_layer):
