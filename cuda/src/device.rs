@@ -17,6 +17,7 @@ use leanstream_kernels::sparse_ffn::{BundleFormat, DownLayout, FfnActivation};
 use leanstream_kernels::GgmlType;
 
 use crate::flags::Slot;
+use crate::order::CpuOrder;
 use crate::{library, nvrtc, sources, CudaError, Result};
 
 // SAFETY: `Slot` is `#[repr(C)]` plain data laid out as `ffn_stream.cu`'s.
@@ -30,9 +31,12 @@ fn driver_error(what: &str) -> impl FnOnce(cudarc::driver::DriverError) -> CudaE
 
 /// Threads per block of the one-warp-per-row kernels.
 const ROW_BLOCK: u32 = 128;
-/// Rows (warps) per block there.
-const ROWS_PER_BLOCK: u32 = ROW_BLOCK / 32;
-/// Tokens one matvec warp takes (`TOKENS` in `matvec.cu`).
+/// Matvec rows per block there: a group of [`CPU_LANES`] threads a row.
+const ROWS_PER_BLOCK: u32 = ROW_BLOCK / CPU_LANES;
+/// Threads per matvec row, one per lane of the CPU kernel (`CPU_LANES` in
+/// `cpu_order.cuh`).
+const CPU_LANES: u32 = 8;
+/// Tokens one matvec group takes (`TOKENS` in `matvec.cu`).
 const MATVEC_TOKENS: u32 = 8;
 
 pub struct Gpu {
@@ -162,7 +166,9 @@ impl Gpu {
     }
 
     /// `y[t][r] = W[r] · x[t]` for `n_tokens` rows at `x` in `ty`'s dot type
-    /// (`matvec.cu`); `y` has row stride `rows`.
+    /// (`matvec.cu`), each output in the float order the CPU engine's
+    /// `matmul` takes for this matrix and batch ([`CpuOrder`]); `y` has row
+    /// stride `rows`.
     #[allow(clippy::too_many_arguments)]
     pub fn matvec_at(
         &self,
@@ -189,7 +195,11 @@ impl Gpu {
         };
         let w_row = ty.row_bytes(cols)? as u64;
         let x_row = ty.vec_dot_type().row_bytes(cols)? as u64;
-        let units = dot_units(ty, cols) as i32;
+        if rows == 0 || n_tokens == 0 {
+            return Ok(());
+        }
+        let order = CpuOrder::of(ty, rows, n_tokens);
+        let (cols_i, order_i, gemm_rows) = (cols as i32, order.id(), order.gemm_rows() as i32);
         let cfg = LaunchConfig {
             grid_dim: (
                 (rows as u32).div_ceil(ROWS_PER_BLOCK),
@@ -203,7 +213,9 @@ impl Gpu {
         self.launch(
             name,
             cfg,
-            &[&w, &w_row, &x, &x_row, &y, &y_stride, &rows_i, &tokens_i, &units],
+            &[
+                &w, &w_row, &x, &x_row, &y, &y_stride, &rows_i, &tokens_i, &cols_i, &order_i, &gemm_rows,
+            ],
         )
     }
 
@@ -440,6 +452,13 @@ impl Gpu {
             cfg,
             &[&scratch, &out, &(n_head as i32), &(head_dim as i32), &(chunks as i32)],
         )
+    }
+
+    /// `bytes` bytes from `from` to `to`, in stream order.
+    pub fn copy_at(&self, to: DevPtr, from: DevPtr, bytes: usize) -> Result<()> {
+        // SAFETY: callers pass addresses and a length inside live allocations.
+        unsafe { cudarc::driver::result::memcpy_dtod_async(to.0, from.0, bytes, self.stream.cu_stream()) }
+            .map_err(driver_error("copy"))
     }
 
     /// `bytes` zero bytes at `at`, in stream order.

@@ -413,7 +413,7 @@ impl GpuModel {
         mut streamed: Option<&mut StreamedFfn>,
     ) -> Result<()> {
         let c = self.config.clone();
-        let n = tokens.len();
+        let mut n = tokens.len();
         if n == 0 || n > self.max_batch {
             return Err(CudaError::Invalid(format!(
                 "batch of {n} tokens (1..={} allowed)",
@@ -524,6 +524,13 @@ impl GpuModel {
             self.residual(x, proj, l.attn_post_norm.as_ref(), xb, n)?;
 
             self.probe(&mut trace, il, "attn_resid", &self.buf.x, n, d)?;
+            if il + 1 == c.n_layer && n > 1 {
+                // Only the last token's logits are wanted: as the CPU engine
+                // (`forward_outputs`), the last FFN runs on that row alone,
+                // which also gives its products the CPU's order for one row.
+                g.copy_at(x, x.offset((n - 1) * d * 4), d * 4)?;
+                n = 1;
+            }
 
             // Feed-forward.
             g.rms_norm(x, g.ptr(&l.ffn_norm), xb, n, d, c.rms_eps)?;

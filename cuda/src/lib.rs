@@ -11,6 +11,8 @@
 //!   flag publish) as the neuron cache and the runtime's reads supply it.
 //! - [`emulate`]: the device kernels of that hand-off run on CPU threads
 //!   against the same flags, which is how the protocol is tested without a GPU.
+//! - [`order`]: which float order the CPU engine's matrix products take, so
+//!   the device's (`kernels/cuda/cpu_order.cuh`) can equal them bit for bit.
 //! - [`device`]: a CUDA device with every kernel compiled and loaded, and
 //!   typed launches of them (what `tests/device.rs` checks against the CPU
 //!   kernels where a GPU is present).
@@ -35,6 +37,7 @@ pub mod flags;
 pub mod library;
 pub mod model;
 pub mod nvrtc;
+pub mod order;
 pub mod sources;
 pub mod stream;
 pub mod streamed;

@@ -13,6 +13,7 @@ use cudarc::driver::{DevicePtr, LaunchConfig, PushKernelArg};
 use half::f16;
 use leanstream_cuda::device::{blocks_of, grid_1d, AttentionAt, AttentionHeads, DevPtr, Gpu, Keep, StreamInput};
 use leanstream_cuda::flags::Slot;
+use leanstream_cuda::order::{bit_exact_with_cpu, CpuOrder};
 use leanstream_cuda::CudaError;
 use leanstream_kernels::dequant::dequantize_row;
 use leanstream_kernels::flash_attn::{self, KvHead, Route, Tile};
@@ -24,7 +25,7 @@ use leanstream_runtime::engine::keeps;
 
 mod common;
 
-use common::{random_bundles, Rng, GPU_WEIGHT_TYPES};
+use common::{random_bundles, weights, Rng, GPU_WEIGHT_TYPES};
 
 fn gpu() -> Option<Gpu> {
     match Gpu::open(0) {
@@ -84,68 +85,23 @@ fn activation_quantization_is_the_cpus_bit_for_bit() {
     }
 }
 
-/// A random `rows × cols` matrix of `ty` with sane block scales.
-fn weights(ty: GgmlType, rows: usize, cols: usize, rng: &mut Rng) -> Vec<u8> {
-    match ty {
-        GgmlType::F32 => return bytemuck::cast_slice(&rng.floats(rows * cols)).to_vec(),
-        GgmlType::F16 => {
-            let h: Vec<u16> = rng
-                .floats(rows * cols)
-                .iter()
-                .map(|&v| f16::from_f32(v).to_bits())
-                .collect();
-            return bytemuck::cast_slice(&h).to_vec();
-        }
-        _ => {}
-    }
-    let mut w: Vec<u8> = (0..ty.row_bytes(cols).unwrap() * rows)
-        .map(|_| rng.next() as u8)
-        .collect();
-    // Offsets of each block's f16 scales (`kernels/src/blocks.rs`).
-    let scales: &[usize] = match ty {
-        GgmlType::Q4_0 | GgmlType::Q5_0 | GgmlType::Q8_0 => &[0],
-        GgmlType::Q4_1 | GgmlType::Q5_1 | GgmlType::Q4K | GgmlType::Q5K => &[0, 2],
-        GgmlType::Q6K => &[208],
-        other => panic!("{other}"),
-    };
-    for block in w.chunks_exact_mut(ty.type_size()) {
-        for &at in scales {
-            let d = f16::from_f32(0.001 + 0.02 * rng.float().abs());
-            block[at..at + 2].copy_from_slice(&d.to_le_bytes());
-        }
-    }
-    w
-}
-
 #[test]
 fn matvec_matches_the_cpu_matmul_for_every_weight_type() {
     let Some(g) = gpu() else { return };
+    let exact = bit_exact_with_cpu();
     let mut rng = Rng(2);
-    let (rows, cols) = (72, 512);
+    let cols = 512;
     for ty in GPU_WEIGHT_TYPES {
-        // 1 token (decode) and 11 (two launches' worth of grid.y).
-        for n in [1usize, 11] {
+        // 72 rows (Q4_K repacked) and 68 (not); 1 token (decode), 5 (the
+        // repacked gemm and gemv), 11 (tiled K-quants; two launches' worth
+        // of grid.y).
+        for (rows, n) in [(72usize, 1usize), (72, 5), (72, 11), (68, 1), (68, 11)] {
             let w = weights(ty, rows, cols, &mut rng);
             let x = rng.floats(n * cols);
             let mut acts = ActBuffer::with_capacity(cols, n);
             acts.quantize(ty.vec_dot_type(), &x, n, cols).unwrap();
             let mut want = vec![0.0f32; n * rows];
             matmul(&QMatrix::new(ty, rows, cols, &w).unwrap(), &acts, &mut want).unwrap();
-            // Scale: Σ|w·x| per output, from the dequantized operands.
-            let (mut wd, mut xd) = (vec![0.0f32; cols], vec![0.0f32; cols]);
-            let mut scale = vec![0.0f32; n * rows];
-            for t in 0..n {
-                dequantize_row(ty.vec_dot_type(), acts.row(t), &mut xd).unwrap();
-                for r in 0..rows {
-                    dequantize_row(
-                        ty,
-                        &w[r * ty.row_bytes(cols).unwrap()..][..ty.row_bytes(cols).unwrap()],
-                        &mut wd,
-                    )
-                    .unwrap();
-                    scale[t * rows + r] = wd.iter().zip(&xd).map(|(a, b)| (a * b).abs()).sum();
-                }
-            }
             let (dw, dx) = (
                 g.upload(&w).unwrap(),
                 g.upload(&acts.bytes()[..n * ty.vec_dot_type().row_bytes(cols).unwrap()])
@@ -153,13 +109,25 @@ fn matvec_matches_the_cpu_matmul_for_every_weight_type() {
             );
             let mut dy = g.zeros::<f32>(n * rows).unwrap();
             g.matvec(ty, &dw, rows, cols, &dx, n, &mut dy).unwrap();
-            close(
-                &format!("{ty} × {n} tokens"),
-                &g.download(&dy).unwrap(),
-                &want,
-                &scale,
-                2e-5,
-            );
+            let got = g.download(&dy).unwrap();
+            let what = format!("{ty} {rows} rows × {n} tokens ({:?})", CpuOrder::of(ty, rows, n));
+            if exact {
+                assert_eq!(bits(&got), bits(&want), "{what}");
+                continue;
+            }
+            // The CPU's generic formulas: equal to rounding. Scale: Σ|w·x|
+            // per output, from the dequantized operands.
+            let (mut wd, mut xd) = (vec![0.0f32; cols], vec![0.0f32; cols]);
+            let mut scale = vec![0.0f32; n * rows];
+            let w_row = ty.row_bytes(cols).unwrap();
+            for t in 0..n {
+                dequantize_row(ty.vec_dot_type(), acts.row(t), &mut xd).unwrap();
+                for r in 0..rows {
+                    dequantize_row(ty, &w[r * w_row..][..w_row], &mut wd).unwrap();
+                    scale[t * rows + r] = wd.iter().zip(&xd).map(|(a, b)| (a * b).abs()).sum();
+                }
+            }
+            close(&what, &got, &want, &scale, 2e-5);
         }
     }
 }

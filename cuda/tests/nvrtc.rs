@@ -64,7 +64,7 @@ fn a_compile_error_names_the_source_and_carries_nvrtcs_log() {
 /// The type ids the kernels switch on are GGML's, as the host passes them.
 #[test]
 fn kernel_type_ids_are_ggmls() {
-    let common = HEADERS.iter().find(|h| h.name == "common.cuh").unwrap().text;
+    let blocks = HEADERS.iter().find(|h| h.name == "blocks.cuh").unwrap().text;
     let types = [
         ("GGML_F32", GgmlType::F32),
         ("GGML_F16", GgmlType::F16),
@@ -80,11 +80,30 @@ fn kernel_type_ids_are_ggmls() {
         ("GGML_Q8_K", GgmlType::Q8K),
     ];
     for (name, ty) in types {
-        let line = common
+        let line = blocks
             .lines()
             .find(|l| l.starts_with(&format!("#define {name} ")))
-            .unwrap_or_else(|| panic!("{name} not defined in common.cuh"));
+            .unwrap_or_else(|| panic!("{name} not defined in blocks.cuh"));
         let id: u32 = line.rsplit(' ').next().unwrap().parse().unwrap();
         assert_eq!(id, ty.id(), "{name}");
+    }
+}
+
+/// The matvec kernels' order ids are the host's (`leanstream_cuda::order`).
+#[test]
+fn cpu_order_ids_are_the_hosts() {
+    use leanstream_cuda::order::{ORDER_LANES, ORDER_REPACK_GEMM, ORDER_REPACK_GEMV, ORDER_TILED};
+    let header = HEADERS.iter().find(|h| h.name == "cpu_order.cuh").unwrap().text;
+    for (name, id) in [
+        ("ORDER_LANES", ORDER_LANES),
+        ("ORDER_TILED", ORDER_TILED),
+        ("ORDER_REPACK_GEMM", ORDER_REPACK_GEMM),
+        ("ORDER_REPACK_GEMV", ORDER_REPACK_GEMV),
+    ] {
+        let line = header
+            .lines()
+            .find(|l| l.starts_with(&format!("#define {name} ")))
+            .unwrap_or_else(|| panic!("{name} not defined in cpu_order.cuh"));
+        assert_eq!(line.rsplit(' ').next().unwrap().parse::<i32>().unwrap(), id, "{name}");
     }
 }

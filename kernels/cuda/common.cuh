@@ -1,65 +1,15 @@
-// Shared by every kernel source: fixed-width types, GGML's quantization
-// blocks (byte for byte as `kernels/src/blocks.rs`), half conversions, and
-// the float helpers whose rounding must equal the CPU kernels'.
+// Shared by every kernel source: the blocks and primitives of `blocks.cuh`,
+// half conversions, and the float helpers whose rounding must equal the CPU
+// kernels'.
 //
 // Sources are compiled at run time by NVRTC with `--fmad=false`, so a * b + c
 // rounds twice as in Rust; the CPU kernels' explicit fused multiply-adds are
-// written as `fmaf` here. NVRTC has no standard headers, hence the typedefs.
+// written as `fmaf` here.
 #pragma once
 
-typedef unsigned char u8;
-typedef signed char i8;
-typedef unsigned short u16;
-typedef short i16;
-typedef unsigned int u32;
-typedef int i32;
-typedef unsigned long long u64;
+#include "blocks.cuh"
 
-#define QK 32
-#define QK_K 256
-#define WARP 32
-
-struct BlockQ4_0 { u16 d; u8 qs[QK / 2]; };
-struct BlockQ4_1 { u16 d; u16 m; u8 qs[QK / 2]; };
-struct BlockQ5_0 { u16 d; u8 qh[4]; u8 qs[QK / 2]; };
-struct BlockQ5_1 { u16 d; u16 m; u8 qh[4]; u8 qs[QK / 2]; };
-struct BlockQ8_0 { u16 d; i8 qs[QK]; };
-struct BlockQ8_1 { u16 d; u16 s; i8 qs[QK]; };
-struct BlockQ4K { u16 d; u16 dmin; u8 scales[12]; u8 qs[QK_K / 2]; };
-struct BlockQ5K { u16 d; u16 dmin; u8 scales[12]; u8 qh[QK_K / 8]; u8 qs[QK_K / 2]; };
-struct BlockQ6K { u8 ql[QK_K / 2]; u8 qh[QK_K / 4]; i8 scales[QK_K / 16]; u16 d; };
-struct BlockQ8K { float d; i8 qs[QK_K]; i16 bsums[QK_K / 16]; };
-
-static_assert(sizeof(BlockQ4_0) == 18, "Q4_0 block");
-static_assert(sizeof(BlockQ4_1) == 20, "Q4_1 block");
-static_assert(sizeof(BlockQ5_0) == 22, "Q5_0 block");
-static_assert(sizeof(BlockQ5_1) == 24, "Q5_1 block");
-static_assert(sizeof(BlockQ8_0) == 34, "Q8_0 block");
-static_assert(sizeof(BlockQ8_1) == 36, "Q8_1 block");
-static_assert(sizeof(BlockQ4K) == 144, "Q4_K block");
-static_assert(sizeof(BlockQ5K) == 176, "Q5_K block");
-static_assert(sizeof(BlockQ6K) == 210, "Q6_K block");
-static_assert(sizeof(BlockQ8K) == 292, "Q8_K block");
-
-// GGML type ids, as `GgmlType::id` (the host passes them to generic kernels).
-#define GGML_F32 0
-#define GGML_F16 1
-#define GGML_Q4_0 2
-#define GGML_Q4_1 3
-#define GGML_Q5_0 6
-#define GGML_Q5_1 7
-#define GGML_Q8_0 8
-#define GGML_Q8_1 9
-#define GGML_Q4_K 12
-#define GGML_Q5_K 13
-#define GGML_Q6_K 14
-#define GGML_Q8_K 15
-
-__device__ __forceinline__ float h2f(u16 h) {
-    float f;
-    asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(h));
-    return f;
-}
+__device__ __forceinline__ float h2f(u16 h) { return half_to_float(h); }
 
 // Round to nearest even, as `half::f16::from_f32` and F16C.
 __device__ __forceinline__ u16 f2h(float f) {
@@ -140,13 +90,6 @@ __device__ __forceinline__ int warp_min_int(int v) {
 // sm_61 and later; every GPU this backend targets has it).
 __device__ __forceinline__ i32 dot4(i32 a, i32 b, i32 acc) {
     return __dp4a(a, b, acc);
-}
-
-// Unaligned little-endian loads from byte-packed blocks (blocks of 18, 34
-// ... bytes leave words unaligned).
-__device__ __forceinline__ i32 load_i32(const void* p) {
-    const u8* b = (const u8*)p;
-    return (i32)((u32)b[0] | ((u32)b[1] << 8) | ((u32)b[2] << 16) | ((u32)b[3] << 24));
 }
 
 // Nanoseconds on the GPU's global timer (what the streaming kernels compare

@@ -1,0 +1,99 @@
+//! Which float order the CPU engine's `matmul` gives an output, so the
+//! device's matvec (`kernels/cuda/cpu_order.cuh`) can take the same one and
+//! equal it bit for bit.
+//!
+//! The integer sums inside every quantized product are exact; what differs
+//! between the CPU's kernels is how they add the scaled partial sums, and
+//! which kernel runs depends on the matrix and the batch, as in llama.cpp's
+//! CPU backend: repacked Q4_K (rows a multiple of 8) through its gemm or
+//! gemv, the K-quants against 8+ activation rows through the tiled matmul,
+//! everything else through the vec-dot kernels. This reads that dispatch
+//! from the kernels crate itself rather than restating it.
+//!
+//! The vec-dot order is the AVX2 kernels' (eight lanes), which is what the
+//! CPU engine runs on any x86 CPU with AVX2 ([`has_avx2`]); on a CPU without
+//! it (an Arm host such as a Jetson) the engine takes GGML's generic
+//! formulas and the device's vec-dot outputs agree with it to rounding only.
+
+use leanstream_kernels::dot::has_avx2;
+use leanstream_kernels::matmul::uses_tiled_kquant;
+use leanstream_kernels::{repack, GgmlType};
+
+/// One of the CPU's float orders for a matrix product (`ORDER_*` in
+/// `cpu_order.cuh`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum CpuOrder {
+    /// `ggml_vec_dot_*`: eight f32 lanes (4 × 16 for F16/F32), one fma a
+    /// block each, then `hsum_float_8`.
+    Lanes,
+    /// The tiled K-quant matmul: one fma a super-block, in order.
+    Tiled,
+    /// Repacked Q4_K: the first `gemm_rows` activation rows through the
+    /// gemm (one fma a pair of sub-blocks), the rest through the gemv (one
+    /// a super-block).
+    Repacked { gemm_rows: usize },
+}
+
+impl CpuOrder {
+    /// The order of a `rows`-row matrix of `ty` against `n` activation rows
+    /// in one `matmul` call.
+    pub fn of(ty: GgmlType, rows: usize, n: usize) -> Self {
+        if ty == GgmlType::Q4K && repack::q4k_is_repacked(rows) {
+            CpuOrder::Repacked {
+                gemm_rows: repack::gemm_rows(n),
+            }
+        } else if uses_tiled_kquant(ty, rows, n) {
+            CpuOrder::Tiled
+        } else {
+            CpuOrder::Lanes
+        }
+    }
+
+    /// The `order` argument of the matvec kernels.
+    pub fn id(self) -> i32 {
+        match self {
+            CpuOrder::Lanes => ORDER_LANES,
+            CpuOrder::Tiled => ORDER_TILED,
+            CpuOrder::Repacked { .. } => ORDER_REPACK_GEMV,
+        }
+    }
+
+    /// Activation rows that take the repacked gemm's order (0 otherwise).
+    pub fn gemm_rows(self) -> usize {
+        match self {
+            CpuOrder::Repacked { gemm_rows } => gemm_rows,
+            _ => 0,
+        }
+    }
+}
+
+/// Whether the device's products equal the CPU engine's bit for bit here:
+/// the CPU runs the AVX2 kernels whose lane order the device reproduces.
+pub fn bit_exact_with_cpu() -> bool {
+    has_avx2()
+}
+
+/// `ORDER_LANES` … in `cpu_order.cuh` (a test checks they agree).
+pub const ORDER_LANES: i32 = 0;
+pub const ORDER_TILED: i32 = 1;
+pub const ORDER_REPACK_GEMM: i32 = 2;
+pub const ORDER_REPACK_GEMV: i32 = 3;
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_order_follows_the_cpu_dispatch() {
+        // Gemma 3's Q4_K down (640 rows) is repacked: gemm for whole fours.
+        assert_eq!(CpuOrder::of(GgmlType::Q4K, 640, 9), CpuOrder::Repacked { gemm_rows: 8 });
+        assert_eq!(CpuOrder::of(GgmlType::Q4K, 640, 3).gemm_rows(), 0);
+        // A Q4_K matrix it does not repack, and Q6_K: tiled from 8 rows on.
+        assert_eq!(CpuOrder::of(GgmlType::Q4K, 644, 8), CpuOrder::Tiled);
+        assert_eq!(CpuOrder::of(GgmlType::Q4K, 644, 7), CpuOrder::Lanes);
+        assert_eq!(CpuOrder::of(GgmlType::Q6K, 64, 8), CpuOrder::Tiled);
+        assert_eq!(CpuOrder::of(GgmlType::Q6K, 64, 1), CpuOrder::Lanes);
+        assert_eq!(CpuOrder::of(GgmlType::Q4_1, 64, 512), CpuOrder::Lanes);
+        assert_eq!(CpuOrder::Repacked { gemm_rows: 4 }.id(), ORDER_REPACK_GEMV);
+    }
+}

@@ -1,0 +1,284 @@
+//! The device matvec's arithmetic equals the CPU engine's `matmul` bit for
+//! bit, checked without a GPU: `kernels/cuda/cpu_order.cuh` is plain C++ as
+//! well as CUDA, so this compiles it with the host's C++ compiler (through
+//! `harness/cpu_order.cpp`, which composes its lane functions as
+//! `matvec.cu` does) and compares every output with the kernels crate's,
+//! for every weight type the device takes and every order the CPU's
+//! dispatch picks (vec-dot lanes, the tiled K-quant matmul, repacked Q4_K's
+//! gemm and gemv rows).
+//!
+//! What it cannot check is the device's side of the composition (the
+//! shuffles of `matvec.cu`); `tests/device.rs` does, where a GPU is present.
+//! A machine without a C++ compiler fails here, naming it, unless
+//! LEANSTREAM_ALLOW_MISSING_MODELS=1 lets the tests skip.
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+use half::f16;
+use leanstream_cuda::order::{bit_exact_with_cpu, CpuOrder, ORDER_REPACK_GEMM};
+use leanstream_kernels::{matmul, ActBuffer, GgmlType, QMatrix};
+
+mod common;
+
+use common::{weights, Rng, GPU_WEIGHT_TYPES};
+
+type RowProduct = unsafe extern "C" fn(i32, *const u8, *const u8, i32, i32) -> f32;
+type HalfToFloat = unsafe extern "C" fn(u16) -> f32;
+
+/// The harness built once per test process, or `None` (skipping) where no
+/// compiler is found and skipping is allowed.
+fn harness() -> Option<&'static libloading::Library> {
+    static LIB: std::sync::OnceLock<Option<libloading::Library>> = std::sync::OnceLock::new();
+    LIB.get_or_init(|| match build() {
+        Ok(path) => {
+            Some(unsafe { libloading::Library::new(&path) }.unwrap_or_else(|e| panic!("{}: {e}", path.display())))
+        }
+        Err(e) if std::env::var("LEANSTREAM_ALLOW_MISSING_MODELS").as_deref() == Ok("1") => {
+            eprintln!("SKIPPED: {e}");
+            None
+        }
+        Err(e) => panic!("{e}"),
+    })
+    .as_ref()
+}
+
+/// Compiles the harness with `$CXX` (default `c++`): no contraction of
+/// `a * b + c`, as NVRTC's `--fmad=false`, and IEEE floats (no fast math).
+fn build() -> Result<PathBuf, String> {
+    let manifest = Path::new(env!("CARGO_MANIFEST_DIR"));
+    let source = manifest.join("tests/harness/cpu_order.cpp");
+    let headers = manifest.join("../kernels/cuda");
+    let dir = std::env::temp_dir().join(format!("leanstream-cpu-order-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).map_err(|e| format!("{}: {e}", dir.display()))?;
+    let out = dir.join("libcpu_order.so");
+    let cxx = std::env::var("CXX").unwrap_or_else(|_| "c++".into());
+    let status = Command::new(&cxx)
+        .args([
+            "-std=c++17",
+            "-O2",
+            "-ffp-contract=off",
+            "-fno-fast-math",
+            "-fPIC",
+            "-shared",
+            "-Wall",
+        ])
+        .arg("-I")
+        .arg(&headers)
+        .arg(&source)
+        .arg("-o")
+        .arg(&out)
+        .status()
+        .map_err(|e| format!("no C++ compiler `{cxx}` to build the CPU-order harness (set CXX): {e}"))?;
+    if !status.success() {
+        return Err(format!("{cxx} failed on {} ({status})", source.display()));
+    }
+    Ok(out)
+}
+
+fn row_product(lib: &libloading::Library) -> libloading::Symbol<'_, RowProduct> {
+    unsafe { lib.get(b"cpu_order_row_product\0") }.unwrap()
+}
+
+#[test]
+fn half_conversion_is_exact_for_every_bit_pattern() {
+    let Some(lib) = harness() else { return };
+    let convert: libloading::Symbol<HalfToFloat> = unsafe { lib.get(b"cpu_order_half_to_float\0") }.unwrap();
+    for bits in 0..=u16::MAX {
+        let want = f16::from_bits(bits).to_f32();
+        let got = unsafe { convert(bits) };
+        assert!(
+            got.to_bits() == want.to_bits() || (got.is_nan() && want.is_nan()),
+            "{bits:#06x}: {got} against {want}"
+        );
+    }
+}
+
+/// Every output of a `rows × cols` matrix of `ty` against `n` activation
+/// rows, as the CPU's `matmul` computes it and as the harness does in the
+/// order [`CpuOrder`] picks.
+fn check(lib: &libloading::Library, ty: GgmlType, rows: usize, cols: usize, n: usize, rng: &mut Rng) -> CpuOrder {
+    let product = row_product(lib);
+    let w = weights(ty, rows, cols, rng);
+    let x: Vec<f32> = rng.floats(n * cols).iter().map(|v| v * 3.0).collect();
+    let mut acts = ActBuffer::with_capacity(cols, n);
+    acts.quantize(ty.vec_dot_type(), &x, n, cols).unwrap();
+    let mut want = vec![0.0f32; n * rows];
+    matmul(&QMatrix::new(ty, rows, cols, &w).unwrap(), &acts, &mut want).unwrap();
+    let order = CpuOrder::of(ty, rows, n);
+    let w_row = ty.row_bytes(cols).unwrap();
+    for t in 0..n {
+        // The kernel's per-token choice between the repacked gemm and gemv.
+        let id = match order {
+            CpuOrder::Repacked { gemm_rows } if t < gemm_rows => ORDER_REPACK_GEMM,
+            _ => order.id(),
+        };
+        for r in 0..rows {
+            let got = unsafe {
+                product(
+                    ty.id() as i32,
+                    w[r * w_row..].as_ptr(),
+                    acts.row(t).as_ptr(),
+                    cols as i32,
+                    id,
+                )
+            };
+            let want = want[t * rows + r];
+            assert_eq!(
+                got.to_bits(),
+                want.to_bits(),
+                "{ty} {rows}x{cols}, {n} tokens ({order:?}), token {t} row {r}: {got} against the CPU's {want}"
+            );
+        }
+    }
+    order
+}
+
+#[test]
+fn every_weight_type_and_order_equals_the_cpu_matmul_bit_for_bit() {
+    let Some(lib) = harness() else { return };
+    if !bit_exact_with_cpu() {
+        eprintln!("SKIPPED: this CPU runs GGML's generic formulas, which the device equals to rounding only");
+        return;
+    }
+    let mut rng = Rng(7);
+    let mut seen = Vec::new();
+    for ty in GPU_WEIGHT_TYPES {
+        let cols = if ty.block_size() == 256 { 768 } else { 576 };
+        // 16 rows: repacked where Q4_K; 12: not. 1, 5 and 9 tokens: decode,
+        // the repacked gemm for four rows with the gemv for the fifth, the
+        // tiled K-quant matmul.
+        for rows in [16, 12] {
+            for n in [1, 5, 9] {
+                seen.push((ty, check(lib, ty, rows, cols, n, &mut rng)));
+            }
+        }
+    }
+    // F32 and F16 rows whose length leaves every kind of tail after the
+    // 64-value steps: none, runs of 16, one of 8, a fused remainder.
+    for ty in [GgmlType::F32, GgmlType::F16] {
+        for cols in [64, 200, 232, 93] {
+            check(lib, ty, 4, cols, 1, &mut rng);
+        }
+    }
+    for order in [
+        CpuOrder::Lanes,
+        CpuOrder::Tiled,
+        CpuOrder::Repacked { gemm_rows: 0 },
+        CpuOrder::Repacked { gemm_rows: 4 },
+        CpuOrder::Repacked { gemm_rows: 8 },
+    ] {
+        assert!(seen.iter().any(|(_, o)| *o == order), "{order:?} never checked");
+    }
+    assert!(seen.contains(&(GgmlType::Q4K, CpuOrder::Lanes)));
+    assert!(seen.contains(&(GgmlType::Q5K, CpuOrder::Tiled)));
+    assert!(seen.contains(&(GgmlType::Q6K, CpuOrder::Tiled)));
+}
+
+/// A wrong lane order does not go unnoticed: the same products summed in
+/// a different order differ from the CPU's somewhere in these rows (so the
+/// test above would catch an order slip, not only a wrong value).
+#[test]
+fn another_summation_order_is_caught() {
+    let Some(lib) = harness() else { return };
+    if !bit_exact_with_cpu() {
+        return;
+    }
+    let product = row_product(lib);
+    let mut rng = Rng(11);
+    let (ty, rows, cols) = (GgmlType::Q6K, 16, 768);
+    let w = weights(ty, rows, cols, &mut rng);
+    let x: Vec<f32> = rng.floats(cols).iter().map(|v| v * 3.0).collect();
+    let mut acts = ActBuffer::with_capacity(cols, 1);
+    acts.quantize(ty.vec_dot_type(), &x, 1, cols).unwrap();
+    let mut want = vec![0.0f32; rows];
+    matmul(&QMatrix::new(ty, rows, cols, &w).unwrap(), &acts, &mut want).unwrap();
+    let w_row = ty.row_bytes(cols).unwrap();
+    // Q6_K rows in the tiled order where the CPU used the lanes.
+    let differ = (0..rows)
+        .filter(|&r| {
+            let got = unsafe {
+                product(
+                    ty.id() as i32,
+                    w[r * w_row..].as_ptr(),
+                    acts.row(0).as_ptr(),
+                    cols as i32,
+                    CpuOrder::Tiled.id(),
+                )
+            };
+            assert!(
+                (got - want[r]).abs() <= 1e-4 * want[r].abs().max(1.0),
+                "row {r}: {got} {}",
+                want[r]
+            );
+            got.to_bits() != want[r].to_bits()
+        })
+        .count();
+    assert!(differ > 0, "the tiled order gave the lanes' bits on all {rows} rows");
+}
+
+/// The same on the real models' own matrices, one of each type and shape
+/// (SmolLM2: Q4_1 layers and the Q8_0 output head; Gemma 3: Q5_0, Q8_0,
+/// repacked Q4_K and Q6_K layers, the Q8_0 head), as decode and as a
+/// 9-token prompt (the head computes one row in both engines). Every 37th
+/// output row is compared.
+#[test]
+fn the_real_models_matrices_equal_the_cpu_matmul_bit_for_bit() {
+    let Some(lib) = harness() else { return };
+    if !bit_exact_with_cpu() {
+        eprintln!("SKIPPED: this CPU runs GGML's generic formulas, which the device equals to rounding only");
+        return;
+    }
+    let product = row_product(lib);
+    let mut rng = Rng(13);
+    for name in ["smollm2", "gemma3"] {
+        let Some(path) = leanstream_runtime::fetch::reference_model(name).unwrap() else {
+            continue;
+        };
+        let gguf = leanstream_runtime::gguf::GgufFile::open(&path).unwrap();
+        let mut shapes = Vec::new();
+        for info in gguf.tensors.iter().filter(|i| i.dims.len() == 2) {
+            let (cols, rows) = (info.dims[0] as usize, info.dims[1] as usize);
+            if shapes.contains(&(info.ty, cols, rows)) {
+                continue;
+            }
+            shapes.push((info.ty, cols, rows));
+            let w = gguf.tensor_bytes(info);
+            let head = info.name == "token_embd.weight" || info.name == "output.weight";
+            for n in if head { vec![1] } else { vec![1, 9] } {
+                let x: Vec<f32> = rng.floats(n * cols).iter().map(|v| v * 3.0).collect();
+                let mut acts = ActBuffer::with_capacity(cols, n);
+                acts.quantize(info.ty.vec_dot_type(), &x, n, cols).unwrap();
+                let mut want = vec![0.0f32; n * rows];
+                matmul(&QMatrix::new(info.ty, rows, cols, w).unwrap(), &acts, &mut want).unwrap();
+                let order = CpuOrder::of(info.ty, rows, n);
+                let w_row = info.ty.row_bytes(cols).unwrap();
+                for t in 0..n {
+                    let id = match order {
+                        CpuOrder::Repacked { gemm_rows } if t < gemm_rows => ORDER_REPACK_GEMM,
+                        _ => order.id(),
+                    };
+                    for r in (0..rows).step_by(37) {
+                        let got = unsafe {
+                            product(
+                                info.ty.id() as i32,
+                                w[r * w_row..].as_ptr(),
+                                acts.row(t).as_ptr(),
+                                cols as i32,
+                                id,
+                            )
+                        };
+                        assert_eq!(
+                            got.to_bits(),
+                            want[t * rows + r].to_bits(),
+                            "{name} {} ({}, {rows}x{cols}, {n} tokens, {order:?}) token {t} row {r}",
+                            info.name,
+                            info.ty
+                        );
+                    }
+                }
+            }
+        }
+        eprintln!("{name}: {} matrix shapes checked", shapes.len());
+    }
+}
