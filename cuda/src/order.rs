@@ -10,10 +10,9 @@
 //! everything else through the vec-dot kernels. This reads that dispatch
 //! from the kernels crate itself rather than restating it.
 //!
-//! The vec-dot order is the AVX2 kernels' (eight lanes), which is what the
-//! CPU engine runs on any x86 CPU with AVX2 ([`has_avx2`]); on a CPU without
-//! it (an Arm host such as a Jetson) the engine takes GGML's generic
-//! formulas and the device's vec-dot outputs agree with it to rounding only.
+//! The vec-dot order is the AVX2 kernels' (eight lanes) on any x86 CPU with
+//! AVX2 ([`has_avx2`]), and GGML's generic formulas elsewhere (an Arm host
+//! such as a Jetson), as the CPU engine itself chooses.
 
 use leanstream_kernels::dot::has_avx2;
 use leanstream_kernels::matmul::uses_tiled_kquant;
@@ -23,9 +22,12 @@ use leanstream_kernels::{repack, GgmlType};
 /// `cpu_order.cuh`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum CpuOrder {
-    /// `ggml_vec_dot_*`: eight f32 lanes (4 × 16 for F16/F32), one fma a
-    /// block each, then `hsum_float_8`.
+    /// `ggml_vec_dot_*`'s AVX2 kernels: eight f32 lanes (4 × 16 for
+    /// F16/F32), one fma a block each, then `hsum_float_8`.
     Lanes,
+    /// The vec-dot's generic C, where the CPU has no AVX2: rounded products
+    /// and adds a block (the K-quants in eight lanes by value index).
+    Generic,
     /// The tiled K-quant matmul: one fma a super-block, in order.
     Tiled,
     /// Repacked Q4_K: the first `gemm_rows` activation rows through the
@@ -36,16 +38,24 @@ pub enum CpuOrder {
 
 impl CpuOrder {
     /// The order of a `rows`-row matrix of `ty` against `n` activation rows
-    /// in one `matmul` call.
+    /// in one `matmul` call on this CPU.
     pub fn of(ty: GgmlType, rows: usize, n: usize) -> Self {
+        Self::on(ty, rows, n, has_avx2())
+    }
+
+    /// [`of`](Self::of) on a CPU with AVX2 (`simd`) or without, whose
+    /// engine runs `matmul_scalar`'s formulas.
+    pub fn on(ty: GgmlType, rows: usize, n: usize, simd: bool) -> Self {
         if ty == GgmlType::Q4K && repack::q4k_is_repacked(rows) {
             CpuOrder::Repacked {
                 gemm_rows: repack::gemm_rows(n),
             }
         } else if uses_tiled_kquant(ty, rows, n) {
             CpuOrder::Tiled
-        } else {
+        } else if simd {
             CpuOrder::Lanes
+        } else {
+            CpuOrder::Generic
         }
     }
 
@@ -53,6 +63,7 @@ impl CpuOrder {
     pub fn id(self) -> i32 {
         match self {
             CpuOrder::Lanes => ORDER_LANES,
+            CpuOrder::Generic => ORDER_GENERIC,
             CpuOrder::Tiled => ORDER_TILED,
             CpuOrder::Repacked { .. } => ORDER_REPACK_GEMV,
         }
@@ -67,17 +78,12 @@ impl CpuOrder {
     }
 }
 
-/// Whether the device's products equal the CPU engine's bit for bit here:
-/// the CPU runs the AVX2 kernels whose lane order the device reproduces.
-pub fn bit_exact_with_cpu() -> bool {
-    has_avx2()
-}
-
 /// `ORDER_LANES` … in `cpu_order.cuh` (a test checks they agree).
 pub const ORDER_LANES: i32 = 0;
 pub const ORDER_TILED: i32 = 1;
 pub const ORDER_REPACK_GEMM: i32 = 2;
 pub const ORDER_REPACK_GEMV: i32 = 3;
+pub const ORDER_GENERIC: i32 = 4;
 
 #[cfg(test)]
 mod tests {
@@ -90,10 +96,18 @@ mod tests {
         assert_eq!(CpuOrder::of(GgmlType::Q4K, 640, 3).gemm_rows(), 0);
         // A Q4_K matrix it does not repack, and Q6_K: tiled from 8 rows on.
         assert_eq!(CpuOrder::of(GgmlType::Q4K, 644, 8), CpuOrder::Tiled);
-        assert_eq!(CpuOrder::of(GgmlType::Q4K, 644, 7), CpuOrder::Lanes);
+        assert_eq!(CpuOrder::on(GgmlType::Q4K, 644, 7, true), CpuOrder::Lanes);
         assert_eq!(CpuOrder::of(GgmlType::Q6K, 64, 8), CpuOrder::Tiled);
-        assert_eq!(CpuOrder::of(GgmlType::Q6K, 64, 1), CpuOrder::Lanes);
-        assert_eq!(CpuOrder::of(GgmlType::Q4_1, 64, 512), CpuOrder::Lanes);
+        assert_eq!(CpuOrder::on(GgmlType::Q6K, 64, 1, true), CpuOrder::Lanes);
+        assert_eq!(CpuOrder::on(GgmlType::Q4_1, 64, 512, true), CpuOrder::Lanes);
+        // Without AVX2 the vec-dot cases take the generic formulas; the
+        // tiled and repacked kernels are the same arithmetic either way.
+        assert_eq!(CpuOrder::on(GgmlType::Q4_1, 64, 1, false), CpuOrder::Generic);
+        assert_eq!(CpuOrder::on(GgmlType::Q6K, 64, 8, false), CpuOrder::Tiled);
+        assert_eq!(
+            CpuOrder::on(GgmlType::Q4K, 640, 5, false),
+            CpuOrder::Repacked { gemm_rows: 4 }
+        );
         assert_eq!(CpuOrder::Repacked { gemm_rows: 4 }.id(), ORDER_REPACK_GEMV);
     }
 }

@@ -5,7 +5,9 @@
 //! `matvec.cu` does) and compares every output with the kernels crate's,
 //! for every weight type the device takes and every order the CPU's
 //! dispatch picks (vec-dot lanes, the tiled K-quant matmul, repacked Q4_K's
-//! gemm and gemv rows).
+//! gemm and gemv rows), on both kinds of CPU: `matmul` where this one has
+//! AVX2, and `matmul_scalar`, which is what the engine runs on a CPU without
+//! it (GGML's generic formulas).
 //!
 //! What it cannot check is the device's side of the composition (the
 //! shuffles of `matvec.cu`); `tests/device.rs` does, where a GPU is present.
@@ -16,7 +18,9 @@ use std::path::{Path, PathBuf};
 use std::process::Command;
 
 use half::f16;
-use leanstream_cuda::order::{bit_exact_with_cpu, CpuOrder, ORDER_REPACK_GEMM};
+use leanstream_cuda::order::{CpuOrder, ORDER_REPACK_GEMM};
+use leanstream_kernels::dot::has_avx2;
+use leanstream_kernels::matmul::matmul_scalar;
 use leanstream_kernels::{matmul, ActBuffer, GgmlType, QMatrix};
 
 mod common;
@@ -94,18 +98,45 @@ fn half_conversion_is_exact_for_every_bit_pattern() {
     }
 }
 
-/// Every output of a `rows × cols` matrix of `ty` against `n` activation
-/// rows, as the CPU's `matmul` computes it and as the harness does in the
-/// order [`CpuOrder`] picks.
-fn check(lib: &libloading::Library, ty: GgmlType, rows: usize, cols: usize, n: usize, rng: &mut Rng) -> CpuOrder {
+/// The CPU kinds this machine can stand for: with AVX2 (`matmul`) where it
+/// has it, and without (`matmul_scalar`, which the engine runs there).
+fn cpu_kinds() -> Vec<bool> {
+    if has_avx2() {
+        vec![true, false]
+    } else {
+        vec![false]
+    }
+}
+
+/// The CPU engine's product on a CPU with AVX2 (`simd`) or without.
+fn cpu_matmul(simd: bool, w: &QMatrix, acts: &ActBuffer, out: &mut [f32]) {
+    if simd {
+        matmul(w, acts, out).unwrap()
+    } else {
+        matmul_scalar(w, acts, out).unwrap()
+    }
+}
+
+/// Compares every `step`-th output row of `w` (`rows × cols` of `ty`)
+/// against `n` activation rows, as the CPU computes them and as the harness
+/// does in the order [`CpuOrder`] picks for that CPU.
+#[allow(clippy::too_many_arguments)]
+fn compare(
+    lib: &libloading::Library,
+    what: &str,
+    ty: GgmlType,
+    w: &[u8],
+    (rows, cols, n, step): (usize, usize, usize, usize),
+    simd: bool,
+    rng: &mut Rng,
+) -> CpuOrder {
     let product = row_product(lib);
-    let w = weights(ty, rows, cols, rng);
     let x: Vec<f32> = rng.floats(n * cols).iter().map(|v| v * 3.0).collect();
     let mut acts = ActBuffer::with_capacity(cols, n);
     acts.quantize(ty.vec_dot_type(), &x, n, cols).unwrap();
     let mut want = vec![0.0f32; n * rows];
-    matmul(&QMatrix::new(ty, rows, cols, &w).unwrap(), &acts, &mut want).unwrap();
-    let order = CpuOrder::of(ty, rows, n);
+    cpu_matmul(simd, &QMatrix::new(ty, rows, cols, w).unwrap(), &acts, &mut want);
+    let order = CpuOrder::on(ty, rows, n, simd);
     let w_row = ty.row_bytes(cols).unwrap();
     for t in 0..n {
         // The kernel's per-token choice between the repacked gemm and gemv.
@@ -113,7 +144,7 @@ fn check(lib: &libloading::Library, ty: GgmlType, rows: usize, cols: usize, n: u
             CpuOrder::Repacked { gemm_rows } if t < gemm_rows => ORDER_REPACK_GEMM,
             _ => order.id(),
         };
-        for r in 0..rows {
+        for r in (0..rows).step_by(step) {
             let got = unsafe {
                 product(
                     ty.id() as i32,
@@ -127,7 +158,8 @@ fn check(lib: &libloading::Library, ty: GgmlType, rows: usize, cols: usize, n: u
             assert_eq!(
                 got.to_bits(),
                 want.to_bits(),
-                "{ty} {rows}x{cols}, {n} tokens ({order:?}), token {t} row {r}: {got} against the CPU's {want}"
+                "{what}: {ty} {rows}x{cols}, {n} tokens ({order:?}, AVX2 {simd}), token {t} row {r}: \
+                 {got} against the CPU's {want}"
             );
         }
     }
@@ -137,99 +169,108 @@ fn check(lib: &libloading::Library, ty: GgmlType, rows: usize, cols: usize, n: u
 #[test]
 fn every_weight_type_and_order_equals_the_cpu_matmul_bit_for_bit() {
     let Some(lib) = harness() else { return };
-    if !bit_exact_with_cpu() {
-        eprintln!("SKIPPED: this CPU runs GGML's generic formulas, which the device equals to rounding only");
-        return;
-    }
     let mut rng = Rng(7);
     let mut seen = Vec::new();
-    for ty in GPU_WEIGHT_TYPES {
-        let cols = if ty.block_size() == 256 { 768 } else { 576 };
-        // 16 rows: repacked where Q4_K; 12: not. 1, 5 and 9 tokens: decode,
-        // the repacked gemm for four rows with the gemv for the fifth, the
-        // tiled K-quant matmul.
-        for rows in [16, 12] {
-            for n in [1, 5, 9] {
-                seen.push((ty, check(lib, ty, rows, cols, n, &mut rng)));
+    for simd in cpu_kinds() {
+        for ty in GPU_WEIGHT_TYPES {
+            let cols = if ty.block_size() == 256 { 768 } else { 576 };
+            // 16 rows: repacked where Q4_K; 12: not. 1, 5 and 9 tokens:
+            // decode, the repacked gemm for four rows with the gemv for the
+            // fifth, the tiled K-quant matmul.
+            for rows in [16, 12] {
+                for n in [1, 5, 9] {
+                    let w = weights(ty, rows, cols, &mut rng);
+                    seen.push((ty, compare(lib, "random", ty, &w, (rows, cols, n, 1), simd, &mut rng)));
+                }
+            }
+        }
+        // F32 and F16 rows whose length leaves every kind of tail after the
+        // 64-value steps: none, runs of 16, one of 8, a fused remainder.
+        for ty in [GgmlType::F32, GgmlType::F16] {
+            for cols in [64, 200, 232, 93] {
+                let w = weights(ty, 4, cols, &mut rng);
+                compare(lib, "float tail", ty, &w, (4, cols, 1, 1), simd, &mut rng);
             }
         }
     }
-    // F32 and F16 rows whose length leaves every kind of tail after the
-    // 64-value steps: none, runs of 16, one of 8, a fused remainder.
-    for ty in [GgmlType::F32, GgmlType::F16] {
-        for cols in [64, 200, 232, 93] {
-            check(lib, ty, 4, cols, 1, &mut rng);
-        }
-    }
-    for order in [
-        CpuOrder::Lanes,
+    let mut orders = vec![
+        CpuOrder::Generic,
         CpuOrder::Tiled,
         CpuOrder::Repacked { gemm_rows: 0 },
         CpuOrder::Repacked { gemm_rows: 4 },
         CpuOrder::Repacked { gemm_rows: 8 },
-    ] {
+    ];
+    if has_avx2() {
+        orders.push(CpuOrder::Lanes);
+        assert!(seen.contains(&(GgmlType::Q4K, CpuOrder::Lanes)));
+    }
+    for order in orders {
         assert!(seen.iter().any(|(_, o)| *o == order), "{order:?} never checked");
     }
-    assert!(seen.contains(&(GgmlType::Q4K, CpuOrder::Lanes)));
+    assert!(seen.contains(&(GgmlType::Q4K, CpuOrder::Generic)));
     assert!(seen.contains(&(GgmlType::Q5K, CpuOrder::Tiled)));
     assert!(seen.contains(&(GgmlType::Q6K, CpuOrder::Tiled)));
 }
 
-/// A wrong lane order does not go unnoticed: the same products summed in
-/// a different order differ from the CPU's somewhere in these rows (so the
-/// test above would catch an order slip, not only a wrong value).
+/// A wrong order does not go unnoticed: the same products summed in the
+/// AVX2 lanes' order, or the tiled matmul's, differ from the generic
+/// formulas somewhere in these rows (so the test above would catch an
+/// order slip, not only a wrong value).
 #[test]
 fn another_summation_order_is_caught() {
     let Some(lib) = harness() else { return };
-    if !bit_exact_with_cpu() {
-        return;
-    }
     let product = row_product(lib);
     let mut rng = Rng(11);
-    let (ty, rows, cols) = (GgmlType::Q6K, 16, 768);
-    let w = weights(ty, rows, cols, &mut rng);
-    let x: Vec<f32> = rng.floats(cols).iter().map(|v| v * 3.0).collect();
-    let mut acts = ActBuffer::with_capacity(cols, 1);
-    acts.quantize(ty.vec_dot_type(), &x, 1, cols).unwrap();
-    let mut want = vec![0.0f32; rows];
-    matmul(&QMatrix::new(ty, rows, cols, &w).unwrap(), &acts, &mut want).unwrap();
-    let w_row = ty.row_bytes(cols).unwrap();
-    // Q6_K rows in the tiled order where the CPU used the lanes.
-    let differ = (0..rows)
-        .filter(|&r| {
-            let got = unsafe {
-                product(
-                    ty.id() as i32,
-                    w[r * w_row..].as_ptr(),
-                    acts.row(0).as_ptr(),
-                    cols as i32,
-                    CpuOrder::Tiled.id(),
-                )
-            };
+    for ty in [GgmlType::Q4_1, GgmlType::Q6K] {
+        let (rows, cols) = (16, 768);
+        let w = weights(ty, rows, cols, &mut rng);
+        let x: Vec<f32> = rng.floats(cols).iter().map(|v| v * 3.0).collect();
+        let mut acts = ActBuffer::with_capacity(cols, 1);
+        acts.quantize(ty.vec_dot_type(), &x, 1, cols).unwrap();
+        let mut want = vec![0.0f32; rows];
+        matmul_scalar(&QMatrix::new(ty, rows, cols, &w).unwrap(), &acts, &mut want).unwrap();
+        let w_row = ty.row_bytes(cols).unwrap();
+        let mut others = vec![CpuOrder::Lanes];
+        if ty == GgmlType::Q6K {
+            others.push(CpuOrder::Tiled);
+        }
+        for other in others {
+            let differ = (0..rows)
+                .filter(|&r| {
+                    let got = unsafe {
+                        product(
+                            ty.id() as i32,
+                            w[r * w_row..].as_ptr(),
+                            acts.row(0).as_ptr(),
+                            cols as i32,
+                            other.id(),
+                        )
+                    };
+                    assert!(
+                        (got - want[r]).abs() <= 1e-4 * want[r].abs().max(1.0),
+                        "{ty} row {r}: {got} {}",
+                        want[r]
+                    );
+                    got.to_bits() != want[r].to_bits()
+                })
+                .count();
             assert!(
-                (got - want[r]).abs() <= 1e-4 * want[r].abs().max(1.0),
-                "row {r}: {got} {}",
-                want[r]
+                differ > 0,
+                "{ty} in {other:?} gave the generic formulas' bits on all {rows} rows"
             );
-            got.to_bits() != want[r].to_bits()
-        })
-        .count();
-    assert!(differ > 0, "the tiled order gave the lanes' bits on all {rows} rows");
+        }
+    }
 }
 
 /// The same on the real models' own matrices, one of each type and shape
 /// (SmolLM2: Q4_1 layers and the Q8_0 output head; Gemma 3: Q5_0, Q8_0,
 /// repacked Q4_K and Q6_K layers, the Q8_0 head), as decode and as a
-/// 9-token prompt (the head computes one row in both engines). Every 37th
-/// output row is compared.
+/// 9-token prompt (the head computes one row in both engines), on both
+/// kinds of CPU. Every 37th output row is compared (the head's every 4099th
+/// against the slow scalar twins).
 #[test]
 fn the_real_models_matrices_equal_the_cpu_matmul_bit_for_bit() {
     let Some(lib) = harness() else { return };
-    if !bit_exact_with_cpu() {
-        eprintln!("SKIPPED: this CPU runs GGML's generic formulas, which the device equals to rounding only");
-        return;
-    }
-    let product = row_product(lib);
     let mut rng = Rng(13);
     for name in ["smollm2", "gemma3"] {
         let Some(path) = leanstream_runtime::fetch::reference_model(name).unwrap() else {
@@ -243,39 +284,21 @@ fn the_real_models_matrices_equal_the_cpu_matmul_bit_for_bit() {
                 continue;
             }
             shapes.push((info.ty, cols, rows));
-            let w = gguf.tensor_bytes(info);
             let head = info.name == "token_embd.weight" || info.name == "output.weight";
-            for n in if head { vec![1] } else { vec![1, 9] } {
-                let x: Vec<f32> = rng.floats(n * cols).iter().map(|v| v * 3.0).collect();
-                let mut acts = ActBuffer::with_capacity(cols, n);
-                acts.quantize(info.ty.vec_dot_type(), &x, n, cols).unwrap();
-                let mut want = vec![0.0f32; n * rows];
-                matmul(&QMatrix::new(info.ty, rows, cols, w).unwrap(), &acts, &mut want).unwrap();
-                let order = CpuOrder::of(info.ty, rows, n);
-                let w_row = info.ty.row_bytes(cols).unwrap();
-                for t in 0..n {
-                    let id = match order {
-                        CpuOrder::Repacked { gemm_rows } if t < gemm_rows => ORDER_REPACK_GEMM,
-                        _ => order.id(),
-                    };
-                    for r in (0..rows).step_by(37) {
-                        let got = unsafe {
-                            product(
-                                info.ty.id() as i32,
-                                w[r * w_row..].as_ptr(),
-                                acts.row(t).as_ptr(),
-                                cols as i32,
-                                id,
-                            )
-                        };
-                        assert_eq!(
-                            got.to_bits(),
-                            want[t * rows + r].to_bits(),
-                            "{name} {} ({}, {rows}x{cols}, {n} tokens, {order:?}) token {t} row {r}",
-                            info.name,
-                            info.ty
-                        );
-                    }
+            // The scalar twins are slow on the 262,144-row head: sample it thinner.
+            for simd in cpu_kinds() {
+                for n in if head { vec![1] } else { vec![1, 9] } {
+                    let step = if head && !simd { 4099 } else { 37 };
+                    let what = format!("{name} {}", info.name);
+                    compare(
+                        lib,
+                        &what,
+                        info.ty,
+                        gguf.tensor_bytes(info),
+                        (rows, cols, n, step),
+                        simd,
+                        &mut rng,
+                    );
                 }
             }
         }

@@ -92,13 +92,14 @@ fn kernel_type_ids_are_ggmls() {
 /// The matvec kernels' order ids are the host's (`leanstream_cuda::order`).
 #[test]
 fn cpu_order_ids_are_the_hosts() {
-    use leanstream_cuda::order::{ORDER_LANES, ORDER_REPACK_GEMM, ORDER_REPACK_GEMV, ORDER_TILED};
+    use leanstream_cuda::order::{ORDER_GENERIC, ORDER_LANES, ORDER_REPACK_GEMM, ORDER_REPACK_GEMV, ORDER_TILED};
     let header = HEADERS.iter().find(|h| h.name == "cpu_order.cuh").unwrap().text;
     for (name, id) in [
         ("ORDER_LANES", ORDER_LANES),
         ("ORDER_TILED", ORDER_TILED),
         ("ORDER_REPACK_GEMM", ORDER_REPACK_GEMM),
         ("ORDER_REPACK_GEMV", ORDER_REPACK_GEMV),
+        ("ORDER_GENERIC", ORDER_GENERIC),
     ] {
         let line = header
             .lines()

@@ -1,11 +1,11 @@
 // Weight-row × activation-row products in the CPU engine's float order
-// (`leanstream_kernels::matmul` on an AVX2 CPU, which reproduces llama.cpp's
-// CPU backend), so the device's outputs equal the CPU's bit for bit and not
-// only to rounding: on small Q4 models one rounding step in a layer's output
-// can change a greedy token (the README's H200 run).
+// (`leanstream_kernels::matmul`, which reproduces llama.cpp's CPU backend),
+// so the device's outputs equal the CPU's bit for bit and not only to
+// rounding: on small Q4 models one rounding step in a layer's output can
+// change a greedy token (the README's H200 run).
 //
 // The integer sum of any group of products is exact, so only the float
-// steps need the CPU's order. The CPU computes an output one of four ways
+// steps need the CPU's order. The CPU computes an output one of five ways
 // (`cuda/src/device.rs` picks it per matrix and batch, from the kernels
 // crate's own dispatch):
 //   ORDER_LANES        ggml_vec_dot_*'s AVX2 kernels: eight f32 lanes, lane k
@@ -17,7 +17,12 @@
 //                      integer sum per super-block, one chain of fmas;
 //   ORDER_REPACK_GEMM  repacked Q4_K, the rows the gemm takes: one fma per
 //                      pair of 32-value sub-blocks;
-//   ORDER_REPACK_GEMV  repacked Q4_K, the other rows: one fma per super-block.
+//   ORDER_REPACK_GEMV  repacked Q4_K, the other rows: one fma per super-block;
+//   ORDER_GENERIC      where the CPU has no AVX2 (an Arm host such as a
+//                      Jetson), the vec-dot's generic C instead of the
+//                      lanes: one chain of rounded products and adds per
+//                      block (the K-quants: eight lanes by value index mod
+//                      8, added in order at the end; the float types in f64).
 //
 // Each lane function below is one AVX lane's whole chain over a row, so a
 // device thread and the host harness (`cuda/tests/cpu_order.rs`, which
@@ -31,6 +36,7 @@
 #define ORDER_TILED 1
 #define ORDER_REPACK_GEMM 2
 #define ORDER_REPACK_GEMV 3
+#define ORDER_GENERIC 4
 
 #define CPU_LANES 8
 
@@ -105,6 +111,12 @@ template <> HD i32 legacy_lane_int<GGML_Q8_0>(const u8* wb, const u8* xb, int k)
     for (int b = 4 * k; b < 4 * k + 4; ++b) s += (i32)w->qs[b] * (i32)x->qs[b];
     return s;
 }
+
+// The K-quants' weight blocks by type id.
+template <int TYPE> struct KBlock;
+template <> struct KBlock<GGML_Q4_K> { typedef BlockQ4K W; };
+template <> struct KBlock<GGML_Q5_K> { typedef BlockQ5K W; };
+template <> struct KBlock<GGML_Q6_K> { typedef BlockQ6K W; };
 
 template <int TYPE> struct Legacy;
 template <> struct Legacy<GGML_Q4_0> { typedef BlockQ4_0 W; typedef BlockQ8_0 X; static constexpr bool MIN = false; };
@@ -331,4 +343,86 @@ HD void repack_step(const BlockQ4K* w, const BlockQ8K* y, i32 dot, i32 min, floa
     float yd = load_f32(&y->d);
     *acc = fma_rn((float)dot, mul_rn(half_to_float(w->d), yd), *acc);
     *acc_min = fma_rn((float)min, mul_rn(half_to_float(w->dmin), yd), *acc_min);
+}
+
+// ---------------------------------------------------------------------------
+// ORDER_GENERIC (`leanstream_kernels::dot`'s scalar twins, GGML's generic C).
+
+// The 32-value formats: `sumf += term(block)`, the block's integer sum (the
+// lanes' parts of `legacy_lane_int`) rounded into each type's expression.
+template <int TYPE> HD float legacy_generic_step(const u8* wb, const u8* xb, i32 sumi, float sumf) {
+    float dx = half_to_float((u16)load_i16(wb)), dy = half_to_float((u16)load_i16(xb));
+    float s = (float)sumi;
+    float term;
+    if (TYPE == GGML_Q4_0) {
+        term = mul_rn(mul_rn(s, dx), dy);
+    } else if (TYPE == GGML_Q8_0) {
+        term = mul_rn(s, mul_rn(dx, dy));
+    } else if (Legacy<TYPE>::MIN) {
+        float m = mul_rn(half_to_float((u16)load_i16(wb + 2)), half_to_float((u16)load_i16(xb + 2)));
+        term = add_rn(mul_rn(mul_rn(dx, dy), s), m);
+    } else {
+        term = mul_rn(mul_rn(dx, dy), s);
+    }
+    return add_rn(sumf, term);
+}
+
+// The K-quants' lane l (values with index ≡ l mod 8): Σ scale · q · y of
+// one block, exact. Q4_K/Q5_K subtract nothing here (their mins come apart);
+// Q6_K's values are signed (q − 32).
+template <int TYPE> HD i32 k_generic_lane_int(const u8* wb, const BlockQ8K* y, int l) {
+    i32 s = 0;
+    if constexpr (TYPE == GGML_Q6_K) {
+        const BlockQ6K* w = (const BlockQ6K*)wb;
+        for (int e = l; e < QK_K; e += 8) {
+            int j = e / 128, kk = (e % 128) / 32, b = e % 32;
+            s += (i32)w->scales[e / 16] * ((q6_value(w, j, kk, b) - 32) * (i32)y->qs[e]);
+        }
+    } else {
+        for (int sub = 0; sub < QK_K / 32; ++sub) {
+            int sc, m;
+            k4_scale_min(sub, wb + 4, &sc, &m);
+            for (int b = l; b < 32; b += 8) s += sc * (k4_value<TYPE>(wb, sub, b) * (i32)y->qs[32 * sub + b]);
+        }
+    }
+    return s;
+}
+
+// Lane l's chain `sums[l] += d · aux[l]` over the row (rounded product,
+// then add); for Q4_K/Q5_K `side` gets the mins' chain `sumf -= dmin · y.d
+// · Σ bsum · min`, which the lanes' sums are added to in order at the end.
+template <int TYPE, typename W> HD float k_generic_lane_chain(const u8* w, const u8* x, int nb, int l, float* side) {
+    float sum = 0.0f, sumf = 0.0f;
+    for (int i = 0; i < nb; ++i) {
+        const u8* wb = w + (u64)i * sizeof(W);
+        const BlockQ8K* y = (const BlockQ8K*)(x + (u64)i * sizeof(BlockQ8K));
+        float yd = load_f32(&y->d);
+        if constexpr (TYPE == GGML_Q6_K) {
+            float d = mul_rn(half_to_float(((const BlockQ6K*)wb)->d), yd);
+            sum = add_rn(sum, mul_rn(d, (float)k_generic_lane_int<TYPE>(wb, y, l)));
+        } else {
+            i32 mins = 0;
+            for (int j = 0; j < QK_K / 16; ++j) {
+                int sc, m;
+                k4_scale_min(j / 2, wb + 4, &sc, &m);
+                mins += (i32)y->bsums[j] * m;
+            }
+            float d = half_to_float((u16)load_i16(wb)), dmin = half_to_float((u16)load_i16(wb + 2));
+            sum = add_rn(sum, mul_rn(mul_rn(d, yd), (float)k_generic_lane_int<TYPE>(wb, y, l)));
+            sumf = add_rn(sumf, -mul_rn(mul_rn(dmin, yd), (float)mins));
+        }
+    }
+    *side = sumf;
+    return sum;
+}
+
+// F32/F16: f32 products summed in f64, in order.
+template <bool HALF> HD float float_generic(const u8* w, const u8* x, int n) {
+    double s = 0.0;
+    for (int i = 0; i < n; ++i) {
+        float p = HALF ? mul_rn(half_to_float((u16)load_i16(w + 2 * i)), half_to_float((u16)load_i16(x + 2 * i)))
+                       : mul_rn(load_f32(w + 4 * i), load_f32(x + 4 * i));
+        s += (double)p;
+    }
+    return (float)s;
 }

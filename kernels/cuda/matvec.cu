@@ -65,9 +65,35 @@ __device__ float k4_one_chain(const u8* w, const u8* x, int nb, int order, int k
     return order == ORDER_TILED ? acc : add_rn(acc, -acc_min);
 }
 
+// ORDER_GENERIC: the 32-value formats' one chain on the lanes' integer
+// sums; the K-quants' eight lane chains added to the mins' chain in lane
+// order; the float types' f64 chain, in every lane alike.
+template <int TYPE>
+__device__ float generic_product(const u8* w, const u8* x, int cols, int k) {
+    if constexpr (TYPE == GGML_F16 || TYPE == GGML_F32) {
+        return float_generic<TYPE == GGML_F16>(w, x, cols);
+    } else if constexpr (TYPE == GGML_Q4_K || TYPE == GGML_Q5_K || TYPE == GGML_Q6_K) {
+        typedef typename KBlock<TYPE>::W W;
+        float side;
+        float lane = k_generic_lane_chain<TYPE, W>(w, x, cols / QK_K, k, &side);
+        for (int l = 0; l < CPU_LANES; ++l) side = add_rn(side, __shfl_sync(FULL_MASK, lane, l, CPU_LANES));
+        return side;
+    } else {
+        typedef Legacy<TYPE> L;
+        float sumf = 0.0f;
+        for (int i = 0; i < cols / QK; ++i) {
+            const u8* wb = w + (u64)i * sizeof(typename L::W);
+            const u8* xb = x + (u64)i * sizeof(typename L::X);
+            sumf = legacy_generic_step<TYPE>(wb, xb, group_isum(legacy_lane_int<TYPE>(wb, xb, k)), sumf);
+        }
+        return sumf;
+    }
+}
+
 // One output, in every lane of the group (lane k = threadIdx.x % 8).
 template <int TYPE>
 __device__ float row_product(const u8* w, const u8* x, int cols, int order, int k) {
+    if (order == ORDER_GENERIC) return generic_product<TYPE>(w, x, cols, k);
     float side;
     if constexpr (TYPE == GGML_Q4_0 || TYPE == GGML_Q4_1 || TYPE == GGML_Q5_0 || TYPE == GGML_Q5_1 ||
                   TYPE == GGML_Q8_0) {

@@ -38,7 +38,33 @@ static float k4_one_chain(const u8* w, const u8* x, int nb, int order) {
 }
 
 template <int TYPE>
+static float generic_product(const u8* w, const u8* x, int cols) {
+    if constexpr (TYPE == GGML_F16 || TYPE == GGML_F32) {
+        return float_generic<TYPE == GGML_F16>(w, x, cols);
+    } else if constexpr (TYPE == GGML_Q4_K || TYPE == GGML_Q5_K || TYPE == GGML_Q6_K) {
+        typedef typename KBlock<TYPE>::W W;
+        float lane[LANES], side[LANES];
+        for (int l = 0; l < LANES; ++l) lane[l] = k_generic_lane_chain<TYPE, W>(w, x, cols / QK_K, l, &side[l]);
+        float out = side[0];
+        for (int l = 0; l < LANES; ++l) out = add_rn(out, lane[l]);
+        return out;
+    } else {
+        typedef Legacy<TYPE> L;
+        float sumf = 0.0f;
+        for (int i = 0; i < cols / QK; ++i) {
+            const u8* wb = w + (u64)i * sizeof(typename L::W);
+            const u8* xb = x + (u64)i * sizeof(typename L::X);
+            i32 s = 0;
+            for (int k = 0; k < LANES; ++k) s += legacy_lane_int<TYPE>(wb, xb, k);
+            sumf = legacy_generic_step<TYPE>(wb, xb, s, sumf);
+        }
+        return sumf;
+    }
+}
+
+template <int TYPE>
 static float row_product(const u8* w, const u8* x, int cols, int order) {
+    if (order == ORDER_GENERIC) return generic_product<TYPE>(w, x, cols);
     float a[LANES], side[LANES];
     if constexpr (TYPE == GGML_Q4_0 || TYPE == GGML_Q4_1 || TYPE == GGML_Q5_0 || TYPE == GGML_Q5_1 ||
                   TYPE == GGML_Q8_0) {
