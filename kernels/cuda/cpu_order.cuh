@@ -24,10 +24,11 @@
 //                      block (the K-quants: eight lanes by value index mod
 //                      8, added in order at the end; the float types in f64).
 //
-// Each lane function below is one AVX lane's whole chain over a row, so a
-// device thread and the host harness (`cuda/tests/cpu_order.rs`, which
-// compiles this file with the host's C++ compiler) run the same code; only
-// the final hsum differs in form (shuffles there, an array here), not in
+// Each lane function below is one CPU lane's whole chain over a row, and
+// `row_product` at the end composes them, so a device thread and the host
+// harness (`cuda/tests/cpu_order.rs`, which compiles this file with the
+// host's C++ compiler) run the same code; only the few lane primitives
+// (the group's sums: shuffles there, loops here) differ in form, not in
 // order.
 #pragma once
 #include "blocks.cuh"
@@ -67,50 +68,12 @@ HD i32 q8k_sub_sum(const BlockQ8K* y, int s) { return (i32)y->bsums[2 * s] + (i3
 // scalar chain where it has one (`summs` of Q4_1/Q5_1/Q5_K; Q4_K's min
 // accumulator lane k % 4), computed by every lane alike.
 
-// The 32-value formats: integer lane k of one block.
-template <int TYPE> HD i32 legacy_lane_int(const u8* wb, const u8* xb, int k);
-
-template <> HD i32 legacy_lane_int<GGML_Q4_0>(const u8* wb, const u8* xb, int k) {
-    const BlockQ4_0* w = (const BlockQ4_0*)wb;
-    const BlockQ8_0* x = (const BlockQ8_0*)xb;
-    i32 s = 0;
-    for (int b = 4 * k; b < 4 * k + 4; ++b) s += (nibble(w->qs, b) - 8) * (i32)x->qs[b];
-    return s;
-}
-
-template <> HD i32 legacy_lane_int<GGML_Q4_1>(const u8* wb, const u8* xb, int k) {
-    const BlockQ4_1* w = (const BlockQ4_1*)wb;
-    const BlockQ8_1* x = (const BlockQ8_1*)xb;
-    i32 s = 0;
-    for (int b = 4 * k; b < 4 * k + 4; ++b) s += nibble(w->qs, b) * (i32)x->qs[b];
-    return s;
-}
-
-template <> HD i32 legacy_lane_int<GGML_Q5_0>(const u8* wb, const u8* xb, int k) {
-    const BlockQ5_0* w = (const BlockQ5_0*)wb;
-    const BlockQ8_0* x = (const BlockQ8_0*)xb;
-    u32 qh = (u32)load_i32(w->qh);
-    i32 s = 0;
-    for (int b = 4 * k; b < 4 * k + 4; ++b) s += ((nibble(w->qs, b) | (i32)(((qh >> b) & 1u) << 4)) - 16) * (i32)x->qs[b];
-    return s;
-}
-
-template <> HD i32 legacy_lane_int<GGML_Q5_1>(const u8* wb, const u8* xb, int k) {
-    const BlockQ5_1* w = (const BlockQ5_1*)wb;
-    const BlockQ8_1* x = (const BlockQ8_1*)xb;
-    u32 qh = (u32)load_i32(w->qh);
-    i32 s = 0;
-    for (int b = 4 * k; b < 4 * k + 4; ++b) s += (nibble(w->qs, b) | (i32)(((qh >> b) & 1u) << 4)) * (i32)x->qs[b];
-    return s;
-}
-
-template <> HD i32 legacy_lane_int<GGML_Q8_0>(const u8* wb, const u8* xb, int k) {
-    const BlockQ8_0* w = (const BlockQ8_0*)wb;
-    const BlockQ8_0* x = (const BlockQ8_0*)xb;
-    i32 s = 0;
-    for (int b = 4 * k; b < 4 * k + 4; ++b) s += (i32)w->qs[b] * (i32)x->qs[b];
-    return s;
-}
+template <int TYPE> struct Legacy;
+template <> struct Legacy<GGML_Q4_0> { typedef BlockQ4_0 W; typedef BlockQ8_0 X; static constexpr bool MIN = false; };
+template <> struct Legacy<GGML_Q4_1> { typedef BlockQ4_1 W; typedef BlockQ8_1 X; static constexpr bool MIN = true; };
+template <> struct Legacy<GGML_Q5_0> { typedef BlockQ5_0 W; typedef BlockQ8_0 X; static constexpr bool MIN = false; };
+template <> struct Legacy<GGML_Q5_1> { typedef BlockQ5_1 W; typedef BlockQ8_1 X; static constexpr bool MIN = true; };
+template <> struct Legacy<GGML_Q8_0> { typedef BlockQ8_0 W; typedef BlockQ8_0 X; static constexpr bool MIN = false; };
 
 // The K-quants' weight blocks by type id.
 template <int TYPE> struct KBlock;
@@ -118,12 +81,26 @@ template <> struct KBlock<GGML_Q4_K> { typedef BlockQ4K W; };
 template <> struct KBlock<GGML_Q5_K> { typedef BlockQ5K W; };
 template <> struct KBlock<GGML_Q6_K> { typedef BlockQ6K W; };
 
-template <int TYPE> struct Legacy;
-template <> struct Legacy<GGML_Q4_0> { typedef BlockQ4_0 W; typedef BlockQ8_0 X; static constexpr bool MIN = false; };
-template <> struct Legacy<GGML_Q4_1> { typedef BlockQ4_1 W; typedef BlockQ8_1 X; static constexpr bool MIN = true; };
-template <> struct Legacy<GGML_Q5_0> { typedef BlockQ5_0 W; typedef BlockQ8_0 X; static constexpr bool MIN = false; };
-template <> struct Legacy<GGML_Q5_1> { typedef BlockQ5_1 W; typedef BlockQ8_1 X; static constexpr bool MIN = true; };
-template <> struct Legacy<GGML_Q8_0> { typedef BlockQ8_0 W; typedef BlockQ8_0 X; static constexpr bool MIN = false; };
+// Value b (0..32) of a 32-value weight block, its offset applied.
+template <int TYPE> HD i32 legacy_value(const u8* wb, int b) {
+    const typename Legacy<TYPE>::W* w = (const typename Legacy<TYPE>::W*)wb;
+    if constexpr (TYPE == GGML_Q8_0) {
+        return (i32)w->qs[b];
+    } else if constexpr (TYPE == GGML_Q4_0 || TYPE == GGML_Q4_1) {
+        return nibble(w->qs, b) - (TYPE == GGML_Q4_0 ? 8 : 0);
+    } else {
+        i32 v = nibble(w->qs, b) | (i32)((((u32)load_i32(w->qh) >> b) & 1u) << 4);
+        return v - (TYPE == GGML_Q5_0 ? 16 : 0);
+    }
+}
+
+// The 32-value formats: integer lane k of one block.
+template <int TYPE> HD i32 legacy_lane_int(const u8* wb, const u8* xb, int k) {
+    const i8* y = ((const typename Legacy<TYPE>::X*)xb)->qs;
+    i32 s = 0;
+    for (int b = 4 * k; b < 4 * k + 4; ++b) s += legacy_value<TYPE>(wb, b) * (i32)y[b];
+    return s;
+}
 
 // acc = fma(d_w · d_x, lane, acc) per block; the _1 formats' `summs =
 // fma(m_w, s_x, summs)` beside it (every block's `d` and `m` come first in
@@ -425,4 +402,222 @@ template <bool HALF> HD float float_generic(const u8* w, const u8* x, int n) {
         s += (double)p;
     }
     return (float)s;
+}
+
+// ---------------------------------------------------------------------------
+// The lanes together. On the device a group of 8 threads is one row's lanes
+// (thread k: lane threadIdx.x % 8), and the group's sums are shuffles; on
+// the host (`cuda/tests/harness/cpu_order.cpp`) a `PerLane` holds all eight
+// and the sums are loops. Everything above and `row_product` below is the
+// same code on both; only these few primitives differ in form.
+
+// A lane's chain and its side chain.
+struct LaneChain {
+    float acc;
+    float side;
+};
+
+// A lane's share of a block's integer sums.
+struct LaneInts {
+    i32 dot;
+    i32 min;
+};
+
+#ifdef __CUDACC__
+#define FULL_MASK 0xffffffffu
+
+template <typename T> struct PerLane {
+    T v;
+};
+
+// `f(k)` for this thread's lane.
+template <typename F> __device__ __forceinline__ auto per_lane(F f) {
+    return PerLane<decltype(f(0))>{f((int)(threadIdx.x % CPU_LANES))};
+}
+
+// hsum_float_8 of the lanes' `acc`: after the xor-4 step lane i holds
+// a_i + a_(i^4), after xor-2 (a_i + a_(i^4)) + (a_(i^2) + a_(i^6)), then the
+// two halves; every lane ends with the CPU's sum (float adds commute).
+__device__ __forceinline__ float hsum8_acc(PerLane<LaneChain> p) {
+    float v = p.v.acc;
+    v = add_rn(v, __shfl_xor_sync(FULL_MASK, v, 4));
+    v = add_rn(v, __shfl_xor_sync(FULL_MASK, v, 2));
+    return add_rn(v, __shfl_xor_sync(FULL_MASK, v, 1));
+}
+
+// Q4_K's min lanes 0..3 as `(m0 + m2) + (m1 + m3)` (lanes 4..7 repeat them).
+__device__ __forceinline__ float hsum4_side(PerLane<LaneChain> p) {
+    float v = p.v.side;
+    v = add_rn(v, __shfl_xor_sync(FULL_MASK, v, 2));
+    return add_rn(v, __shfl_xor_sync(FULL_MASK, v, 1));
+}
+
+__device__ __forceinline__ float side_of_lane0(PerLane<LaneChain> p) {
+    return __shfl_sync(FULL_MASK, p.v.side, 0, CPU_LANES);
+}
+
+__device__ __forceinline__ float acc_of_lane(PerLane<LaneChain> p, int l) {
+    return __shfl_sync(FULL_MASK, p.v.acc, l, CPU_LANES);
+}
+
+__device__ __forceinline__ i32 isum8(i32 v) {
+    v += __shfl_xor_sync(FULL_MASK, v, 4);
+    v += __shfl_xor_sync(FULL_MASK, v, 2);
+    return v + __shfl_xor_sync(FULL_MASK, v, 1);
+}
+
+__device__ __forceinline__ LaneInts sum_ints(PerLane<LaneInts> p) { return LaneInts{isum8(p.v.dot), isum8(p.v.min)}; }
+
+// Lanes 2·pair and 2·pair + 1 summed.
+__device__ __forceinline__ LaneInts pair_ints(PerLane<LaneInts> p, int pair) {
+    i32 dot = p.v.dot + __shfl_xor_sync(FULL_MASK, p.v.dot, 1);
+    i32 min = p.v.min + __shfl_xor_sync(FULL_MASK, p.v.min, 1);
+    return LaneInts{__shfl_sync(FULL_MASK, dot, 2 * pair, CPU_LANES), __shfl_sync(FULL_MASK, min, 2 * pair, CPU_LANES)};
+}
+#else
+template <typename T> struct PerLane {
+    T v[CPU_LANES];
+};
+
+template <typename F> inline auto per_lane(F f) {
+    PerLane<decltype(f(0))> p;
+    for (int k = 0; k < CPU_LANES; ++k) p.v[k] = f(k);
+    return p;
+}
+
+inline float hsum8_acc(const PerLane<LaneChain>& p) {
+    float a[CPU_LANES];
+    for (int k = 0; k < CPU_LANES; ++k) a[k] = p.v[k].acc;
+    return hsum8(a);
+}
+
+inline float hsum4_side(const PerLane<LaneChain>& p) {
+    return add_rn(add_rn(p.v[0].side, p.v[2].side), add_rn(p.v[1].side, p.v[3].side));
+}
+
+inline float side_of_lane0(const PerLane<LaneChain>& p) { return p.v[0].side; }
+
+inline float acc_of_lane(const PerLane<LaneChain>& p, int l) { return p.v[l].acc; }
+
+inline LaneInts sum_ints(const PerLane<LaneInts>& p) {
+    LaneInts t = {0, 0};
+    for (int k = 0; k < CPU_LANES; ++k) {
+        t.dot += p.v[k].dot;
+        t.min += p.v[k].min;
+    }
+    return t;
+}
+
+inline LaneInts pair_ints(const PerLane<LaneInts>& p, int pair) {
+    return LaneInts{p.v[2 * pair].dot + p.v[2 * pair + 1].dot, p.v[2 * pair].min + p.v[2 * pair + 1].min};
+}
+#endif
+
+// Tiled Q4_K/Q5_K and repacked Q4_K: lane k takes sub-block k; the chain
+// steps on the block's totals (or, in the gemm's order, its pairs').
+template <int TYPE>
+HD float k4_one_chain(const u8* w, const u8* x, int nb, int order) {
+    typedef typename KBlock<TYPE>::W W;
+    float acc = 0.0f, acc_min = 0.0f;
+    for (int i = 0; i < nb; ++i) {
+        const u8* wb = w + (u64)i * sizeof(W);
+        const BlockQ8K* y = (const BlockQ8K*)(x + (u64)i * sizeof(BlockQ8K));
+        auto parts = per_lane([&](int k) {
+            LaneInts r;
+            k4_sub_sums<TYPE>(wb, y, k, &r.dot, &r.min);
+            return r;
+        });
+        if (order == ORDER_REPACK_GEMM) {
+            for (int p = 0; p < 4; ++p) {
+                LaneInts s = pair_ints(parts, p);
+                repack_step((const BlockQ4K*)wb, y, s.dot, s.min, &acc, &acc_min);
+            }
+        } else if (order == ORDER_TILED) {
+            LaneInts s = sum_ints(parts);
+            acc = k4_tiled_step(wb, y, s.dot, s.min, acc);
+        } else {
+            LaneInts s = sum_ints(parts);
+            repack_step((const BlockQ4K*)wb, y, s.dot, s.min, &acc, &acc_min);
+        }
+    }
+    return order == ORDER_TILED ? acc : add_rn(acc, -acc_min);
+}
+
+// ORDER_GENERIC: the 32-value formats' one chain on the lanes' integer
+// sums; the K-quants' eight lane chains added to the mins' chain in lane
+// order; the float types' f64 chain, in every lane alike.
+template <int TYPE>
+HD float generic_product(const u8* w, const u8* x, int cols) {
+    if constexpr (TYPE == GGML_F16 || TYPE == GGML_F32) {
+        return float_generic<TYPE == GGML_F16>(w, x, cols);
+    } else if constexpr (TYPE == GGML_Q4_K || TYPE == GGML_Q5_K || TYPE == GGML_Q6_K) {
+        auto lanes = per_lane([&](int l) {
+            LaneChain r;
+            r.acc = k_generic_lane_chain<TYPE, typename KBlock<TYPE>::W>(w, x, cols / QK_K, l, &r.side);
+            return r;
+        });
+        float out = side_of_lane0(lanes);
+        for (int l = 0; l < CPU_LANES; ++l) out = add_rn(out, acc_of_lane(lanes, l));
+        return out;
+    } else {
+        typedef Legacy<TYPE> L;
+        float sumf = 0.0f;
+        for (int i = 0; i < cols / QK; ++i) {
+            const u8* wb = w + (u64)i * sizeof(typename L::W);
+            const u8* xb = x + (u64)i * sizeof(typename L::X);
+            auto parts = per_lane([&](int k) { return LaneInts{legacy_lane_int<TYPE>(wb, xb, k), 0}; });
+            sumf = legacy_generic_step<TYPE>(wb, xb, sum_ints(parts).dot, sumf);
+        }
+        return sumf;
+    }
+}
+
+// One output of weight row `w` (type TYPE) with activation row `x` (its
+// dot type), `cols` values, in order `order` (ORDER_*; the repacked orders
+// as resolved for this token). On the device every lane of the group
+// returns it.
+template <int TYPE>
+HD float row_product(const u8* w, const u8* x, int cols, int order) {
+    if (order == ORDER_GENERIC) return generic_product<TYPE>(w, x, cols);
+    if constexpr (TYPE == GGML_Q4_0 || TYPE == GGML_Q4_1 || TYPE == GGML_Q5_0 || TYPE == GGML_Q5_1 ||
+                  TYPE == GGML_Q8_0) {
+        auto c = per_lane([&](int k) {
+            LaneChain r;
+            r.acc = legacy_lane_chain<TYPE>(w, x, cols / QK, k, &r.side);
+            return r;
+        });
+        float s = hsum8_acc(c);
+        return Legacy<TYPE>::MIN ? add_rn(s, side_of_lane0(c)) : s;
+    } else if constexpr (TYPE == GGML_Q4_K || TYPE == GGML_Q5_K) {
+        if (order != ORDER_LANES) return k4_one_chain<TYPE>(w, x, cols / QK_K, order);
+        auto c = per_lane([&](int k) {
+            LaneChain r;
+            r.acc = TYPE == GGML_Q4_K ? q4_k_lane_chain(w, x, cols / QK_K, k, &r.side)
+                                      : q5_k_lane_chain(w, x, cols / QK_K, k, &r.side);
+            return r;
+        });
+        // Q4_K's mins come in four lanes, Q5_K's in one scalar chain.
+        return add_rn(hsum8_acc(c), TYPE == GGML_Q4_K ? hsum4_side(c) : side_of_lane0(c));
+    } else if constexpr (TYPE == GGML_Q6_K) {
+        if (order != ORDER_LANES) {
+            float acc = 0.0f;
+            for (int i = 0; i < cols / QK_K; ++i) {
+                const BlockQ6K* wb = (const BlockQ6K*)(w + (u64)i * sizeof(BlockQ6K));
+                const BlockQ8K* y = (const BlockQ8K*)(x + (u64)i * sizeof(BlockQ8K));
+                auto parts = per_lane([&](int k) { return LaneInts{q6_k_tiled_part(wb, y, k), 0}; });
+                acc = q6_k_tiled_step(wb, y, sum_ints(parts).dot, acc);
+            }
+            return acc;
+        }
+        auto c = per_lane([&](int k) {
+            LaneChain r;
+            r.acc = q6_k_lane_chain(w, x, cols / QK_K, k, &r.side);
+            return r;
+        });
+        return hsum8_acc(c);
+    } else {
+        constexpr bool HALF = TYPE == GGML_F16;
+        auto c = per_lane([&](int k) { return LaneChain{float_lane_chain<HALF>(w, x, cols, k), 0.0f}; });
+        return HALF ? f16_tail(w, x, cols, hsum8_acc(c)) : f32_tail(w, x, cols, hsum8_acc(c));
+    }
 }
