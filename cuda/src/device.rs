@@ -29,7 +29,7 @@ fn driver_error(what: &str) -> impl FnOnce(cudarc::driver::DriverError) -> CudaE
     move |e| CudaError::Driver(format!("{what}: {e}"))
 }
 
-/// Threads per block of the one-warp-per-row kernels.
+/// Threads per block of the row kernels (whole warps).
 const ROW_BLOCK: u32 = 128;
 /// Matvec rows per block there: a group of [`CPU_LANES`] threads a row.
 const ROWS_PER_BLOCK: u32 = ROW_BLOCK / CPU_LANES;
@@ -470,7 +470,8 @@ impl Gpu {
 
     /// Stage 1 of the streaming FFN (`ffn_stream_activations`): for each of
     /// `n_slots` slots, once its flag reaches `epoch` (or at `deadline_ns`
-    /// from the first warp's start, 0: never), `act[s] = act(gate·x) * (up·x)`.
+    /// from the first group's start, 0: never), `act[s] = act(gate·x) *
+    /// (up·x)`, the dots in the CPU's vec-dot order (`neuron_activation`'s).
     #[allow(clippy::too_many_arguments)]
     pub fn ffn_stream_activations(
         &self,
@@ -487,10 +488,9 @@ impl Gpu {
         act: DevPtr,
         skipped: DevPtr,
     ) -> Result<()> {
-        let units = |ty: GgmlType| dot_units(ty, format.n_embd) as i32;
         self.launch(
             "ffn_stream_activations",
-            grid_1d(n_slots as u64 * 32, ROW_BLOCK),
+            grid_1d(n_slots as u64 * CPU_LANES as u64, ROW_BLOCK),
             &[
                 &slots,
                 &(n_slots as i32),
@@ -499,8 +499,8 @@ impl Gpu {
                 &input.up,
                 &(format.gate_ty.id() as i32),
                 &(format.up_ty.id() as i32),
-                &units(format.gate_ty),
-                &units(format.up_ty),
+                &(format.n_embd as i32),
+                &CpuOrder::vec_dot().id(),
                 &(format.gate_bytes() as u64),
                 &act_kind,
                 &gelu_table,
@@ -591,15 +591,6 @@ pub fn check_down_columns(format: &BundleFormat) -> Result<()> {
         )));
     }
     Ok(())
-}
-
-/// What the kernels' row dot products step over in a row of `cols`:
-/// blocks, or groups of 8 values for F16 and F32 (`dot.cuh`).
-fn dot_units(ty: GgmlType, cols: usize) -> usize {
-    match ty {
-        GgmlType::F16 | GgmlType::F32 => cols / 8,
-        _ => cols / ty.block_size(),
-    }
 }
 
 /// What the streaming FFN's stage 1 keeps of a row (the CPU tail's rule):

@@ -59,6 +59,16 @@ impl CpuOrder {
         }
     }
 
+    /// The order of one weight row's `vec_dot` on this CPU (the sparse
+    /// FFN's gate and up rows, `neuron_activation`).
+    pub fn vec_dot() -> Self {
+        if has_avx2() {
+            CpuOrder::Lanes
+        } else {
+            CpuOrder::Generic
+        }
+    }
+
     /// The `order` argument of the matvec kernels.
     pub fn id(self) -> i32 {
         match self {

@@ -424,7 +424,10 @@ struct LaneInts {
 };
 
 #ifdef __CUDACC__
-#define FULL_MASK 0xffffffffu
+// The shuffles name only the thread's own group (its 8 lanes of the warp),
+// so groups of one warp may run apart: the streaming FFN's groups each wait
+// on their own bundle's flag.
+__device__ __forceinline__ unsigned group_mask() { return 0xFFu << (threadIdx.x & (WARP - CPU_LANES)); }
 
 template <typename T> struct PerLane {
     T v;
@@ -440,39 +443,39 @@ template <typename F> __device__ __forceinline__ auto per_lane(F f) {
 // two halves; every lane ends with the CPU's sum (float adds commute).
 __device__ __forceinline__ float hsum8_acc(PerLane<LaneChain> p) {
     float v = p.v.acc;
-    v = add_rn(v, __shfl_xor_sync(FULL_MASK, v, 4));
-    v = add_rn(v, __shfl_xor_sync(FULL_MASK, v, 2));
-    return add_rn(v, __shfl_xor_sync(FULL_MASK, v, 1));
+    v = add_rn(v, __shfl_xor_sync(group_mask(), v, 4));
+    v = add_rn(v, __shfl_xor_sync(group_mask(), v, 2));
+    return add_rn(v, __shfl_xor_sync(group_mask(), v, 1));
 }
 
 // Q4_K's min lanes 0..3 as `(m0 + m2) + (m1 + m3)` (lanes 4..7 repeat them).
 __device__ __forceinline__ float hsum4_side(PerLane<LaneChain> p) {
     float v = p.v.side;
-    v = add_rn(v, __shfl_xor_sync(FULL_MASK, v, 2));
-    return add_rn(v, __shfl_xor_sync(FULL_MASK, v, 1));
+    v = add_rn(v, __shfl_xor_sync(group_mask(), v, 2));
+    return add_rn(v, __shfl_xor_sync(group_mask(), v, 1));
 }
 
 __device__ __forceinline__ float side_of_lane0(PerLane<LaneChain> p) {
-    return __shfl_sync(FULL_MASK, p.v.side, 0, CPU_LANES);
+    return __shfl_sync(group_mask(), p.v.side, 0, CPU_LANES);
 }
 
 __device__ __forceinline__ float acc_of_lane(PerLane<LaneChain> p, int l) {
-    return __shfl_sync(FULL_MASK, p.v.acc, l, CPU_LANES);
+    return __shfl_sync(group_mask(), p.v.acc, l, CPU_LANES);
 }
 
 __device__ __forceinline__ i32 isum8(i32 v) {
-    v += __shfl_xor_sync(FULL_MASK, v, 4);
-    v += __shfl_xor_sync(FULL_MASK, v, 2);
-    return v + __shfl_xor_sync(FULL_MASK, v, 1);
+    v += __shfl_xor_sync(group_mask(), v, 4);
+    v += __shfl_xor_sync(group_mask(), v, 2);
+    return v + __shfl_xor_sync(group_mask(), v, 1);
 }
 
 __device__ __forceinline__ LaneInts sum_ints(PerLane<LaneInts> p) { return LaneInts{isum8(p.v.dot), isum8(p.v.min)}; }
 
 // Lanes 2·pair and 2·pair + 1 summed.
 __device__ __forceinline__ LaneInts pair_ints(PerLane<LaneInts> p, int pair) {
-    i32 dot = p.v.dot + __shfl_xor_sync(FULL_MASK, p.v.dot, 1);
-    i32 min = p.v.min + __shfl_xor_sync(FULL_MASK, p.v.min, 1);
-    return LaneInts{__shfl_sync(FULL_MASK, dot, 2 * pair, CPU_LANES), __shfl_sync(FULL_MASK, min, 2 * pair, CPU_LANES)};
+    i32 dot = p.v.dot + __shfl_xor_sync(group_mask(), p.v.dot, 1);
+    i32 min = p.v.min + __shfl_xor_sync(group_mask(), p.v.min, 1);
+    return LaneInts{__shfl_sync(group_mask(), dot, 2 * pair, CPU_LANES), __shfl_sync(group_mask(), min, 2 * pair, CPU_LANES)};
 }
 #else
 template <typename T> struct PerLane {
@@ -619,5 +622,26 @@ HD float row_product(const u8* w, const u8* x, int cols, int order) {
         constexpr bool HALF = TYPE == GGML_F16;
         auto c = per_lane([&](int k) { return LaneChain{float_lane_chain<HALF>(w, x, cols, k), 0.0f}; });
         return HALF ? f16_tail(w, x, cols, hsum8_acc(c)) : f32_tail(w, x, cols, hsum8_acc(c));
+    }
+}
+
+// `row_product` for a type id known only at run time. NaN for a type the
+// device has no product for (the host checks types first).
+HD float row_product_of(int ty, const u8* w, const u8* x, int cols, int order) {
+    switch (ty) {
+    case GGML_Q4_0: return row_product<GGML_Q4_0>(w, x, cols, order);
+    case GGML_Q4_1: return row_product<GGML_Q4_1>(w, x, cols, order);
+    case GGML_Q5_0: return row_product<GGML_Q5_0>(w, x, cols, order);
+    case GGML_Q5_1: return row_product<GGML_Q5_1>(w, x, cols, order);
+    case GGML_Q8_0: return row_product<GGML_Q8_0>(w, x, cols, order);
+    case GGML_Q4_K: return row_product<GGML_Q4_K>(w, x, cols, order);
+    case GGML_Q5_K: return row_product<GGML_Q5_K>(w, x, cols, order);
+    case GGML_Q6_K: return row_product<GGML_Q6_K>(w, x, cols, order);
+    case GGML_F16: return row_product<GGML_F16>(w, x, cols, order);
+    case GGML_F32: return row_product<GGML_F32>(w, x, cols, order);
+    default: {
+        u32 nan = 0x7fc00000u;
+        return load_f32(&nan);
+    }
     }
 }

@@ -10,11 +10,13 @@
 // at the deadline is skipped (its activation is 0 and `skipped` says so).
 // Cached bundles point at a flag that always reads 0xFFFFFFFF.
 //
-// Determinism: stage 1 writes slot-local values only; stage 2 sums in the
-// host's `order` (ascending neuron id), one fused multiply-add per neuron
-// and output as the CPU's `axpy_down`, so `y` for a given set of neurons is
-// the same whatever the arrival order.
-#include "dot.cuh"
+// Determinism: stage 1 writes slot-local values only, its gate and up dots
+// in the CPU's vec-dot order (`cpu_order.cuh`: `neuron_activation`'s bits);
+// stage 2 sums in the host's `order` (ascending neuron id), one fused
+// multiply-add per neuron and output as the CPU's `axpy_down`, so `y` for a
+// given set of neurons is the same whatever the arrival order.
+#include "common.cuh"
+#include "cpu_order.cuh"
 
 // Acquire load of a flag the host (or a copy engine) writes: the slot's
 // bytes are read only after the flag, never a stale line from before it.
@@ -34,22 +36,25 @@ struct Slot {
 };
 static_assert(sizeof(Slot) == 24, "Slot layout is shared with the host");
 
-// Stage 1: one warp per slot. `x_gate` / `x_up`: the FFN input in the gate
-// and up rows' vec-dot types. `start_ns` is zeroed by the host before the
-// launch; the first warp to run stamps it, and `deadline_ns` counts from
-// there (0: wait for every slot). `act[s]` gets `act(gate·x) * (up·x)`,
-// or 0 where the policy drops the neuron, as the CPU's tail does: by the
-// row's bitmap over neuron ids `keep` where given, else where |a| is below
-// `threshold` (0 keeps all).
+// Stage 1: one group of 8 threads per slot (the CPU dot's lanes; groups of
+// a warp wait on their own flags). `x_gate` / `x_up`: the FFN input in the
+// gate and up rows' vec-dot types, `n_embd` values; `order`: the CPU's
+// vec-dot order (ORDER_LANES or ORDER_GENERIC). `start_ns` is zeroed by the
+// host before the launch; the first group to run stamps it, and
+// `deadline_ns` counts from there (0: wait for every slot). `act[s]` gets
+// `act(gate·x) * (up·x)`, or 0 where the policy drops the neuron, as the
+// CPU's tail does: by the row's bitmap over neuron ids `keep` where given,
+// else where |a| is below `threshold` (0 keeps all).
 extern "C" __global__ void ffn_stream_activations(const Slot* __restrict__ slots, int n_slots, u32 epoch,
                                                   const u8* __restrict__ x_gate, const u8* __restrict__ x_up,
-                                                  int gate_ty, int up_ty, int gate_units, int up_units,
-                                                  u64 gate_bytes, int act_kind,
-                                                  const float* __restrict__ gelu_table, u64* start_ns,
-                                                  u64 deadline_ns, float threshold, const u64* __restrict__ keep,
-                                                  float* __restrict__ act, u8* __restrict__ skipped) {
-    int s = (blockIdx.x * blockDim.x + threadIdx.x) / WARP;
-    int lane = threadIdx.x % WARP;
+                                                  int gate_ty, int up_ty, int n_embd, int order, u64 gate_bytes,
+                                                  int act_kind, const float* __restrict__ gelu_table,
+                                                  u64* start_ns, u64 deadline_ns, float threshold,
+                                                  const u64* __restrict__ keep, float* __restrict__ act,
+                                                  u8* __restrict__ skipped) {
+    int s = (blockIdx.x * blockDim.x + threadIdx.x) / CPU_LANES;
+    int lane = threadIdx.x % CPU_LANES;
+    // Whole groups leave together (blocks are whole warps of whole groups).
     if (s >= n_slots) return;
     Slot slot = slots[s];
     const u32* flag = (const u32*)slot.flag;
@@ -66,7 +71,7 @@ extern "C" __global__ void ffn_stream_activations(const Slot* __restrict__ slots
             __nanosleep(200);
         }
     }
-    ready = __shfl_sync(0xffffffffu, ready, 0);
+    ready = __shfl_sync(group_mask(), ready, 0, CPU_LANES);
     if (!ready) {
         if (lane == 0) {
             act[s] = 0.0f;
@@ -75,8 +80,8 @@ extern "C" __global__ void ffn_stream_activations(const Slot* __restrict__ slots
         return;
     }
     const u8* bundle = (const u8*)slot.bundle;
-    float g = warp_sum(row_dot_lane(gate_ty, bundle, x_gate, gate_units, lane));
-    float u = warp_sum(row_dot_lane(up_ty, bundle + gate_bytes, x_up, up_units, lane));
+    float g = row_product_of(gate_ty, bundle, x_gate, n_embd, order);
+    float u = row_product_of(up_ty, bundle + gate_bytes, x_up, n_embd, order);
     if (lane == 0) {
         float a = gated(act_kind, gelu_table, g, u);
         bool kept = keep != nullptr ? ((keep[slot.neuron >> 6] >> (slot.neuron & 63)) & 1ull) != 0
