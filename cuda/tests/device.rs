@@ -9,7 +9,7 @@
 //! only the order of float adds differs (matrix products, norms, the
 //! streaming FFN).
 
-use cudarc::driver::{DevicePtr, LaunchConfig, PushKernelArg};
+use cudarc::driver::{CudaSlice, DevicePtr, LaunchConfig, PushKernelArg};
 use half::f16;
 use leanstream_cuda::device::{blocks_of, grid_1d, AttentionAt, AttentionHeads, DevPtr, Gpu, Keep, StreamInput};
 use leanstream_cuda::flags::Slot;
@@ -407,24 +407,29 @@ fn the_streaming_ffn_computes_ready_slots_and_skips_missing_ones_at_the_deadline
     let act = g.zeros::<f32>(n_ff).unwrap();
     let skipped = g.zeros::<u8>(n_ff).unwrap();
     let (n_slots, kind, deadline_ns) = (n_ff as i32, 0i32, 2_000_000u64);
-    g.ffn_stream_activations(
-        g.ptr(&dslots),
-        n_ff,
-        epoch,
-        StreamInput {
-            gate: g.ptr(&dx),
-            up: g.ptr(&dx),
-        },
-        &format,
-        kind,
-        g.ptr(&dtable),
-        g.ptr(&start),
-        deadline_ns,
-        Keep::ALL,
-        g.ptr(&act),
-        g.ptr(&skipped),
-    )
-    .unwrap();
+    // Stage 1 over every slot, keeping what `keep` keeps, into `act`.
+    let stage1 = |keep: Keep, act: &CudaSlice<f32>| {
+        g.zero_at(g.ptr(&start), 8).unwrap();
+        g.ffn_stream_activations(
+            g.ptr(&dslots),
+            n_ff,
+            epoch,
+            StreamInput {
+                gate: g.ptr(&dx),
+                up: g.ptr(&dx),
+            },
+            &format,
+            kind,
+            g.ptr(&dtable),
+            g.ptr(&start),
+            deadline_ns,
+            keep,
+            g.ptr(act),
+            g.ptr(&skipped),
+        )
+        .unwrap();
+    };
+    stage1(Keep::ALL, &act);
     let got_act = g.download(&act).unwrap();
     let got_skipped = g.download(&skipped).unwrap();
     let mut want_y = vec![0.0f32; n_embd];
@@ -487,25 +492,7 @@ fn the_streaming_ffn_computes_ready_slots_and_skips_missing_ones_at_the_deadline
     };
     for (keep, row) in [(by_threshold, None), (by_bitmap, Some(&bitmap[..]))] {
         let act2 = g.zeros::<f32>(n_ff).unwrap();
-        g.zero_at(g.ptr(&start), 8).unwrap();
-        g.ffn_stream_activations(
-            g.ptr(&dslots),
-            n_ff,
-            epoch,
-            StreamInput {
-                gate: g.ptr(&dx),
-                up: g.ptr(&dx),
-            },
-            &format,
-            kind,
-            g.ptr(&dtable),
-            g.ptr(&start),
-            deadline_ns,
-            keep,
-            g.ptr(&act2),
-            g.ptr(&skipped),
-        )
-        .unwrap();
+        stage1(keep, &act2);
         let got = g.download(&act2).unwrap();
         let dropped = (0..n_ff).filter(|&s| got[s] == 0.0 && got_act[s] != 0.0).count();
         assert!(dropped > 0, "{keep:?} dropped nothing");
