@@ -471,7 +471,7 @@ impl Gpu {
     /// Stage 1 of the streaming FFN (`ffn_stream_activations`): for each of
     /// `n_slots` slots, once its flag reaches `epoch` (or at `deadline_ns`
     /// from the first group's start, 0: never), `act[s] = act(gate·x) *
-    /// (up·x)`, the dots in the CPU's vec-dot order (`neuron_activation`'s).
+    /// (up·x)`, the dots in the CPU tail's float order (`input`'s).
     #[allow(clippy::too_many_arguments)]
     pub fn ffn_stream_activations(
         &self,
@@ -500,7 +500,8 @@ impl Gpu {
                 &(format.gate_ty.id() as i32),
                 &(format.up_ty.id() as i32),
                 &(format.n_embd as i32),
-                &CpuOrder::vec_dot().id(),
+                &input.gate_order,
+                &input.up_order,
                 &(format.gate_bytes() as u64),
                 &act_kind,
                 &gelu_table,
@@ -611,11 +612,28 @@ impl Keep {
     };
 }
 
-/// The FFN input of one token in the gate and up rows' vec-dot types.
+/// The FFN input of one token in the gate and up rows' vec-dot types, and
+/// the float order ([`CpuOrder::id_for_token`]) the CPU's tail gives this
+/// token's gate and up dots: `matmul`'s over the layer's matrices for the
+/// call's rows (`FfnRows::as_matrix_of`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct StreamInput {
     pub gate: DevPtr,
     pub up: DevPtr,
+    pub gate_order: i32,
+    pub up_order: i32,
+}
+
+impl StreamInput {
+    /// Token `t` of a call of `n` rows into a layer of `n_ff` neurons.
+    pub fn new(gate: DevPtr, up: DevPtr, format: &BundleFormat, n_ff: usize, t: usize, n: usize) -> Self {
+        Self {
+            gate,
+            up,
+            gate_order: CpuOrder::of(format.gate_ty, n_ff, n).id_for_token(t),
+            up_order: CpuOrder::of(format.up_ty, n_ff, n).id_for_token(t),
+        }
+    }
 }
 
 /// The head shape of an attention call.

@@ -170,6 +170,9 @@ pub fn activations(
             }
             // SAFETY: the flag was seen ready (acquire) for this epoch.
             let bundle = unsafe { staging.read(slot.bundle, bundle_bytes)? };
+            // One row's vec-dot: the device's order wherever the CPU's tail
+            // takes it (every 32-value format; not a repacked or tiled K-quant
+            // gate or up matrix, which the emulated tests do not use).
             let a = neuron_activation(&layer.format, &layer.input, layer.act, bundle)?;
             act[s].store(layer.kept(slot.neuron, a).to_bits(), Ordering::Relaxed);
         }

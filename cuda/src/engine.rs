@@ -299,7 +299,7 @@ impl GpuModel {
             if up_dot != gate_dot {
                 g.quantize_at(up_dot, x, d, x_up)?;
             }
-            let input = StreamInput { gate: x_gate, up: x_up };
+            let input = StreamInput::new(x_gate, x_up, format, ff, t, n);
             row(t, input, gate.offset(t * ff * 4), proj.offset(t * d * 4))?;
         }
         Ok(())

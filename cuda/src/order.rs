@@ -59,16 +59,6 @@ impl CpuOrder {
         }
     }
 
-    /// The order of one weight row's `vec_dot` on this CPU (the sparse
-    /// FFN's gate and up rows, `neuron_activation`).
-    pub fn vec_dot() -> Self {
-        if has_avx2() {
-            CpuOrder::Lanes
-        } else {
-            CpuOrder::Generic
-        }
-    }
-
     /// The `order` argument of the matvec kernels.
     pub fn id(self) -> i32 {
         match self {
@@ -76,6 +66,16 @@ impl CpuOrder {
             CpuOrder::Generic => ORDER_GENERIC,
             CpuOrder::Tiled => ORDER_TILED,
             CpuOrder::Repacked { .. } => ORDER_REPACK_GEMV,
+        }
+    }
+
+    /// The `order` a kernel computing token `t` of the batch takes: the
+    /// repacked gemm's for the first [`gemm_rows`](Self::gemm_rows), else
+    /// [`id`](Self::id).
+    pub fn id_for_token(self, t: usize) -> i32 {
+        match self {
+            CpuOrder::Repacked { gemm_rows } if t < gemm_rows => ORDER_REPACK_GEMM,
+            _ => self.id(),
         }
     }
 
@@ -119,5 +119,8 @@ mod tests {
             CpuOrder::Repacked { gemm_rows: 4 }
         );
         assert_eq!(CpuOrder::Repacked { gemm_rows: 4 }.id(), ORDER_REPACK_GEMV);
+        assert_eq!(CpuOrder::Repacked { gemm_rows: 4 }.id_for_token(3), ORDER_REPACK_GEMM);
+        assert_eq!(CpuOrder::Repacked { gemm_rows: 4 }.id_for_token(4), ORDER_REPACK_GEMV);
+        assert_eq!(CpuOrder::Tiled.id_for_token(0), ORDER_TILED);
     }
 }

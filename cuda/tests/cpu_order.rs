@@ -18,8 +18,8 @@ use std::path::{Path, PathBuf};
 use std::process::Command;
 
 use half::f16;
-use leanstream_cuda::order::{CpuOrder, ORDER_REPACK_GEMM};
-use leanstream_kernels::dot::{has_avx2, vec_dot, vec_dot_scalar};
+use leanstream_cuda::order::CpuOrder;
+use leanstream_kernels::dot::has_avx2;
 use leanstream_kernels::matmul::matmul_scalar;
 use leanstream_kernels::{matmul, ActBuffer, GgmlType, QMatrix};
 
@@ -140,10 +140,7 @@ fn compare(
     let w_row = ty.row_bytes(cols).unwrap();
     for t in 0..n {
         // The kernel's per-token choice between the repacked gemm and gemv.
-        let id = match order {
-            CpuOrder::Repacked { gemm_rows } if t < gemm_rows => ORDER_REPACK_GEMM,
-            _ => order.id(),
-        };
+        let id = order.id_for_token(t);
         for r in (0..rows).step_by(step) {
             let got = unsafe {
                 product(
@@ -210,51 +207,6 @@ fn every_weight_type_and_order_equals_the_cpu_matmul_bit_for_bit() {
     assert!(seen.contains(&(GgmlType::Q4K, CpuOrder::Generic)));
     assert!(seen.contains(&(GgmlType::Q5K, CpuOrder::Tiled)));
     assert!(seen.contains(&(GgmlType::Q6K, CpuOrder::Tiled)));
-}
-
-/// The streaming FFN's gate and up dots (`ffn_stream.cu`) take the order of
-/// one row's `vec_dot`, as the CPU's `neuron_activation` does, whatever the
-/// matrix the row came from: with AVX2 the lanes (where `matmul` would take
-/// repacked Q4_K's gemv for a 16-row matrix), without it the generic C.
-#[test]
-fn one_rows_vec_dot_is_the_streaming_ffns_order() {
-    let Some(lib) = harness() else { return };
-    let product = row_product(lib);
-    let mut rng = Rng(17);
-    for simd in cpu_kinds() {
-        // What the host passes the kernel on this CPU, and on one without AVX2.
-        let order = if simd == has_avx2() {
-            CpuOrder::vec_dot()
-        } else {
-            CpuOrder::Generic
-        };
-        for ty in GPU_WEIGHT_TYPES {
-            let cols = if ty.block_size() == 256 { 768 } else { 576 };
-            let w = weights(ty, 1, cols, &mut rng);
-            let x: Vec<f32> = rng.floats(cols).iter().map(|v| v * 3.0).collect();
-            let mut acts = ActBuffer::with_capacity(cols, 1);
-            acts.quantize(ty.vec_dot_type(), &x, 1, cols).unwrap();
-            let want = if simd {
-                vec_dot(ty, &w, acts.row(0), cols).unwrap()
-            } else {
-                vec_dot_scalar(ty, &w, acts.row(0), cols).unwrap()
-            };
-            let got = unsafe {
-                product(
-                    ty.id() as i32,
-                    w.as_ptr(),
-                    acts.row(0).as_ptr(),
-                    cols as i32,
-                    order.id(),
-                )
-            };
-            assert_eq!(
-                got.to_bits(),
-                want.to_bits(),
-                "{ty} (AVX2 {simd}): {got} against {want}"
-            );
-        }
-    }
 }
 
 /// A wrong order does not go unnoticed: the same products summed in the

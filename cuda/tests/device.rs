@@ -414,10 +414,7 @@ fn the_streaming_ffn_computes_ready_slots_and_skips_missing_ones_at_the_deadline
             g.ptr(&dslots),
             n_ff,
             epoch,
-            StreamInput {
-                gate: g.ptr(&dx),
-                up: g.ptr(&dx),
-            },
+            StreamInput::new(g.ptr(&dx), g.ptr(&dx), &format, n_ff, 0, 1),
             &format,
             kind,
             g.ptr(&dtable),

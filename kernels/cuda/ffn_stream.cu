@@ -11,7 +11,8 @@
 // Cached bundles point at a flag that always reads 0xFFFFFFFF.
 //
 // Determinism: stage 1 writes slot-local values only, its gate and up dots
-// in the CPU's vec-dot order (`cpu_order.cuh`: `neuron_activation`'s bits);
+// in the float order of the CPU's tail (`cpu_order.cuh`; the tail computes
+// what `matmul` gives over the layer's matrices, so its bits);
 // stage 2 sums in the host's `order` (ascending neuron id), one fused
 // multiply-add per neuron and output as the CPU's `axpy_down`, so `y` for a
 // given set of neurons is the same whatever the arrival order.
@@ -38,8 +39,9 @@ static_assert(sizeof(Slot) == 24, "Slot layout is shared with the host");
 
 // Stage 1: one group of 8 threads per slot (the CPU dot's lanes; groups of
 // a warp wait on their own flags). `x_gate` / `x_up`: the FFN input in the
-// gate and up rows' vec-dot types, `n_embd` values; `order`: the CPU's
-// vec-dot order (ORDER_LANES or ORDER_GENERIC). `start_ns` is zeroed by the
+// gate and up rows' vec-dot types, `n_embd` values; `gate_order` /
+// `up_order`: the CPU's float order for this token's dots (ORDER_*, the
+// repacked ones resolved). `start_ns` is zeroed by the
 // host before the launch; the first group to run stamps it, and
 // `deadline_ns` counts from there (0: wait for every slot). `act[s]` gets
 // `act(gate·x) * (up·x)`, or 0 where the policy drops the neuron, as the
@@ -47,7 +49,8 @@ static_assert(sizeof(Slot) == 24, "Slot layout is shared with the host");
 // else where |a| is below `threshold` (0 keeps all).
 extern "C" __global__ void ffn_stream_activations(const Slot* __restrict__ slots, int n_slots, u32 epoch,
                                                   const u8* __restrict__ x_gate, const u8* __restrict__ x_up,
-                                                  int gate_ty, int up_ty, int n_embd, int order, u64 gate_bytes,
+                                                  int gate_ty, int up_ty, int n_embd, int gate_order,
+                                                  int up_order, u64 gate_bytes,
                                                   int act_kind, const float* __restrict__ gelu_table,
                                                   u64* start_ns, u64 deadline_ns, float threshold,
                                                   const u64* __restrict__ keep, float* __restrict__ act,
@@ -80,8 +83,8 @@ extern "C" __global__ void ffn_stream_activations(const Slot* __restrict__ slots
         return;
     }
     const u8* bundle = (const u8*)slot.bundle;
-    float g = row_product_of(gate_ty, bundle, x_gate, n_embd, order);
-    float u = row_product_of(up_ty, bundle + gate_bytes, x_up, n_embd, order);
+    float g = row_product_of(gate_ty, bundle, x_gate, n_embd, gate_order);
+    float u = row_product_of(up_ty, bundle + gate_bytes, x_up, n_embd, up_order);
     if (lane == 0) {
         float a = gated(act_kind, gelu_table, g, u);
         bool kept = keep != nullptr ? ((keep[slot.neuron >> 6] >> (slot.neuron & 63)) & 1ull) != 0

@@ -110,10 +110,15 @@ impl GpuComputeExecutor {
         let copy = |e| device(leanstream_cuda::CudaError::Driver(format!("slot table: {e}")));
         g.stream.memcpy_htod(&slots, &mut self.slots).map_err(copy)?;
         g.stream.memcpy_htod(&order, &mut self.order).map_err(copy)?;
-        let input = StreamInput {
-            gate: g.ptr(&self.x_gate),
-            up: g.ptr(&self.x_up),
-        };
+        // One token's call, as the engine's decode step makes it.
+        let input = StreamInput::new(
+            g.ptr(&self.x_gate),
+            g.ptr(&self.x_up),
+            &self.layer.format,
+            self.layer.n_ff,
+            0,
+            1,
+        );
         let table = SlotTable {
             slots: g.ptr(&self.slots),
             order: g.ptr(&self.order),
