@@ -1,18 +1,19 @@
-//! The device matvec's arithmetic equals the CPU engine's `matmul` bit for
-//! bit, checked without a GPU: `kernels/cuda/cpu_order.cuh` is plain C++ as
-//! well as CUDA, so this compiles it with the host's C++ compiler (through
-//! `harness/cpu_order.cpp`, which composes its lane functions as
-//! `matvec.cu` does) and compares every output with the kernels crate's,
-//! for every weight type the device takes and every order the CPU's
-//! dispatch picks (vec-dot lanes, the tiled K-quant matmul, repacked Q4_K's
-//! gemm and gemv rows), on both kinds of CPU: `matmul` where this one has
-//! AVX2, and `matmul_scalar`, which is what the engine runs on a CPU without
-//! it (GGML's generic formulas).
+//! The device's products (`matvec.cu`, and the streaming FFN's gate and up
+//! dots) equal the CPU engine's `matmul` bit for bit, checked without a GPU:
+//! `kernels/cuda/cpu_order.cuh` is plain C++ as well as CUDA, so this
+//! compiles it with the host's C++ compiler (through `harness/cpu_order.cpp`:
+//! the kernels' own `row_product`, with the host forms of the lane
+//! primitives) and compares every output with the kernels crate's, for
+//! every weight type the device takes and every order the CPU's dispatch
+//! picks (vec-dot lanes, the tiled K-quant matmul, repacked Q4_K's gemm and
+//! gemv rows), on both kinds of CPU: `matmul` where this one has AVX2, and
+//! `matmul_scalar`, which is what the engine runs on a CPU without it
+//! (GGML's generic formulas).
 //!
-//! What it cannot check is the device's side of the composition (the
-//! shuffles of `matvec.cu`); `tests/device.rs` does, where a GPU is present.
-//! A machine without a C++ compiler fails here, naming it, unless
-//! LEANSTREAM_ALLOW_MISSING_MODELS=1 lets the tests skip.
+//! What it cannot check is the device's forms of the lane primitives (the
+//! group's shuffles) and the kernels' grids; `tests/device.rs` does, where a
+//! GPU is present. A machine without a C++ compiler fails here, naming it,
+//! unless LEANSTREAM_ALLOW_MISSING_MODELS=1 lets the tests skip.
 
 use std::path::{Path, PathBuf};
 use std::process::Command;

@@ -6,7 +6,7 @@
 //
 // The integer sum of any group of products is exact, so only the float
 // steps need the CPU's order. The CPU computes an output one of five ways
-// (`cuda/src/device.rs` picks it per matrix and batch, from the kernels
+// (`cuda/src/order.rs` picks it per matrix and batch, from the kernels
 // crate's own dispatch):
 //   ORDER_LANES        ggml_vec_dot_*'s AVX2 kernels: eight f32 lanes, lane k
 //                      taking the products of bytes 4k..4k+3 of each 32-byte
