@@ -22,6 +22,7 @@ use half::f16;
 use leanstream_cuda::order::CpuOrder;
 use leanstream_kernels::dot::has_avx2;
 use leanstream_kernels::matmul::matmul_scalar;
+use leanstream_kernels::quantize::{quantize_row_q4_0, quantize_row_q8_0};
 use leanstream_kernels::{matmul, ActBuffer, GgmlType, QMatrix};
 
 mod common;
@@ -121,8 +122,21 @@ fn cpu_matmul(simd: bool, w: &QMatrix, acts: &ActBuffer, out: &mut [f32]) {
 /// Compares every `step`-th output row of `w` (`rows × cols` of `ty`)
 /// against `n` activation rows, as the CPU computes them and as the harness
 /// does in the order [`CpuOrder`] picks for that CPU.
-#[allow(clippy::too_many_arguments)]
 fn compare(
+    lib: &libloading::Library,
+    what: &str,
+    ty: GgmlType,
+    w: &[u8],
+    shape: (usize, usize, usize, usize),
+    simd: bool,
+    rng: &mut Rng,
+) -> CpuOrder {
+    compare_with(lib, what, ty, w, shape, simd, rng, |v| v * 3.0)
+}
+
+/// [`compare`] with the activations `act(u)`, `u` uniform in [-1, 1).
+#[allow(clippy::too_many_arguments)]
+fn compare_with(
     lib: &libloading::Library,
     what: &str,
     ty: GgmlType,
@@ -130,9 +144,10 @@ fn compare(
     (rows, cols, n, step): (usize, usize, usize, usize),
     simd: bool,
     rng: &mut Rng,
+    act: impl Fn(f32) -> f32,
 ) -> CpuOrder {
     let product = row_product(lib);
-    let x: Vec<f32> = rng.floats(n * cols).iter().map(|v| v * 3.0).collect();
+    let x: Vec<f32> = rng.floats(n * cols).into_iter().map(act).collect();
     let mut acts = ActBuffer::with_capacity(cols, n);
     acts.quantize(ty.vec_dot_type(), &x, n, cols).unwrap();
     let mut want = vec![0.0f32; n * rows];
@@ -208,6 +223,37 @@ fn every_weight_type_and_order_equals_the_cpu_matmul_bit_for_bit() {
     assert!(seen.contains(&(GgmlType::Q4K, CpuOrder::Generic)));
     assert!(seen.contains(&(GgmlType::Q5K, CpuOrder::Tiled)));
     assert!(seen.contains(&(GgmlType::Q6K, CpuOrder::Tiled)));
+}
+
+/// Blocks whose integer sums are large (weights near one extreme of their
+/// range, activations near the other), so that `sumi · d` is not exact in
+/// f32 and a product regrouped inside a block's float step shows: random
+/// rows' sums are small enough that most such slips round alike, and in a
+/// long row a block's last bit is mostly lost in the sum, hence rows of one
+/// block too.
+#[test]
+fn large_block_sums_keep_the_cpus_rounding() {
+    let Some(lib) = harness() else { return };
+    let mut rng = Rng(19);
+    for ((rows, cols), simd, ty) in [(64, 32), (12, 576)]
+        .into_iter()
+        .flat_map(|shape| cpu_kinds().into_iter().map(move |simd| (shape, simd)))
+        .flat_map(|(shape, simd)| [GgmlType::Q4_0, GgmlType::Q8_0].map(|ty| (shape, simd, ty)))
+    {
+        let mut w = vec![0u8; rows * ty.row_bytes(cols).unwrap()];
+        for row in w.chunks_exact_mut(ty.row_bytes(cols).unwrap()) {
+            let x: Vec<f32> = rng.floats(cols).iter().map(|v| -1.0 - 0.1 * v.abs()).collect();
+            if ty == GgmlType::Q4_0 {
+                quantize_row_q4_0(&x, row).unwrap();
+            } else {
+                quantize_row_q8_0(&x, row).unwrap();
+            }
+        }
+        // Activations near +1: every byte of every block near 127.
+        compare_with(lib, "large sums", ty, &w, (rows, cols, 1, 1), simd, &mut rng, |v| {
+            1.0 + 0.1 * v
+        });
+    }
 }
 
 /// A wrong order does not go unnoticed: the same products summed in the
