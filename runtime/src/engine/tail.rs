@@ -232,9 +232,6 @@ pub struct Tail {
     /// Neurons whose down column stage 2 reads from their (pinned) cache
     /// slot rather than from `columns`: a streamed layer's hits.
     in_cache: Vec<u64>,
-    /// Neurons whose down column stage 2 reads from a run the streamer
-    /// keeps until the layer is done ([`LandedRun::kept`]).
-    in_run: Vec<u64>,
     /// What a streamed layer computes with (its stage's want, less what did not land).
     have: Vec<u64>,
     /// A resident layer's want widened to whole down-tile groups.
@@ -271,7 +268,6 @@ impl Tail {
             hit_bundles: Vec::new(),
             scattered: Vec::with_capacity(n_ff),
             in_cache: vec![0; n_ff.div_ceil(64)],
-            in_run: vec![0; n_ff.div_ceil(64)],
             have: vec![0; n_ff.div_ceil(64)],
             grouped: vec![0; n_ff.div_ceil(64)],
             fresh: Vec::new(),
@@ -432,7 +428,6 @@ impl Tail {
                 }
                 self.begin_down(f)?;
                 self.in_cache.fill(0);
-                self.in_run.fill(0);
                 let expected = s.progress(l)?.1;
                 let (mut done, mut stage) = (0usize, 0usize);
                 // Cache hits in consecutive slots (a static hot set) are
@@ -514,9 +509,9 @@ impl Tail {
                         let ids = &neurons[p..q];
                         let run = Rows::Bundles(&bytes[p * bb..q * bb]);
                         self.stage1(f, run, |k| ids[k], None, n, select, record.as_deref_mut())?;
-                        if kept && f.down_layout == DownLayout::Columns {
-                            ids.iter().for_each(|&i| set_bit(&mut self.in_run, i as usize));
-                        } else {
+                        // A kept run's columns are read where they landed
+                        // (`Streamer::kept_bundle`); the others are copied.
+                        if !(kept && f.down_layout == DownLayout::Columns) {
                             for (k, &i) in ids.iter().enumerate() {
                                 let at = (p + k) * bb;
                                 self.keep_down(f, n, i as usize, &bytes[at..at + bb])?;
@@ -655,7 +650,7 @@ impl Tail {
             return Ok(None);
         }
         self.fresh.sort_unstable();
-        let column = Self::column(f, &self.columns, &self.in_cache, &self.in_run, s, l);
+        let column = Self::column(f, &self.columns, &self.in_cache, s, l);
         run_down_columns(
             f,
             &self.fresh,
@@ -701,7 +696,6 @@ impl Tail {
         f: &'b BundleFormat,
         columns: &'b [u8],
         in_cache: &'b [u64],
-        in_run: &'b [u64],
         s: &'b Streamer,
         l: usize,
     ) -> impl Fn(usize) -> &'b [u8] + Sync + 'b {
@@ -709,8 +703,8 @@ impl Tail {
         move |i| {
             if bit_is_set(in_cache, i) {
                 f.down_part(s.cached(l, i)).unwrap_or(&[])
-            } else if bit_is_set(in_run, i) {
-                s.kept_bundle(l, i).and_then(|b| f.down_part(b).ok()).unwrap_or(&[])
+            } else if let Some(b) = s.kept_bundle(l, i) {
+                f.down_part(b).unwrap_or(&[])
             } else {
                 &columns[i * db..(i + 1) * db]
             }
@@ -751,7 +745,7 @@ impl Tail {
             DownLayout::Columns => {
                 column_ids(&mut self.ids, self.n_ff, Some(have));
                 y.fill(0.0);
-                let column = Self::column(f, &self.columns, &self.in_cache, &self.in_run, s, l);
+                let column = Self::column(f, &self.columns, &self.in_cache, s, l);
                 run_down_columns(f, &self.ids, a, self.n_ff, column, y)?;
             }
             DownLayout::Tiles => {
