@@ -74,6 +74,10 @@ extern "C" __global__ void ffn_stream_activations(const Slot* __restrict__ slots
             __nanosleep(200);
         }
     }
+    // Lane 0's acquire orders its own later loads only; the barrier (which,
+    // unlike a shuffle, orders memory) carries it to the group's other
+    // lanes, which read the bundle's bytes too.
+    __syncwarp(group_mask());
     ready = __shfl_sync(group_mask(), ready, 0, CPU_LANES);
     if (!ready) {
         if (lane == 0) {
