@@ -12,7 +12,17 @@ its last activation's size against the threshold (binned: a neuron just below
 it is likelier to be used next than one far below), and a ridge regression
 from the layer's active set at token t to t + 1.
 
+`--lookahead` asks whether knowing the rest of the current token (the
+predictor's job: it reads the layer's input) would help: the held-out split
+is replayed layer by layer through a cache that holds the top `--budget`
+share by P(use at the next chance | tokens since last use), hits pinned,
+misses inserted or refused, as the engine's cache does, once with history
+alone and once with the true active sets of the next 1, 2, 4 or all layers
+of the token known (a known-active neuron is kept, a known-inactive one
+waits for the next token). Slow: use `--tokens` to cut the held-out split.
+
 Usage: scripts/eviction_history_ceiling.py ACTS_DIR [--sparsity 0.5] [--budget 0.25]
+       [--lookahead [--tokens N]]
 Needs numpy (`pip install numpy`). Prints one miss ratio per state.
 """
 import argparse
@@ -60,11 +70,70 @@ def state_miss(train, held, freq, slots, n_states, first, train_state, held_stat
     return replay(held, slots, lambda t: prob[idx, held_state(t)])
 
 
+AGE_EDGES = np.array([1, 2, 3, 5, 9, 17, 33])  # tokens since last use, bucket edges
+
+
+def age_prob(train):
+    """P(used at t + 1 | tokens since last use at t), per neuron and age
+    bucket, shrunk (4 pseudo-counts) toward frequency times the bucket's rate."""
+    neurons = train.shape[1]
+    idx = np.arange(neurons)
+    seen = np.zeros((neurons, len(AGE_EDGES) + 1))
+    used = np.zeros_like(seen)
+    last = np.full(neurons, -(10**6))
+    for t in range(train.shape[0] - 1):
+        last[train[t]] = t
+        b = np.searchsorted(AGE_EDGES, t - last, side="right")
+        np.add.at(seen, (idx, b), 1)
+        np.add.at(used, (idx, b), train[t + 1])
+    freq = train.mean(0)
+    rate = used.sum(0) / np.maximum(seen.sum(0), 1)
+    prior = np.clip(freq[:, None] * rate[None, :] / freq.mean(), 0, 1)
+    return (used + 4 * prior) / (seen + 4)
+
+
+def layer_replay(held, n_layer, n_ff, slots, prob, lookahead):
+    """Miss ratio of the layer-by-layer replay with an exact-priority cache;
+    the true active sets of the next `lookahead` layers of each token known."""
+    neurons = held.shape[1]
+    idx = np.arange(neurons)
+    layer_of = idx // n_ff
+    cache = np.zeros(neurons, bool)
+    last = np.full(neurons, -(10**6))
+    hits = looks = 0
+    for t in range(held.shape[0]):
+        for layer in range(n_layer):
+            cols = slice(layer * n_ff, (layer + 1) * n_ff)
+            need = np.zeros(neurons, bool)
+            need[cols] = held[t, cols]
+            hit = cache & need
+            hits += hit.sum()
+            looks += need.sum()
+            last[need] = t
+            # Later layers of this token still get their chance: one missed fewer.
+            age = np.where(layer_of > layer, np.maximum(t - last - 1, 0), t - last)
+            p = prob[idx, np.searchsorted(AGE_EDGES, age, side="right")]
+            for ahead in range(layer + 1, min(layer + 1 + lookahead, n_layer)):
+                c = slice(ahead * n_ff, (ahead + 1) * n_ff)
+                later = prob[idx[c], np.searchsorted(AGE_EDGES, age[c] + 1, side="right")]
+                p[c] = np.where(held[t, c], 2.0, later)
+            # What competes for the unpinned slots: residents not needed now, and misses.
+            rivals = np.flatnonzero(cache ^ need)
+            room = slots - hit.sum()
+            keep = rivals[np.argpartition(-p[rivals], room)[:room]] if len(rivals) > room else rivals
+            cache[:] = False
+            cache[hit] = True
+            cache[keep] = True
+    return 1 - hits / looks
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("acts")
     ap.add_argument("--sparsity", type=float, default=0.5)
     ap.add_argument("--budget", type=float, default=0.25)
+    ap.add_argument("--lookahead", action="store_true")
+    ap.add_argument("--tokens", type=int, help="held-out tokens the layer replay takes")
     a = ap.parse_args()
     m = json.load(open(f"{a.acts}/manifest.json"))
     level = [lv for lv in m["levels"] if abs(lv["sparsity"] - a.sparsity) < 1e-6]
@@ -77,6 +146,14 @@ def main():
     neurons = train.shape[1]
     slots = int(a.budget * neurons)
     freq = train.mean(0)
+    if a.lookahead:
+        prob = age_prob(train)
+        part = held[: a.tokens]
+        print(f"layer replay over {part.shape[0]} held-out tokens")
+        for k in (0, 1, 2, 4, n_layer):
+            miss = layer_replay(part, n_layer, n_ff, slots, prob, k)
+            print(f"  next {k} layers known: {miss:.4f}" if k else f"  history alone: {miss:.4f}", flush=True)
+        return
     print(f"hot (training frequency): {replay(held, slots, lambda t: freq):.4f}")
     for k in (2, 3, 4, 6):
         weights = 1 << np.arange(k)
