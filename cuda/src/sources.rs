@@ -23,7 +23,12 @@ macro_rules! source {
 }
 
 /// Headers the kernels include.
-pub const HEADERS: &[Source] = &[source!("blocks.cuh"), source!("common.cuh"), source!("cpu_order.cuh")];
+pub const HEADERS: &[Source] = &[
+    source!("blocks.cuh"),
+    source!("common.cuh"),
+    source!("cpu_order.cuh"),
+    source!("norm_mean.cuh"),
+];
 
 /// One translation unit each.
 pub const KERNELS: &[Source] = &[

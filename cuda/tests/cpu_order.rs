@@ -10,6 +10,11 @@
 //! `matmul_scalar`, which is what the engine runs on a CPU without it
 //! (GGML's generic formulas).
 //!
+//! The RMS norm's mean is checked the same way (`kernels/cuda/norm_mean.cuh`
+//! against `ops::mean_square`): from the tree sum a `rms_norm_rows` block
+//! adds, it is the CPU's, on rows where the tree's last bits move it across
+//! an f32 rounding too.
+//!
 //! What it cannot check is the device's forms of the lane primitives (the
 //! group's shuffles) and the kernels' grids; `tests/device.rs` does, where a
 //! GPU is present. A machine without a C++ compiler fails here, naming it,
@@ -22,6 +27,7 @@ use half::f16;
 use leanstream_cuda::order::CpuOrder;
 use leanstream_kernels::dot::has_avx2;
 use leanstream_kernels::matmul::matmul_scalar;
+use leanstream_kernels::ops::mean_square;
 use leanstream_kernels::quantize::{quantize_row_q4_0, quantize_row_q8_0};
 use leanstream_kernels::{matmul, ActBuffer, GgmlType, QMatrix};
 
@@ -31,6 +37,7 @@ use common::{weights, Rng, GPU_WEIGHT_TYPES};
 
 type RowProduct = unsafe extern "C" fn(i32, *const u8, *const u8, i32, i32) -> f32;
 type HalfToFloat = unsafe extern "C" fn(u16) -> f32;
+type NormMean = unsafe extern "C" fn(*const f32, i32, f64, *mut i32) -> f32;
 
 /// The harness built once per test process, or `None` (skipping) where no
 /// compiler is found and skipping is allowed.
@@ -348,4 +355,122 @@ fn the_real_models_matrices_equal_the_cpu_matmul_bit_for_bit() {
         }
         eprintln!("{name}: {} matrix shapes checked", shapes.len());
     }
+}
+
+/// Threads of a `rms_norm_rows` block (`Gpu::rms_norm`).
+const NORM_THREADS: usize = 256;
+
+/// The f64 sum of `x`'s squares as a `rms_norm_rows` block adds it: each
+/// thread a strided chain, lane 0 of each warp after the xor butterfly
+/// (`warp_sum_f64`), then the warps in order.
+fn device_tree_sum(x: &[f32]) -> f64 {
+    let mut lanes: Vec<f64> = (0..NORM_THREADS)
+        .map(|t| {
+            x.iter()
+                .skip(t)
+                .step_by(NORM_THREADS)
+                .fold(0.0, |s, &v| s + (v * v) as f64)
+        })
+        .collect();
+    let mut total = 0.0;
+    for warp in lanes.chunks_mut(32) {
+        for o in [16, 8, 4, 2, 1] {
+            let before = warp.to_vec();
+            for (i, v) in warp.iter_mut().enumerate() {
+                *v = before[i] + before[i ^ o];
+            }
+        }
+        total += warp[0];
+    }
+    total
+}
+
+/// One value of a test row.
+type RowValue = fn(&mut Rng) -> f32;
+
+/// The harness's mean of `x` from tree sum `tree`, and whether the sum settled it.
+fn norm_mean(lib: &libloading::Library, x: &[f32], tree: f64) -> (f32, bool) {
+    let f: libloading::Symbol<NormMean> = unsafe { lib.get(b"cpu_order_norm_mean\0") }.unwrap();
+    let mut settled = 0;
+    let mean = unsafe { f(x.as_ptr(), x.len() as i32, tree, &mut settled) };
+    (mean, settled != 0)
+}
+
+#[test]
+fn the_norms_mean_from_the_devices_tree_sum_is_the_cpus() {
+    let Some(lib) = harness() else { return };
+    let mut rng = Rng(11);
+    // Hidden-state-like rows, rows over nine decades (the f64 sums round),
+    // and rows with a few massive activations.
+    let shapes: [(&str, RowValue); 3] = [
+        ("uniform", |r| 3.0 * r.float()),
+        ("wide", |r| r.float().signum() * 10f32.powf(9.0 * r.float().abs() - 6.0)),
+        ("massive", |r| {
+            if r.below(200) == 0 {
+                300.0 * r.float()
+            } else {
+                r.float()
+            }
+        }),
+    ];
+    for d in [64, 256, 576, 640, 1152, 4096] {
+        for (name, value) in shapes {
+            let mut settled = 0;
+            let rows = 200;
+            for row in 0..rows {
+                let x: Vec<f32> = (0..d).map(|_| value(&mut rng)).collect();
+                let want = mean_square(&x);
+                let (got, by_tree) = norm_mean(lib, &x, device_tree_sum(&x));
+                assert_eq!(
+                    got.to_bits(),
+                    want.to_bits(),
+                    "{name} d {d} row {row}: {got} against the CPU's {want}"
+                );
+                settled += by_tree as usize;
+                // Any order's sum lies within (d - 1)·2^-53 of the in-order
+                // one's, relative: the ends of that reach give the CPU's mean too.
+                let in_order = x.iter().fold(0.0f64, |s, &v| s + (v * v) as f64);
+                for side in [-1.0, 1.0] {
+                    let tree = in_order * (1.0 + side * (d - 1) as f64 * f64::EPSILON / 2.0);
+                    let (got, _) = norm_mean(lib, &x, tree);
+                    assert_eq!(got.to_bits(), want.to_bits(), "{name} d {d} row {row}, sum {tree}");
+                }
+            }
+            // The chain is the exception, not the rule.
+            assert!(
+                settled * 100 >= rows * 99,
+                "{name} d {d}: only {settled} of {rows} rows settled by the tree"
+            );
+        }
+    }
+}
+
+#[test]
+fn a_tree_sum_across_an_f32_rounding_takes_the_cpus_chain() {
+    let Some(lib) = harness() else { return };
+    // Squares 4, s², 2^-22, s² with s² just under half of 4's f64 ulp: in
+    // order each s² is lost and the mean is 1 + 2^-24 exactly, an f32 tie
+    // (to 1.0); the device's tree adds the two s² first, keeps them, and
+    // would round the mean up.
+    let s = 1.224_744_9f32 * 2f32.powi(-26);
+    let x = [2.0, s, 2f32.powi(-11), s];
+    let want = mean_square(&x);
+    let tree = device_tree_sum(&x);
+    let naive = (tree / x.len() as f64) as f32;
+    assert_ne!(
+        naive.to_bits(),
+        want.to_bits(),
+        "the tree's sum must cross the rounding for this test to mean anything"
+    );
+    let (got, settled) = norm_mean(lib, &x, tree);
+    assert!(
+        !settled,
+        "a sum on the edge of an f32 rounding must not settle the mean"
+    );
+    assert_eq!(got.to_bits(), want.to_bits(), "{got} against the CPU's {want}");
+    // An infinite square settles nothing either; the chain gives the CPU's infinity.
+    let x = [1.0, f32::MAX, 2.0];
+    let (got, settled) = norm_mean(lib, &x, device_tree_sum(&x));
+    assert!(!settled);
+    assert_eq!(got.to_bits(), mean_square(&x).to_bits());
 }

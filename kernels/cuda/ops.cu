@@ -3,6 +3,7 @@
 // f64, the gated activations use GGML's exp and GELU table, RoPE takes the
 // host's cos/sin table and the same fused multiply-adds.
 #include "common.cuh"
+#include "norm_mean.cuh"
 
 // `out[r] = x[r] / rms(x[r]) * weight`, one block per row of `d` values
 // (also per-head q/k norms: rows = heads, d = head_dim, in place allowed).
@@ -21,7 +22,14 @@ extern "C" __global__ void rms_norm_rows(const float* x, const float* __restrict
     __syncthreads();
     double total = 0.0;
     for (int w = 0; w < (int)(blockDim.x / WARP); ++w) total += partial[w];
-    float mean = (float)(total / (double)d);
+    // Every thread holds the same total, so the branch is the block's.
+    __shared__ float in_order;
+    float mean;
+    if (!norm_mean_settled(total, d, &mean)) {
+        if (threadIdx.x == 0) in_order = norm_mean_in_order(xr, d);
+        __syncthreads();
+        mean = in_order;
+    }
     float scale = __fdiv_rn(1.0f, __fsqrt_rn(__fadd_rn(mean, eps)));
     __syncthreads();
     for (int i = threadIdx.x; i < d; i += blockDim.x) outr[i] = __fmul_rn(__fmul_rn(xr[i], scale), weight[i]);

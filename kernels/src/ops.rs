@@ -52,10 +52,21 @@ fn sums_of_squares<const R: usize>(rows: [&[f32]; R]) -> [f64; R] {
     sums
 }
 
+/// The mean of `x`'s squares as [`rms_norm`] takes it (the GPU backend's
+/// norm is checked against it bit for bit).
+pub fn mean_square(x: &[f32]) -> f32 {
+    let [sum] = sums_of_squares([x]);
+    mean_of(sum, x.len())
+}
+
+#[inline(always)]
+fn mean_of(sum: f64, len: usize) -> f32 {
+    (sum / len as f64) as f32
+}
+
 #[inline(always)]
 fn rms_scale(sum: f64, len: usize, eps: f32) -> f32 {
-    let mean = (sum / len as f64) as f32;
-    1.0 / (mean + eps).sqrt()
+    1.0 / (mean_of(sum, len) + eps).sqrt()
 }
 
 #[inline(always)]
