@@ -64,18 +64,23 @@ def state_miss(train, held, freq, slots, n_states, first, train_state, held_stat
         s = train_state(t)
         np.add.at(seen, (idx, s), 1)
         np.add.at(used, (idx, s), train[t + 1])
+    prob = shrunk(seen, used, freq)
+    return replay(held, slots, lambda t: prob[idx, held_state(t)])
+
+
+def shrunk(seen, used, freq):
+    """Per neuron and state, the rate of use at t + 1, shrunk (4 pseudo-counts)
+    toward the neuron's frequency times the state's rate over all neurons."""
     rate = used.sum(0) / np.maximum(seen.sum(0), 1)
     prior = np.clip(freq[:, None] * rate[None, :] / freq.mean(), 0, 1)
-    prob = (used + 4 * prior) / (seen + 4)
-    return replay(held, slots, lambda t: prob[idx, held_state(t)])
+    return (used + 4 * prior) / (seen + 4)
 
 
 AGE_EDGES = np.array([1, 2, 3, 5, 9, 17, 33])  # tokens since last use, bucket edges
 
 
 def age_prob(train):
-    """P(used at t + 1 | tokens since last use at t), per neuron and age
-    bucket, shrunk (4 pseudo-counts) toward frequency times the bucket's rate."""
+    """P(used at t + 1 | tokens since last use at t), per neuron and age bucket."""
     neurons = train.shape[1]
     idx = np.arange(neurons)
     seen = np.zeros((neurons, len(AGE_EDGES) + 1))
@@ -86,10 +91,7 @@ def age_prob(train):
         b = np.searchsorted(AGE_EDGES, t - last, side="right")
         np.add.at(seen, (idx, b), 1)
         np.add.at(used, (idx, b), train[t + 1])
-    freq = train.mean(0)
-    rate = used.sum(0) / np.maximum(seen.sum(0), 1)
-    prior = np.clip(freq[:, None] * rate[None, :] / freq.mean(), 0, 1)
-    return (used + 4 * prior) / (seen + 4)
+    return shrunk(seen, used, train.mean(0))
 
 
 def layer_replay(held, n_layer, n_ff, slots, prob, lookahead):
