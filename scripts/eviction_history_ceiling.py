@@ -53,24 +53,25 @@ def replay(held, slots, score):
 
 def state_miss(train, held, freq, slots, n_states, first, train_state, held_state):
     """Free-reload miss ratio of ranking each neuron by P(used at t + 1 | its
-    state at t), counted on the training tokens from `first` on; each
-    neuron's rate in a state is shrunk (4 pseudo-counts) toward its training
-    frequency scaled by that state's rate over all neurons."""
+    state at t), counted on the training tokens from `first` on ([`use_rates`])."""
+    idx = np.arange(train.shape[1])
+    prob = use_rates(train, freq, n_states, first, train_state)
+    return replay(held, slots, lambda t: prob[idx, held_state(t)])
+
+
+def use_rates(train, freq, n_states, first, state):
+    """Per neuron and state, the rate of use at t + 1 over the training tokens
+    t from `first` on (`state(t)` is called for each t in order), shrunk (4
+    pseudo-counts) toward the neuron's frequency times the state's rate over
+    all neurons."""
     neurons = train.shape[1]
     idx = np.arange(neurons)
     seen = np.zeros((neurons, n_states))
     used = np.zeros((neurons, n_states))
     for t in range(first, train.shape[0] - 1):
-        s = train_state(t)
+        s = state(t)
         np.add.at(seen, (idx, s), 1)
         np.add.at(used, (idx, s), train[t + 1])
-    prob = shrunk(seen, used, freq)
-    return replay(held, slots, lambda t: prob[idx, held_state(t)])
-
-
-def shrunk(seen, used, freq):
-    """Per neuron and state, the rate of use at t + 1, shrunk (4 pseudo-counts)
-    toward the neuron's frequency times the state's rate over all neurons."""
     rate = used.sum(0) / np.maximum(seen.sum(0), 1)
     prior = np.clip(freq[:, None] * rate[None, :] / freq.mean(), 0, 1)
     return (used + 4 * prior) / (seen + 4)
@@ -81,17 +82,13 @@ AGE_EDGES = np.array([1, 2, 3, 5, 9, 17, 33])  # tokens since last use, bucket e
 
 def age_prob(train):
     """P(used at t + 1 | tokens since last use at t), per neuron and age bucket."""
-    neurons = train.shape[1]
-    idx = np.arange(neurons)
-    seen = np.zeros((neurons, len(AGE_EDGES) + 1))
-    used = np.zeros_like(seen)
-    last = np.full(neurons, -(10**6))
-    for t in range(train.shape[0] - 1):
+    last = np.full(train.shape[1], -(10**6))
+
+    def age_bucket(t):
         last[train[t]] = t
-        b = np.searchsorted(AGE_EDGES, t - last, side="right")
-        np.add.at(seen, (idx, b), 1)
-        np.add.at(used, (idx, b), train[t + 1])
-    return shrunk(seen, used, train.mean(0))
+        return np.searchsorted(AGE_EDGES, t - last, side="right")
+
+    return use_rates(train, train.mean(0), len(AGE_EDGES) + 1, 0, age_bucket)
 
 
 def layer_replay(held, n_layer, n_ff, slots, prob, lookahead):
