@@ -25,16 +25,22 @@ impl Device {
         }
     }
 
-    /// The SIMD level the CPU kernels dispatch to on this machine.
+    /// The SIMD level the CPU kernels dispatch to on this machine: the AVX2
+    /// set and the VNNI form its products take, then `+avx512` where the
+    /// AVX-512 prompt kernels run too (a CPU with both VNNI forms takes the
+    /// VEX one for the AVX2 kernels, so the VNNI form alone does not say).
     pub fn cpu_features() -> &'static str {
-        if crate::dot::has_avx2() {
-            match crate::dot::vnni() {
-                crate::dot::Vnni::None => "avx2+fma",
-                crate::dot::Vnni::Avx => "avx2+fma+avxvnni",
-                crate::dot::Vnni::Avx512 => "avx2+fma+avx512vnni",
-            }
-        } else {
-            "portable"
+        if !crate::dot::has_avx2() {
+            return "portable";
+        }
+        let avx512 = crate::dot::avx512_prompts();
+        match (crate::dot::vnni(), avx512) {
+            (crate::dot::Vnni::None, false) => "avx2+fma",
+            (crate::dot::Vnni::None, true) => "avx2+fma+avx512",
+            (crate::dot::Vnni::Avx, false) => "avx2+fma+avxvnni",
+            (crate::dot::Vnni::Avx, true) => "avx2+fma+avxvnni+avx512",
+            (crate::dot::Vnni::Avx512, false) => "avx2+fma+avx512vnni",
+            (crate::dot::Vnni::Avx512, true) => "avx2+fma+avx512vnni+avx512",
         }
     }
 }

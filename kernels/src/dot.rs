@@ -56,6 +56,16 @@ pub fn has_avx512f() -> bool {
     false
 }
 
+/// Whether the AVX-512 prompt kernels (`avx512.rs`) run here.
+pub(crate) fn avx512_prompts() -> bool {
+    #[cfg(target_arch = "x86_64")]
+    {
+        avx512::available()
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    false
+}
+
 #[cfg(target_arch = "x86_64")]
 fn detect_avx2() -> bool {
     is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma") && is_x86_feature_detected!("f16c")

@@ -15,8 +15,7 @@
 //! wrong (truncated, bit rot) is reported by name and skipped; the other
 //! shards stay usable.
 
-use std::fs::{self, File};
-use std::io::Write;
+use std::fs;
 use std::path::{Path, PathBuf};
 
 use polars::prelude::*;
@@ -133,25 +132,10 @@ pub const MANIFEST: &str = "manifest.json";
 pub const SHARDS: &str = "shards";
 pub const QUARANTINE: &str = "quarantine";
 
-fn sync_dir(dir: &Path) -> Result<()> {
-    File::open(dir)
-        .and_then(|d| d.sync_all())
-        .map_err(|e| ProfileError::io(dir, e))
-}
-
-/// Writes `bytes` to `path` atomically: tmp file, fsync, rename, fsync dir.
+/// Writes `bytes` to `path` whole or not at all
+/// ([`leanstream_runtime::durable`]).
 pub fn write_atomic(path: &Path, bytes: &[u8]) -> Result<()> {
-    let tmp = path.with_extension(format!(
-        "{}.tmp",
-        path.extension().and_then(|e| e.to_str()).unwrap_or("")
-    ));
-    {
-        let mut f = File::create(&tmp).map_err(|e| ProfileError::io(&tmp, e))?;
-        f.write_all(bytes).map_err(|e| ProfileError::io(&tmp, e))?;
-        f.sync_all().map_err(|e| ProfileError::io(&tmp, e))?;
-    }
-    fs::rename(&tmp, path).map_err(|e| ProfileError::io(path, e))?;
-    sync_dir(path.parent().unwrap_or(Path::new(".")))
+    leanstream_runtime::durable::write(path, bytes).map_err(|e| ProfileError::io(path, e))
 }
 
 /// A problem with one shard, found while loading.
@@ -399,6 +383,7 @@ impl ShardStore {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use std::fs::File;
 
     fn rows(n: u64, round: u32) -> Vec<SampleRow> {
         (0..n)

@@ -6,6 +6,7 @@ pub mod artifacts;
 pub mod binread;
 pub mod cache;
 pub mod control;
+pub mod durable;
 pub mod engine;
 pub mod error;
 pub mod fetch;

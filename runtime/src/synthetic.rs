@@ -196,16 +196,15 @@ impl SyntheticSpec {
             progress,
             "synthetic {bar:30} {bytes}/{total_bytes} {binary_bytes_per_sec}, ETA {eta}",
         );
-        let mut tmp = path.as_os_str().to_owned();
-        tmp.push(".tmp");
-        let tmp = PathBuf::from(tmp);
+        let tmp = crate::durable::tmp_path(path);
         let result = (|| {
+            crate::durable::create_parent(path).map_err(|e| RuntimeError::io(path, e))?;
             let file = std::fs::File::create(&tmp).map_err(|e| RuntimeError::io(&tmp, e))?;
             let buf = self.write_to(std::io::BufWriter::with_capacity(8 << 20, file), &bar)?;
             let file = buf.into_inner().map_err(|e| RuntimeError::io(&tmp, e.into_error()))?;
             file.sync_all().map_err(|e| RuntimeError::io(&tmp, e))?;
             let bytes = file.metadata().map_err(|e| RuntimeError::io(&tmp, e))?.len();
-            std::fs::rename(&tmp, path).map_err(|e| RuntimeError::io(path, e))?;
+            crate::durable::commit(&tmp, path).map_err(|e| RuntimeError::io(path, e))?;
             Ok(bytes)
         })();
         bar.finish_and_clear();

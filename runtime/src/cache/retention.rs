@@ -14,7 +14,6 @@
 //! `n_layer × n_ff × B` u16 probabilities (× 1/65535), neuron-major, and the
 //! SHA-256 of everything before it.
 
-use std::io::Write;
 use std::path::{Path, PathBuf};
 
 use crate::binread;
@@ -173,18 +172,12 @@ impl RetentionTable {
         Self::from_bytes(&bytes, path)
     }
 
-    /// Writes the file atomically: temp file, fsync, rename.
+    /// Writes the file whole or not at all ([`crate::durable`]).
     pub fn save(&self, path: &Path) -> Result<(), RetentionError> {
-        let io = |source| RetentionError::Io {
+        crate::durable::write(path, &self.to_bytes()).map_err(|source| RetentionError::Io {
             path: path.to_path_buf(),
             source,
-        };
-        let tmp = path.with_extension("lsevict.tmp");
-        let mut f = std::fs::File::create(&tmp).map_err(io)?;
-        f.write_all(&self.to_bytes()).map_err(io)?;
-        f.sync_all().map_err(io)?;
-        drop(f);
-        std::fs::rename(&tmp, path).map_err(io)
+        })
     }
 }
 

@@ -514,16 +514,13 @@ impl ControlTable {
         Ok(l.table)
     }
 
-    /// Writes the table atomically (temp file + rename).
+    /// Validates, then writes the table whole or not at all ([`crate::durable`]).
     pub fn save(&self, path: &Path) -> Result<(), ControlError> {
         self.validate(path)?;
-        let io = |source| ControlError::Io {
+        crate::durable::write(path, &self.to_bytes()).map_err(|source| ControlError::Io {
             path: path.to_path_buf(),
             source,
-        };
-        let tmp = path.with_extension("lstab.tmp");
-        std::fs::write(&tmp, self.to_bytes()).map_err(io)?;
-        std::fs::rename(&tmp, path).map_err(io)
+        })
     }
 }
 

@@ -21,6 +21,7 @@ use super::format::{
     align_up, check_permutation, sha256_file, BundleLayout, DownType, Header, LayerEntry, SparsityLevel,
     MAX_SPARSITY_LEVELS, PREAMBLE_LEN,
 };
+use crate::durable;
 use crate::gguf::{GgufFile, GgufWriter};
 use crate::model::Config;
 use crate::{Result, RuntimeError};
@@ -208,6 +209,7 @@ pub fn pack(gguf_path: impl AsRef<Path>, out_path: impl AsRef<Path>, opts: &Pack
     let g = GgufFile::open(src_path)?;
     let c = Config::from_gguf(&g)?;
     let (n_layer, n_embd, n_ff) = (c.n_layer, c.n_embd, c.n_ff);
+    durable::create_parent(out_path).map_err(|e| RuntimeError::io(out_path, e))?;
 
     let placement = match &opts.placement {
         None => vec![(0..n_ff as u32).collect::<Vec<u32>>(); n_layer],
@@ -314,21 +316,13 @@ pub fn pack(gguf_path: impl AsRef<Path>, out_path: impl AsRef<Path>, opts: &Pack
         neuron_scores: opts.neuron_scores.clone(),
     };
 
-    let mut tmp_name = out_path.as_os_str().to_owned();
-    tmp_name.push(".tmp");
-    let tmp_path = PathBuf::from(tmp_name);
+    let tmp_path = durable::tmp_path(out_path);
     let result = write_file(&g, &tmp_path, &mut header, &resident, opts.progress);
     if let Err(e) = result {
         let _ = std::fs::remove_file(&tmp_path);
         return Err(e);
     }
-    std::fs::rename(&tmp_path, out_path).map_err(|e| RuntimeError::io(out_path, e))?;
-    if let Some(dir) = out_path.parent().filter(|d| !d.as_os_str().is_empty()) {
-        // Make the rename durable; failure here only weakens crash safety.
-        if let Ok(d) = File::open(dir) {
-            let _ = d.sync_all();
-        }
-    }
+    durable::commit(&tmp_path, out_path).map_err(|e| RuntimeError::io(out_path, e))?;
     Ok(PackReport {
         path: out_path.to_path_buf(),
         file_len: pos,

@@ -1,6 +1,5 @@
 //! Reading and writing `.lspred` files (layout in the module doc of `predict`).
 
-use std::io::Write;
 use std::path::Path;
 
 use sha2::{Digest, Sha256};
@@ -172,26 +171,13 @@ impl Predictor {
         Self::from_bytes(&bytes, path)
     }
 
-    /// Validates, then writes the file atomically: temp file, fsync, rename.
+    /// Validates, then writes the file whole or not at all ([`crate::durable`]).
     pub fn save(&self, path: &Path) -> Result<(), PredictError> {
         self.validate(path)?;
-        let io = |source| PredictError::Io {
+        crate::durable::write(path, &self.to_bytes()).map_err(|source| PredictError::Io {
             path: path.to_path_buf(),
             source,
-        };
-        let tmp = path.with_extension("lspred.tmp");
-        let mut f = std::fs::File::create(&tmp).map_err(io)?;
-        f.write_all(&self.to_bytes()).map_err(io)?;
-        f.sync_all().map_err(io)?;
-        drop(f);
-        std::fs::rename(&tmp, path).map_err(io)?;
-        // Make the rename itself durable; not every filesystem lets a directory be synced.
-        if let Some(dir) = path.parent().filter(|d| !d.as_os_str().is_empty()) {
-            if let Ok(d) = std::fs::File::open(dir) {
-                let _ = d.sync_all();
-            }
-        }
-        Ok(())
+        })
     }
 }
 
