@@ -305,10 +305,17 @@ impl StridedDots<'_> {
             // One row: the kernel's rows come from separate stretches of the
             // run, so memory sees a few long streams (as `matmul` decodes).
             let a = [cast_blocks::<A>(self.acts.row(0), "FFN input row")?];
-            // At least two streams even where a contiguous matrix prefers
-            // one: rows strided by the bundle size gain from the overlap
-            // (Q5_0 gate/up of Gemma 3: 1.1x per token).
-            let lanes = kernel.decode_rows().clamp(STRIDED_DECODE_LANES, DECODE_ROW_TILE);
+            // Rows strided by the bundle size take at least two streams even
+            // where a contiguous matrix prefers one: they gain from the
+            // overlap (Q5_0 gate/up of Gemma 3: 1.1x per token). Rows back
+            // to back (a layer held whole in the source's matrices) stream
+            // as `matmul` streams them.
+            let fewest = if self.stride == self.row_bytes {
+                1
+            } else {
+                STRIDED_DECODE_LANES
+            };
+            let lanes = kernel.decode_rows().clamp(fewest, DECODE_ROW_TILE);
             let lane_len = self.count / lanes;
             let mut w_refs: [&[W]; DECODE_ROW_TILE] = [&[]; DECODE_ROW_TILE];
             let mut tmp = [0f32; DECODE_ROW_TILE];
