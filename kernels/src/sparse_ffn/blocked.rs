@@ -481,20 +481,32 @@ fn down_on<'b>(
     let blk = down_ty.block_size();
     let blk_bytes = down_ty.row_bytes(blk)?;
     // One output row over every neuron, columns `cols` of each down column.
+    // A group of four is computed once the next one is gathered and its
+    // columns asked of memory: the columns are scattered (a task reads its
+    // part of each), and waiting for each group's first touch of them was a
+    // third of the products' time. The order of the adds is unchanged.
     let row = |a: &[f32], cols: std::ops::Range<usize>, y: &mut [f32]| -> Result<(), KernelError> {
         let mut group: [(f32, &[u8]); 4] = [(0.0, &[]); 4];
+        let mut pending: Option<[(f32, &[u8]); 4]> = None;
         let mut g = 0;
         for &i in ids {
             let ai = a[i as usize];
             if ai == 0.0 {
                 continue;
             }
-            group[g] = (ai, &column(i as usize)?[cols.clone()]);
+            let col = &column(i as usize)?[cols.clone()];
+            prefetch(col);
+            group[g] = (ai, col);
             g += 1;
             if g == 4 {
-                axpy4_unchecked(down_ty, &group, y, simd);
+                if let Some(ready) = pending.replace(group) {
+                    axpy4_unchecked(down_ty, &ready, y, simd);
+                }
                 g = 0;
             }
+        }
+        if let Some(ready) = pending {
+            axpy4_unchecked(down_ty, &ready, y, simd);
         }
         for &(ai, col) in &group[..g] {
             axpy_unchecked(down_ty, ai, col, y, simd);
@@ -530,6 +542,22 @@ fn down_on<'b>(
             }
             Ok(())
         })
+}
+
+/// Asks the cache for the lines of `bytes` (a hint: no fault, no effect on
+/// results).
+#[inline]
+fn prefetch(bytes: &[u8]) {
+    #[cfg(target_arch = "x86_64")]
+    for off in (0..bytes.len()).step_by(64) {
+        // SAFETY: a prefetch reads nothing architecturally; the address lies
+        // inside `bytes`.
+        unsafe {
+            std::arch::x86_64::_mm_prefetch::<{ std::arch::x86_64::_MM_HINT_T0 }>(bytes.as_ptr().add(off) as *const i8)
+        };
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    let _ = bytes;
 }
 
 /// Four neurons' [`axpy_unchecked`] in their order, each output loaded and
