@@ -51,13 +51,13 @@ enum Cmd {
         #[arg(short = 'n', long = "n-predict", default_value_t = 128)]
         n: usize,
         /// Sampling temperature; 0 is greedy.
-        #[arg(long, default_value_t = 0.8)]
+        #[arg(long, default_value_t = 0.8, value_parser = temperature)]
         temp: f32,
         #[arg(long, default_value_t = 0)]
         seed: u64,
         #[arg(long, default_value_t = 40)]
         top_k: usize,
-        #[arg(long, default_value_t = 0.95)]
+        #[arg(long, default_value_t = 0.95, value_parser = probability)]
         top_p: f32,
         /// Wrap the prompt in the model's chat template as a user turn.
         #[arg(long)]
@@ -252,13 +252,13 @@ enum Cmd {
         #[arg(short = 'n', long = "n-predict")]
         n: Option<usize>,
         /// Sampling temperature; 0 is greedy.
-        #[arg(long, default_value_t = 0.8)]
+        #[arg(long, default_value_t = 0.8, value_parser = temperature)]
         temp: f32,
         #[arg(long, default_value_t = 0)]
         seed: u64,
         #[arg(long, default_value_t = 40)]
         top_k: usize,
-        #[arg(long, default_value_t = 0.95)]
+        #[arg(long, default_value_t = 0.95, value_parser = probability)]
         top_p: f32,
         #[command(flatten)]
         engine: EngineArgs,
@@ -414,6 +414,30 @@ impl FlashArgs {
             prior_breadth: self.prior_breadth,
         })
     }
+}
+
+/// `--temp`: a finite number, at least 0 (0 is greedy). NaN would pass
+/// every comparison the sampler makes and sample garbage.
+fn temperature(s: &str) -> Result<f32, String> {
+    bounded_f32(s, 0.0, f32::MAX)
+}
+
+/// `--top-p`: a probability, 0 to 1.
+fn probability(s: &str) -> Result<f32, String> {
+    bounded_f32(s, 0.0, 1.0)
+}
+
+fn bounded_f32(s: &str, lo: f32, hi: f32) -> Result<f32, String> {
+    let v: f32 = s.parse().map_err(|e| format!("{e}"))?;
+    if !(lo..=hi).contains(&v) {
+        let hi = if hi == f32::MAX {
+            String::new()
+        } else {
+            format!(" and at most {hi}")
+        };
+        return Err(format!("{v} is not a number of at least {lo}{hi}"));
+    }
+    Ok(v)
 }
 
 fn main() -> ExitCode {

@@ -176,3 +176,31 @@ fn cli_reports_bad_files_with_exit_code() {
         assert!(out.stdout.is_empty());
     }
 }
+
+/// Sampling settings the sampler cannot use are refused by name before
+/// any model is opened (NaN passes every comparison and sampled garbage).
+#[test]
+fn cli_refuses_unusable_sampling_settings() {
+    let missing = PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join("never-opened.gguf");
+    for (flag, value) in [
+        ("--temp", "NaN"),
+        ("--temp", "inf"),
+        ("--temp", "-0.5"),
+        ("--top-p", "1.5"),
+        ("--top-p", "nan"),
+        ("--top-p", "-1"),
+    ] {
+        for command in ["run", "chat"] {
+            let mut cmd = Command::new(env!("CARGO_BIN_EXE_leanstream"));
+            cmd.args([command, "--model"]).arg(&missing);
+            if command == "run" {
+                cmd.args(["--prompt", "hi"]);
+            }
+            let out = cmd.arg(format!("{flag}={value}")).output().unwrap();
+            let stderr = String::from_utf8_lossy(&out.stderr);
+            assert_eq!(out.status.code(), Some(2), "{command} {flag}={value}: {stderr}");
+            assert!(stderr.contains(flag), "{command} {flag}={value}: {stderr}");
+            assert!(!stderr.contains("never-opened"), "{command} {flag}={value}: {stderr}");
+        }
+    }
+}
