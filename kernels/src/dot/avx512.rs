@@ -29,6 +29,12 @@
 //! this project's AMD EPYC (Zen 4, which splits 512-bit operations in two) a
 //! 512-bit Q5_0 form with two rows per register measured 15% slower, its
 //! scale products costing one multiply per pair.
+//! On the Intel Xeon (2026-12-07) a form with two *tokens* per register
+//! (their bytes and offsets are adjacent in the panel, so one 512-bit load
+//! each; a quarter fewer instructions, the same bits) was no faster either:
+//! Gemma 3's 512-token prompt ran 634-710 tok/s with this kernel and
+//! 659-683 with that one, three interleaved rounds, the kernel's share of
+//! the profile 42% against 39-41%.
 
 use std::arch::x86_64::*;
 use std::marker::PhantomData;
