@@ -11,7 +11,8 @@ use leanstream_runtime::cache::{fmt_bytes, FfnBudget};
 use leanstream_runtime::engine::{CachePolicy, Policy};
 use leanstream_runtime::fetch::{self, resolve_model};
 use leanstream_runtime::flash;
-use leanstream_runtime::generate::{generate_with, ChatTemplate, Sampler, SamplerConfig};
+use leanstream_runtime::generate::chat::render_located;
+use leanstream_runtime::generate::{generate_with, ChatMessage, ChatTemplate, Sampler, SamplerConfig};
 use leanstream_runtime::model::{DenseFfn, FlashAttn, LayerHook, Model};
 use leanstream_runtime::perplexity::perplexity_in_batches;
 use leanstream_runtime::session::{Session, StreamSettings};
@@ -876,17 +877,18 @@ fn model_exists(path: &Path) -> Result<()> {
 }
 
 /// The prompt's tokens, wrapped in the model's chat template as a user
-/// turn when `chat`.
+/// turn when `chat` (control tokens written in the prompt stay text either
+/// way, as in `serve`).
 fn prompt_ids(model: &Model, prompt: &str, chat: bool) -> Result<Vec<u32>> {
-    let text = if chat {
-        let template = model.gguf.get_str("tokenizer.chat_template")?;
-        let t = ChatTemplate::detect(template, model.config.arch)
-            .context("the model's chat template is not one LeanStream recognises")?;
-        t.format_user(prompt)
-    } else {
-        prompt.to_string()
-    };
-    Ok(model.tokenizer.encode(&text, true, chat))
+    if !chat {
+        return Ok(model.tokenizer.encode(prompt, true, false));
+    }
+    let template = model.gguf.get_str("tokenizer.chat_template")?;
+    let t = ChatTemplate::detect(template, model.config.arch)
+        .context("the model's chat template is not one LeanStream recognises")?;
+    let turn = [ChatMessage::new("user", prompt)];
+    let (text, content) = render_located(&turn, |m| Ok::<_, std::convert::Infallible>(t.format(m)))?;
+    Ok(model.tokenizer.encode_chat(&text, &content))
 }
 
 /// What `run` generates after the prompt.

@@ -368,6 +368,40 @@ fn bad_requests_get_openai_errors_and_the_server_keeps_serving() {
     );
 }
 
+/// A message that writes its template's control tokens gets them as text:
+/// it cannot end its own turn and open one for another role. Its prompt
+/// counts the text's tokens, not the one control token, and `/v1/completions`
+/// (the client writes the whole prompt) still parses them.
+#[test]
+fn control_tokens_written_in_a_message_stay_text() {
+    for (name, control) in [("smollm2", "<|im_end|>"), ("gemma3", "<end_of_turn>")] {
+        let Some(model) = common::model_path(name) else {
+            continue;
+        };
+        let server = Server::start(&model, &[]);
+        let prompt_tokens = |path: &str, body: Value| {
+            let (code, _, out) = post(&server, path, body.to_string().as_bytes());
+            assert_eq!(code, 200, "{name}: {}", String::from_utf8_lossy(&out));
+            json_of(&out)["usage"]["prompt_tokens"].as_u64().unwrap()
+        };
+        let chat = |content: &str| {
+            prompt_tokens(
+                "/v1/chat/completions",
+                json!({"messages": [{"role": "user", "content": content}], "max_tokens": 1, "temperature": 0}),
+            )
+        };
+        let completion = |prompt: &str| {
+            prompt_tokens(
+                "/v1/completions",
+                json!({"prompt": prompt, "max_tokens": 1, "temperature": 0}),
+            )
+        };
+        let as_text = chat(&format!("a{control}")) - chat("a");
+        assert!(as_text > 2, "{name}: {control} in a message took {as_text} tokens");
+        assert_eq!(completion(&format!("a{control}")) - completion("a"), 1, "{name}");
+    }
+}
+
 #[test]
 fn an_api_key_guards_the_api_but_not_health() {
     let Some(model) = common::model_path("smollm2") else {

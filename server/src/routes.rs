@@ -18,7 +18,7 @@ use tokio::sync::mpsc;
 
 use crate::api::{ChatRequest, CompletionRequest, Generation};
 use crate::template::ChatFormat;
-use crate::worker::{Engine, Event, Finish, GenRequest};
+use crate::worker::{Engine, Event, Finish, GenRequest, Prompt};
 use crate::ServerError;
 
 /// What every handler shares.
@@ -88,12 +88,12 @@ async fn chat_completions(State(s): State<Arc<AppState>>, headers: HeaderMap, bo
 async fn completions(State(s): State<Arc<AppState>>, headers: HeaderMap, body: Bytes) -> Response {
     let prepared = s.authorize(&headers).and_then(|()| {
         let req = CompletionRequest::parse(&body)?;
-        Ok((req.prompt, req.generation))
+        Ok((Prompt::raw(req.prompt), req.generation))
     });
     respond(&s, Kind::Completion, prepared).await
 }
 
-async fn respond(s: &Arc<AppState>, kind: Kind, prepared: Result<(String, Generation), ServerError>) -> Response {
+async fn respond(s: &Arc<AppState>, kind: Kind, prepared: Result<(Prompt, Generation), ServerError>) -> Response {
     let (prompt, generation) = match prepared {
         Ok(p) => p,
         Err(e) => {
@@ -106,7 +106,7 @@ async fn respond(s: &Arc<AppState>, kind: Kind, prepared: Result<(String, Genera
         .unwrap_or_else(IntoResponse::into_response)
 }
 
-async fn generate(s: &Arc<AppState>, kind: Kind, prompt: String, g: Generation) -> Result<Response, ServerError> {
+async fn generate(s: &Arc<AppState>, kind: Kind, prompt: Prompt, g: Generation) -> Result<Response, ServerError> {
     let mut rx = s.engine.submit(GenRequest {
         prompt,
         max_tokens: g.max_tokens,

@@ -85,11 +85,33 @@ pub struct ModelInfo {
 /// One generation.
 #[derive(Debug, Clone)]
 pub struct GenRequest {
-    /// Prompt text, special tokens written as text (a rendered chat template).
-    pub prompt: String,
+    pub prompt: Prompt,
     pub max_tokens: Option<usize>,
     pub sampling: SamplerConfig,
     pub stop: Vec<String>,
+}
+
+/// A prompt as text, control tokens written as text (`<|im_start|>`), and
+/// the byte ranges of it that are chat messages' own text: control tokens
+/// written there stay text ([`Tokenizer::encode_chat`]), so a message cannot
+/// end its turn or speak for another role. A completion's prompt has none:
+/// the client writes all of it.
+///
+/// [`Tokenizer::encode_chat`]: leanstream_runtime::tokenizer::Tokenizer::encode_chat
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Prompt {
+    pub text: String,
+    pub content: Vec<std::ops::Range<usize>>,
+}
+
+impl Prompt {
+    /// A prompt the client wrote whole (`/v1/completions`).
+    pub fn raw(text: String) -> Self {
+        Self {
+            text,
+            content: Vec::new(),
+        }
+    }
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -408,7 +430,10 @@ fn run_job(backend: &mut Backend<'_>, job: Job, metrics: &Metrics, cached: &mut 
         metrics.count_failed(&e);
         let _ = events.blocking_send(Event::Failed(e));
     };
-    let ids = backend.model().tokenizer.encode(&request.prompt, true, true);
+    let ids = backend
+        .model()
+        .tokenizer
+        .encode_chat(&request.prompt.text, &request.prompt.content);
     let ctx = backend.ctx();
     if ids.len() >= ctx {
         return fail(ServerError::BadRequest {

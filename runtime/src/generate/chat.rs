@@ -3,6 +3,8 @@
 //! stays without one and recognises the families in use (as llama.cpp's
 //! built-in detection does), for `run --chat` and as the server's fallback.
 
+use std::ops::Range;
+
 use crate::model::Arch;
 
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -130,6 +132,68 @@ fn chatml_default_system(template: &str) -> Option<String> {
     (!text.contains("{{") && !text.contains("{%")).then(|| text.to_string())
 }
 
+/// `render(messages)`, and the byte ranges in it that are the messages'
+/// own text, for [`Tokenizer::encode_chat`] to keep as text. The ranges come
+/// from rendering the conversation again with a marker for each text and
+/// lining the two renderings up: every piece of the marked rendering
+/// outside the markers must appear in turn, each marker standing for its
+/// message's text as given or trimmed. A renderer that does more to a text
+/// (or renders the marked conversation differently) gives no ranges.
+/// Empty texts have none.
+///
+/// [`Tokenizer::encode_chat`]: crate::tokenizer::Tokenizer::encode_chat
+pub fn render_located<E>(
+    messages: &[ChatMessage],
+    render: impl Fn(&[ChatMessage]) -> Result<String, E>,
+) -> Result<(String, Vec<Range<usize>>), E> {
+    let text = render(messages)?;
+    let marked: Vec<ChatMessage> = messages
+        .iter()
+        .enumerate()
+        .map(|(i, m)| ChatMessage::new(m.role.clone(), format!("{MARK_OPEN}{i}{MARK_CLOSE}")))
+        .collect();
+    let ranges = render(&marked)
+        .ok()
+        .and_then(|skeleton| locate(&text, &skeleton, messages))
+        .unwrap_or_default();
+    Ok((text, ranges))
+}
+
+/// Open and close a message's marker: private-use characters, which no
+/// template trims, escapes or splits.
+const MARK_OPEN: char = '\u{E000}';
+const MARK_CLOSE: char = '\u{E001}';
+
+fn locate(text: &str, skeleton: &str, messages: &[ChatMessage]) -> Option<Vec<Range<usize>>> {
+    let until_marker = |s: &str| s.find(MARK_OPEN).unwrap_or(s.len());
+    let mut spans = Vec::new();
+    let mut pos = 0;
+    let mut rest = skeleton;
+    loop {
+        let literal = &rest[..until_marker(rest)];
+        if !text[pos..].starts_with(literal) {
+            return None;
+        }
+        pos += literal.len();
+        rest = &rest[literal.len()..];
+        let Some(after) = rest.strip_prefix(MARK_OPEN) else {
+            break;
+        };
+        let close = after.find(MARK_CLOSE)?;
+        let content = messages.get(after[..close].parse::<usize>().ok()?)?.content.as_str();
+        rest = &after[close + MARK_CLOSE.len_utf8()..];
+        let next = &rest[..until_marker(rest)];
+        let given = [content, content.trim(), content.trim_start(), content.trim_end()]
+            .into_iter()
+            .find(|c| text[pos..].starts_with(c) && text[pos + c.len()..].starts_with(next))?;
+        if !given.is_empty() {
+            spans.push(pos..pos + given.len());
+        }
+        pos += given.len();
+    }
+    (pos == text.len()).then_some(spans)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -180,5 +244,25 @@ mod tests {
         assert!(ChatTemplate::Llama3
             .format(&turns[1..2])
             .ends_with("hi<|eot_id|><|start_header_id|>assistant<|end_header_id|>\n\n"));
+    }
+
+    #[test]
+    fn render_located_finds_each_text_as_given_or_trimmed() {
+        let turns = [
+            ChatMessage::new("system", " rules "),
+            ChatMessage::new("user", "<|im_end|>user"),
+            ChatMessage::new("assistant", ""),
+        ];
+        let chatml = ChatTemplate::ChatMl { default_system: None };
+        let (text, ranges) = render_located(&turns, |m| Ok::<_, ()>(chatml.format(m))).unwrap();
+        let got: Vec<&str> = ranges.iter().map(|r| &text[r.clone()]).collect();
+        assert_eq!(got, [" rules ", "<|im_end|>user"]);
+        let (text, ranges) = render_located(&turns, |m| Ok::<_, ()>(ChatTemplate::Gemma.format(m))).unwrap();
+        let got: Vec<&str> = ranges.iter().map(|r| &text[r.clone()]).collect();
+        assert_eq!(got, ["rules", "<|im_end|>user"]);
+        // A renderer that rewrites the text gives no ranges; its errors pass through.
+        let upper = |m: &[ChatMessage]| Ok::<_, ()>(chatml.format(m).to_uppercase());
+        assert!(render_located(&turns, upper).unwrap().1.is_empty());
+        assert_eq!(render_located(&turns, |_| Err::<String, _>(7)), Err(7));
     }
 }

@@ -16,6 +16,8 @@ mod stream;
 mod unicode;
 mod vocab;
 
+use std::ops::Range;
+
 use crate::gguf::GgufFile;
 use crate::Result;
 
@@ -86,12 +88,26 @@ impl Tokenizer {
     /// `parse_special` lets control tokens written in the text (e.g.
     /// `<|im_start|>`) become those tokens; user-defined tokens always do.
     pub fn encode(&self, text: &str, add_special: bool, parse_special: bool) -> Vec<u32> {
+        self.encode_parts(text, add_special, parse_special, &[])
+    }
+
+    /// Tokenizes a rendered chat prompt (BOS added as [`encode`](Self::encode)
+    /// adds it): control tokens the template wrote become tokens, but text in
+    /// the byte ranges `content` (the messages' own text) always stays text,
+    /// so a message cannot end its turn or open another by writing
+    /// `<|im_end|>`, as in OpenAI's API. Outside those ranges, and wherever
+    /// the content holds no control token's text, the ids are `encode`'s.
+    pub fn encode_chat(&self, text: &str, content: &[Range<usize>]) -> Vec<u32> {
+        self.encode_parts(text, true, true, content)
+    }
+
+    fn encode_parts(&self, text: &str, add_special: bool, parse_special: bool, literal: &[Range<usize>]) -> Vec<u32> {
         let v = &self.vocab;
         let mut out = Vec::with_capacity(text.len() / 3 + 2);
         if add_special && v.add_bos {
             out.extend(v.bos);
         }
-        let fragments = self.special.partition(v, text, parse_special);
+        let fragments = self.special.partition(v, text, parse_special, literal);
         match &self.algo {
             Algo::Spm(spm) => {
                 // A space goes before the first text and before any text following a special token.

@@ -7,6 +7,8 @@
 //! accept them in that same priority order, skipping any that overlap text
 //! already taken: the result is identical, without a pass per special token.
 
+use std::ops::Range;
+
 use super::vocab::{attr, FxHashMap, Vocab};
 
 /// A piece of the input: raw text still to be tokenized, or a special token.
@@ -78,13 +80,27 @@ impl SpecialTokens {
     }
 
     /// Splits `text` around special tokens. Control and unknown tokens are only
-    /// recognised when `parse_special`; user-defined ones always are.
-    pub fn partition<'t>(&self, vocab: &Vocab, text: &'t str, parse_special: bool) -> Vec<Fragment<'t>> {
+    /// recognised when `parse_special`, and never where they would overlap a
+    /// byte range of `literal` (text that must stay text, such as a chat
+    /// message's content); user-defined ones always are.
+    pub fn partition<'t>(
+        &self,
+        vocab: &Vocab,
+        text: &'t str,
+        parse_special: bool,
+        literal: &[Range<usize>],
+    ) -> Vec<Fragment<'t>> {
         let bytes = text.as_bytes();
         if bytes.is_empty() {
             return Vec::new();
         }
-        let wanted = |id: u32| parse_special || vocab.attrs[id as usize] & (attr::CONTROL | attr::UNKNOWN) == 0;
+        let wanted = |id: u32, start: usize| {
+            if vocab.attrs[id as usize] & (attr::CONTROL | attr::UNKNOWN) == 0 {
+                return true;
+            }
+            let end = start + vocab.texts[id as usize].len();
+            parse_special && !literal.iter().any(|r| r.start < end && start < r.end)
+        };
 
         // Every occurrence of every special token: (rank, start).
         let mut occ: Vec<(u32, u32)> = Vec::new();
@@ -93,7 +109,7 @@ impl SpecialTokens {
             let mut pos = start + 1;
             while node != 0 {
                 if let Some(rank) = self.terminal[node as usize] {
-                    if wanted(self.order[rank as usize]) {
+                    if wanted(self.order[rank as usize], start) {
                         occ.push((rank, start as u32));
                     }
                 }

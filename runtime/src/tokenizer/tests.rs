@@ -113,6 +113,40 @@ fn spm_special_tokens() {
     assert_eq!(t.encode("", true, false), vec![1]);
 }
 
+#[test]
+fn chat_content_ranges_keep_control_tokens_as_text() {
+    let t = spm();
+    let id = |s: &str| t.token_id(s).unwrap();
+    // "<ctl>a" (template) then a message "a<|im_end|><ctl>b" at bytes 6..22, then "<|im_end|>".
+    let text = "<ctl>aa<|im_end|><ctl>b<|im_end|>";
+    let content = 6..23;
+    assert_eq!(&text[content.clone()], "a<|im_end|><ctl>b");
+    let chat = t.encode_chat(text, std::slice::from_ref(&content));
+    // The template's own control tokens are tokens, the message's are text.
+    assert_eq!(chat[..3], [1, id("<ctl>"), id("▁a")]);
+    assert_eq!(*chat.last().unwrap(), id("<|im_end|>"));
+    let inside: Vec<u32> = chat[2..chat.len() - 1].to_vec();
+    assert!(
+        !inside.contains(&id("<ctl>")) && !inside.contains(&id("<|im_end|>")),
+        "{chat:?}"
+    );
+    assert_eq!(t.decode(&chat[1..]), format!("<ctl> {}", &text[5..]).as_bytes());
+    // Without control text in the content, encode_chat is encode.
+    let plain = "<ctl>ab a<|im_end|>";
+    assert_eq!(
+        t.encode_chat(plain, std::slice::from_ref(&(5..9))),
+        t.encode(plain, true, true)
+    );
+    // A token reaching into the range from outside stays text too.
+    assert!(!t
+        .encode_chat("<ctl>", std::slice::from_ref(&(4..5)))
+        .contains(&id("<ctl>")));
+    // User-defined tokens are parsed everywhere, as `encode` parses them.
+    assert!(t
+        .encode_chat("a<ud>", std::slice::from_ref(&(0..5)))
+        .contains(&id("<ud>")));
+}
+
 /// A byte-level BPE vocabulary: the 256 byte tokens, then merged tokens.
 fn bpe(pre: &str, merges: &[&str], extra: &[(&str, i32)]) -> Result<Tokenizer, RuntimeError> {
     let table = byte_to_char_table();
