@@ -457,26 +457,10 @@ fn main() -> ExitCode {
     match result {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
-            eprintln!("error: {}", error_chain(&e));
+            eprintln!("error: {}", leanstream_runtime::error_chain(e.as_ref()));
             ExitCode::FAILURE
         }
     }
-}
-
-/// The error and its causes, each cause said once: the library's errors
-/// already end with the OS error they wrap.
-fn error_chain(e: &anyhow::Error) -> String {
-    let mut out = String::new();
-    for cause in e.chain() {
-        let text = cause.to_string();
-        if !out.ends_with(&text) {
-            if !out.is_empty() {
-                out.push_str(": ");
-            }
-            out.push_str(&text);
-        }
-    }
-    out
 }
 
 fn real_main(cli: Cli) -> Result<()> {

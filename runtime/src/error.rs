@@ -57,3 +57,47 @@ impl RuntimeError {
         }
     }
 }
+
+/// `e` and its sources on one line, `a: b: c`, each cause left out where
+/// the text before it already ends with it (an error that quotes its
+/// source, as [`RuntimeError::Io`] does). The binaries print this for a
+/// failed command rather than a `Debug` dump, whose "Caused by" repeats the
+/// quoted cause and which grows a backtrace wherever `RUST_BACKTRACE` is set.
+pub fn error_chain(e: &(dyn std::error::Error + 'static)) -> String {
+    let mut out = String::new();
+    let mut cause = Some(e);
+    while let Some(c) = cause {
+        let text = c.to_string();
+        if !out.ends_with(&text) {
+            if !out.is_empty() {
+                out.push_str(": ");
+            }
+            out.push_str(&text);
+        }
+        cause = c.source();
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[derive(Debug, thiserror::Error)]
+    #[error("tuning {what}")]
+    struct Step {
+        what: &'static str,
+        #[source]
+        source: RuntimeError,
+    }
+
+    #[test]
+    fn the_chain_is_one_line_without_a_quoted_cause_twice() {
+        let io = std::io::Error::new(std::io::ErrorKind::NotFound, "No such file or directory");
+        let e = Step {
+            what: "text",
+            source: RuntimeError::io("/tmp/t.txt", io),
+        };
+        assert_eq!(error_chain(&e), "tuning text: /tmp/t.txt: No such file or directory");
+    }
+}

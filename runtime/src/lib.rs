@@ -22,4 +22,4 @@ pub mod sparsity;
 pub mod synthetic;
 pub mod tokenizer;
 
-pub use error::{Result, RuntimeError};
+pub use error::{error_chain, Result, RuntimeError};

@@ -276,12 +276,19 @@ fn cli_controller_inspect_simulate_bench() {
     );
     let b: serde_json::Value = serde_json::from_str(&run(&["bench", &t, "--lookups", "1000"])).unwrap();
     assert!(b["ns_per_lookup"].as_f64().unwrap() > 0.0);
-    // A corrupt table is refused with its name.
+    // A corrupt table is refused with its name, in one line (no "Caused by",
+    // no backtrace even where RUST_BACKTRACE asks for them).
     let mut bytes = std::fs::read(&table).unwrap();
     bytes[20] ^= 1;
     std::fs::write(&table, bytes).unwrap();
-    let o = std::process::Command::new(exe).args(["inspect", &t]).output().unwrap();
-    assert!(!o.status.success());
-    assert!(String::from_utf8_lossy(&o.stderr).contains("c.lstab: checksum mismatch"));
+    let o = std::process::Command::new(exe)
+        .args(["inspect", &t])
+        .env("RUST_BACKTRACE", "1")
+        .output()
+        .unwrap();
+    assert_eq!(o.status.code(), Some(1));
+    let stderr = String::from_utf8_lossy(&o.stderr);
+    assert!(stderr.contains("c.lstab: checksum mismatch"), "{stderr}");
+    assert!(stderr.starts_with("error: ") && stderr.lines().count() == 1, "{stderr}");
     std::fs::remove_dir_all(&root).unwrap();
 }

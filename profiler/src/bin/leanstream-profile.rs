@@ -358,8 +358,14 @@ fn summarize(a: &SummaryArgs) -> Result<ExitCode> {
     Ok(ExitCode::SUCCESS)
 }
 
-fn main() -> Result<ExitCode> {
-    let cli = Cli::parse();
+fn main() -> ExitCode {
+    run(Cli::parse()).unwrap_or_else(|e| {
+        eprintln!("error: {}", leanstream_runtime::error_chain(e.as_ref()));
+        ExitCode::FAILURE
+    })
+}
+
+fn run(cli: Cli) -> Result<ExitCode> {
     runner::install_signal_handlers();
     if let Some(dir) = &cli.resume {
         if cli.cmd.is_some() {

@@ -475,8 +475,18 @@ fn load(path: &Path) -> Result<(ControlTable, usize)> {
     Ok((ControlTable::from_bytes(&bytes, path)?, bytes.len()))
 }
 
-fn main() -> Result<()> {
-    match Cli::parse().cmd {
+fn main() -> std::process::ExitCode {
+    match run(Cli::parse()) {
+        Ok(()) => std::process::ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("error: {}", leanstream_runtime::error_chain(e.as_ref()));
+            std::process::ExitCode::FAILURE
+        }
+    }
+}
+
+fn run(cli: Cli) -> Result<()> {
+    match cli.cmd {
         Cmd::AdaptiveProfile {
             out: dir,
             io_dir,
