@@ -245,6 +245,14 @@ fn tokenizer(data: &[u8]) {
             let text = String::from_utf8_lossy(rest);
             let (add, special) = (mode & 2 != 0, mode & 4 != 0);
             let ids = tok.encode(&text, add, special);
+            // A chat prompt whose whole text is one message's: no control
+            // token may come out of it; with no message, it is a raw prompt.
+            let whole = 0..text.len();
+            assert_eq!(
+                tok.encode_chat(&text, std::slice::from_ref(&whole)),
+                tok.encode(&text, true, false)
+            );
+            assert_eq!(tok.encode_chat(&text, &[]), tok.encode(&text, true, true));
             let back = tok.decode(&ids);
             if std::ptr::eq(tok, &t.smollm2) && !add && !special {
                 // Byte-level BPE invents nothing and keeps the order; it drops
