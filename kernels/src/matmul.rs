@@ -116,6 +116,9 @@ pub struct ActBuffer {
     /// that runs those kernels): the rows laid out again, see
     /// [`crate::dot::avx512`].
     panels_at: Option<usize>,
+    /// Every row is computed with the arithmetic of a product of one row
+    /// ([`set_rows_alone`](Self::set_rows_alone)).
+    rows_alone: bool,
 }
 
 impl ActBuffer {
@@ -133,6 +136,7 @@ impl ActBuffer {
             cols: 0,
             row_bytes: 0,
             panels_at: None,
+            rows_alone: false,
         }
     }
 
@@ -176,6 +180,9 @@ impl ActBuffer {
             });
         }
         let needed = row_bytes.saturating_mul(n);
+        // Rows alone get no panels: those feed the batched kernels only.
+        #[cfg(target_arch = "x86_64")]
+        let panel_rows = self.arith_rows_of(n);
         let bytes: &mut [u8] = bytemuck::cast_slice_mut(&mut self.storage);
         if needed > bytes.len() {
             return Err(KernelError::ActBufferCapacity {
@@ -200,7 +207,8 @@ impl ActBuffer {
             }
         }
         #[cfg(target_arch = "x86_64")]
-        if let Some((start, end)) = Self::panel_layout(dot_ty, n, cols).filter(|&(_, end)| end <= bytes.len()) {
+        if let Some((start, end)) = Self::panel_layout(dot_ty, panel_rows, cols).filter(|&(_, end)| end <= bytes.len())
+        {
             let (rows, panels) = bytes[..end].split_at_mut(start);
             let rows = &rows[..needed];
             let blocks = cols / dot_ty.block_size();
@@ -241,6 +249,34 @@ impl ActBuffer {
 
     pub fn dot_type(&self) -> GgmlType {
         self.dot_ty
+    }
+
+    /// From the next [`quantize`](Self::quantize) on, every product with
+    /// these rows gives each row the bits a product of that row alone gives:
+    /// no gemm or tiled K-quant arithmetic, which llama.cpp (and so
+    /// `matmul`) takes for several rows and which rounds otherwise. For a
+    /// verification pass, whose rows must equal tokens decoded one by one.
+    pub fn set_rows_alone(&mut self, on: bool) {
+        self.rows_alone = on;
+    }
+
+    /// Whether [`set_rows_alone`](Self::set_rows_alone) is on.
+    pub fn rows_alone(&self) -> bool {
+        self.rows_alone
+    }
+
+    /// The row count products choose their arithmetic by: `n()`, or at most
+    /// 1 with rows alone.
+    pub(crate) fn arith_rows(&self) -> usize {
+        self.arith_rows_of(self.n)
+    }
+
+    fn arith_rows_of(&self, n: usize) -> usize {
+        if self.rows_alone {
+            n.min(1)
+        } else {
+            n
+        }
     }
 
     pub fn n(&self) -> usize {
@@ -335,7 +371,7 @@ fn run_matmul(w: &QMatrix, acts: &ActBuffer, out: &mut [f32], path: Path, parall
     if let Some(kernel) = PanelKernel::q6_k(w.ty, w.rows, path, acts) {
         return job.run_tiles::<BlockQ6K, BlockQ8K, _>(kernel);
     }
-    if uses_tiled_kquant(w.ty, w.rows, acts.n()) {
+    if uses_tiled_kquant(w.ty, w.rows, acts.arith_rows()) {
         return with_tiled_kernel(w.ty, path, job)?;
     }
     #[cfg(target_arch = "x86_64")]
@@ -411,7 +447,7 @@ impl<'a> Q4kRepacked<'a> {
         let simd = path == Path::Fastest && has_avx2();
         Self {
             simd,
-            gemm_rows: repack::gemm_rows(acts.n()),
+            gemm_rows: repack::gemm_rows(acts.arith_rows()),
             #[cfg(target_arch = "x86_64")]
             panels: acts.q8k_panels().filter(|_| simd),
             #[cfg(not(target_arch = "x86_64"))]
@@ -509,7 +545,7 @@ impl<'a> PanelKernel<Q8KPanels<'a>, BlockQ6K> {
     /// `acts`, when they are Q6_K in llama.cpp's tiled matmul and the
     /// activations have panels.
     pub(crate) fn q6_k(ty: GgmlType, rows: usize, path: Path, acts: &'a ActBuffer) -> Option<Self> {
-        let wanted = ty == GgmlType::Q6K && path == Path::Fastest && uses_tiled_kquant(ty, rows, acts.n());
+        let wanted = ty == GgmlType::Q6K && path == Path::Fastest && uses_tiled_kquant(ty, rows, acts.arith_rows());
         let panels = acts.q8k_panels().filter(|_| wanted)?;
         Some(Self {
             panels,

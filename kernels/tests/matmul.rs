@@ -108,6 +108,59 @@ fn repacked_q4k_agrees_with_scalar_and_with_single_dots() {
     }
 }
 
+/// Rows alone (a verification pass): every row of a product of many has
+/// the bits of the same row multiplied alone, for every weight type and
+/// the repacked Q4_K, on the SIMD path and the scalar twin; without it the
+/// batched kernels (gemm, tiled K-quants) round some rows otherwise.
+#[test]
+fn rows_alone_give_each_row_its_single_row_bits() {
+    let mut rng = Rng::new(11);
+    let mut many = ActBuffer::with_capacity(COLS, 16);
+    let mut one = ActBuffer::with_capacity(COLS, 1);
+    let mut differs = 0;
+    let types = WEIGHT_TYPES.iter().map(|&ty| (ty, ROWS)).chain([(GgmlType::Q4K, 264)]);
+    for (ty, rows) in types {
+        let data = random_matrix(ty, rows, COLS, &mut rng);
+        let w = QMatrix::new(ty, rows, COLS, data.as_ref()).unwrap();
+        for n in [2usize, 4, 5, 8, 9, 16] {
+            let x = rng.activations(n * COLS);
+            for alone in [true, false] {
+                many.set_rows_alone(alone);
+                many.quantize(ty.vec_dot_type(), &x, n, COLS).unwrap();
+                let mut fast = vec![f32::NAN; n * rows];
+                let mut scalar = vec![f32::NAN; n * rows];
+                matmul(&w, &many, &mut fast).unwrap();
+                matmul_scalar(&w, &many, &mut scalar).unwrap();
+                for t in 0..n {
+                    one.quantize(ty.vec_dot_type(), &x[t * COLS..(t + 1) * COLS], 1, COLS)
+                        .unwrap();
+                    let mut single = vec![f32::NAN; rows];
+                    matmul(&w, &one, &mut single).unwrap();
+                    let same = |got: &[f32]| got.iter().zip(&single).all(|(a, b)| a.to_bits() == b.to_bits());
+                    let row = &fast[t * rows..(t + 1) * rows];
+                    if alone {
+                        assert!(
+                            same(row),
+                            "{ty} ({rows} rows) n={n} t={t}: rows alone differ from one row"
+                        );
+                        let mut scalar_one = vec![f32::NAN; rows];
+                        matmul_scalar(&w, &one, &mut scalar_one).unwrap();
+                        let srow = &scalar[t * rows..(t + 1) * rows];
+                        assert!(
+                            srow.iter().zip(&scalar_one).all(|(a, b)| a.to_bits() == b.to_bits()),
+                            "{ty} scalar n={n}"
+                        );
+                    } else if !same(row) {
+                        differs += 1;
+                    }
+                }
+            }
+        }
+    }
+    // The batched arithmetic is really another: the flag is what keeps the bits.
+    assert!(differs > 0, "no batched row differed from its single-row product");
+}
+
 #[test]
 fn matmul_rejects_mismatched_inputs() {
     let mut rng = Rng::new(1);

@@ -255,7 +255,7 @@ fn stage1_on(
 /// The dots of `job` in the arithmetic `matmul` uses for a matrix of
 /// `matrix_rows` rows of `ty` (0: one vec-dot per output, always).
 fn like_matmul(ty: GgmlType, matrix_rows: usize, path: Path, job: StridedDots) -> Result<(), KernelError> {
-    let n = job.acts.n();
+    let n = job.acts.arith_rows();
     if matrix_rows > 0 && ty == GgmlType::Q4K && repack::q4k_is_repacked(matrix_rows) {
         let kernel = Q4kRepacked::new(path, job.acts);
         return job.strided::<BlockQ4K, BlockQ8K, _>(kernel);

@@ -147,6 +147,12 @@ impl Default for DownTiles {
 }
 
 impl DownTiles {
+    /// Each row's product with the bits of that row alone (see
+    /// [`ActBuffer::set_rows_alone`]).
+    pub fn set_rows_alone(&mut self, on: bool) {
+        self.acts.set_rows_alone(on);
+    }
+
     pub fn new() -> Self {
         Self {
             matrix: Vec::new(),
@@ -418,7 +424,9 @@ impl DownTiles {
     /// Converts `n` rows of `cols` activations to `ty`'s vec-dot type.
     fn convert(&mut self, ty: GgmlType, a: &[f32], n: usize, cols: usize) -> Result<(), KernelError> {
         if self.acts_len < n * cols {
+            let alone = self.acts.rows_alone();
             self.acts = ActBuffer::with_capacity(cols, n);
+            self.acts.set_rows_alone(alone);
             self.acts_len = n * cols;
         }
         self.acts.quantize(ty.vec_dot_type(), a, n, cols)

@@ -646,6 +646,10 @@ impl FlashEngine {
 }
 
 impl LayerHook for FlashEngine {
+    fn rows_alone(&mut self, on: bool) {
+        self.tail.set_rows_alone(on);
+    }
+
     fn layer_input(&mut self, at: &LayerAt, x: &[f32]) {
         if self.pending.is_none() {
             if let Err(e) = self.plan.layer_input(at.layer, x, at.n(), &mut self.source) {

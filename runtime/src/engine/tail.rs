@@ -284,6 +284,13 @@ impl Tail {
         t
     }
 
+    /// Each row of the next calls computed with the bits of that row alone.
+    pub fn set_rows_alone(&mut self, on: bool) {
+        self.gate_acts.set_rows_alone(on);
+        self.up_acts.set_rows_alone(on);
+        self.down_tiles.set_rows_alone(on);
+    }
+
     /// Values of one row.
     pub fn n_embd(&self) -> usize {
         self.n_embd
@@ -354,8 +361,11 @@ impl Tail {
             return;
         }
         self.rows = n;
+        let alone = self.gate_acts.rows_alone();
         self.gate_acts = ActBuffer::with_capacity(self.n_embd, n);
         self.up_acts = ActBuffer::with_capacity(self.n_embd, n);
+        self.gate_acts.set_rows_alone(alone);
+        self.up_acts.set_rows_alone(alone);
         self.a = vec![0.0; n * self.n_ff];
         self.piece = vec![0.0; Self::piece_values(n)];
         self.scratch = vec![0.0; Self::piece_values(n)];

@@ -44,6 +44,9 @@ pub struct RunState {
     pub logits: Vec<f32>,
     /// Tokens of the last forward call (rows of `xb`).
     n_rows: usize,
+    /// Every row of a pass gets the bits it would get run alone (a
+    /// verification pass of drafted tokens), not the batched kernels'.
+    pub rows_alone: bool,
 }
 
 impl RunState {
@@ -80,6 +83,7 @@ impl RunState {
             kv: KvCache::new(c, ctx, b, attn.enabled()),
             logits: vec![0.0; max_logit_rows.max(1) * c.n_vocab],
             n_rows: 0,
+            rows_alone: false,
         }
     }
 
@@ -187,6 +191,8 @@ impl Model {
         }
 
         st.kv.place(pos0, n)?;
+        st.acts.set_rows_alone(st.rows_alone);
+        hook.rows_alone(st.rows_alone);
 
         // Token embeddings.
         let embd = mat(file, &self.weights.token_embd);
@@ -358,6 +364,7 @@ impl Model {
         }
         let head = &self.weights.output;
         let hidden = &st.xb[first * c.n_embd..(first + count) * c.n_embd];
+        st.acts.set_rows_alone(st.rows_alone);
         st.acts.quantize(head.ty.vec_dot_type(), hidden, count, c.n_embd)?;
         let out = &mut st.logits[..count * c.n_vocab];
         matmul(&mat(self.gguf.data(), head), &st.acts, out)?;

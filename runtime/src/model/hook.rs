@@ -42,6 +42,12 @@ pub enum FfnBy {
 /// Watches (and may replace) each layer of a forward pass. Slices hold one
 /// row per token of `at.rows`, row-major.
 pub trait LayerHook {
+    /// Before a pass: whether each of its rows must get the bits it would
+    /// get run alone (a verification pass; see
+    /// `leanstream_kernels::ActBuffer::set_rows_alone`). A hook that
+    /// computes the FFN computes it so.
+    fn rows_alone(&mut self, _on: bool) {}
+
     /// The residual stream entering the layer, before attention.
     fn layer_input(&mut self, _at: &LayerAt, _x: &[f32]) {}
 
