@@ -116,7 +116,7 @@ fn mean_std(xs: &[f64]) -> (f64, f64) {
 /// The median of `ours[i] / theirs[i]` over repetitions measured side by
 /// side: each pair saw the same machine load, so the median resists drift
 /// and outliers that a ratio of means does not. None without full pairs.
-fn paired_median_ratio(ours: &[f64], theirs: &[f64]) -> Option<f64> {
+pub(crate) fn paired_median_ratio(ours: &[f64], theirs: &[f64]) -> Option<f64> {
     if ours.is_empty() || ours.len() != theirs.len() || theirs.iter().any(|&t| t <= 0.0) {
         return None;
     }

@@ -1,6 +1,7 @@
 //! `leanstream`: run, tokenize, evaluate, pack, benchmark, serve and chat.
 
 use std::io::{IsTerminal, Write};
+use std::ops::ControlFlow;
 use std::path::{Path, PathBuf};
 use std::process::ExitCode;
 use std::time::Instant;
@@ -12,7 +13,8 @@ use leanstream_runtime::engine::{CachePolicy, Policy};
 use leanstream_runtime::fetch::{self, resolve_model};
 use leanstream_runtime::flash;
 use leanstream_runtime::generate::chat::render_located;
-use leanstream_runtime::generate::{generate_with, ChatMessage, ChatTemplate, Sampler, SamplerConfig};
+use leanstream_runtime::generate::draft::{self, DraftKind, DraftLen, Drafting};
+use leanstream_runtime::generate::{ChatMessage, ChatTemplate, CpuDecoder, Sampler, SamplerConfig};
 use leanstream_runtime::model::{DenseFfn, FlashAttn, LayerHook, Model};
 use leanstream_runtime::perplexity::perplexity_in_batches;
 use leanstream_runtime::session::{Session, StreamSettings};
@@ -23,6 +25,7 @@ use leanstream_server::terminal::ChatOptions;
 use leanstream_server::{Engine, EngineOptions, ServeOptions};
 
 mod bench;
+mod bench_draft;
 mod gpu;
 
 #[derive(Parser)]
@@ -80,6 +83,8 @@ enum Cmd {
         device: String,
         #[command(flatten)]
         flash: FlashArgs,
+        #[command(flatten)]
+        draft: DraftArgs,
     },
     /// Print the token ids of TEXT as a JSON array (BOS added when the model asks for it).
     Tokenize {
@@ -133,6 +138,10 @@ enum Cmd {
     },
     /// Measure prompt and decode speed; with --llama-bench, llama.cpp's too, in the same run.
     Bench(bench::BenchArgs),
+    /// Drafting against plain decoding on real text or chat questions, in
+    /// one run: identical tokens, acceptance, tokens per pass, speed ratio
+    /// and bytes read per token; prints JSON.
+    BenchDraft(bench_draft::BenchDraftArgs),
     /// Pack a GGUF model into an .lsflash file (FFN neuron bundles for flash streaming).
     Pack {
         /// GGUF path, or a known model name (smollm2, gemma3) fetched on first use.
@@ -299,6 +308,8 @@ struct EngineArgs {
     device: String,
     #[command(flatten)]
     flash: FlashArgs,
+    #[command(flatten)]
+    draft: DraftArgs,
 }
 
 impl EngineArgs {
@@ -318,8 +329,26 @@ impl EngineArgs {
             device,
             prompt_cache: !self.no_prompt_cache,
             prompt_cache_bytes: self.prompt_cache_mib.map(|mib| mib << 20),
+            draft: self.draft.draft.clone(),
+            draft_len: self.draft.draft_len,
         })?)
     }
+}
+
+/// Drafting: several tokens checked per forward pass.
+#[derive(clap::Args, Clone)]
+pub(crate) struct DraftArgs {
+    /// What guesses the next tokens, checked several per pass (each bundle
+    /// read once for all): none, lookup (n-grams of the context), or
+    /// model:PATH (a small model with the same vocabulary). Greedy output
+    /// is the same token for token; sampled output has the same distribution.
+    #[arg(long, default_value = "none")]
+    pub(crate) draft: DraftKind,
+    /// Tokens drafted per pass: N (at most 15), or auto[:MAX] (default MAX 6), chosen from
+    /// the acceptance and pass times measured as it runs (none where
+    /// drafting does not pay).
+    #[arg(long, default_value = "auto")]
+    pub(crate) draft_len: DraftLen,
 }
 
 /// How a `.lsflash` model streams its FFN, and any model's attention path.
@@ -479,6 +508,7 @@ fn real_main(cli: Cli) -> Result<()> {
             rss_every,
             device,
             flash,
+            draft,
         } => {
             let sampler = SamplerConfig {
                 temperature: temp,
@@ -493,8 +523,11 @@ fn real_main(cli: Cli) -> Result<()> {
                 rss_every,
             };
             match gpu::ordinal(&device)? {
+                Some(_) if draft.draft != DraftKind::None => {
+                    bail!("--draft runs on the CPU engine; the CUDA engine verifies one token a pass")
+                }
                 Some(ordinal) => gpu::run(&model, &prompt, &gen, chat, ctx, ordinal, &flash),
-                None => run(&model, &prompt, &gen, chat, ctx, &flash),
+                None => run(&model, &prompt, &gen, chat, ctx, &flash, &draft),
             }
         }
         Cmd::Tokenize { model, text } => {
@@ -589,6 +622,7 @@ fn real_main(cli: Cli) -> Result<()> {
             Ok(())
         }
         Cmd::Bench(args) => bench::run(args),
+        Cmd::BenchDraft(args) => bench_draft::run(args),
         Cmd::Pack {
             model,
             out,
@@ -863,7 +897,7 @@ fn model_exists(path: &Path) -> Result<()> {
 /// The prompt's tokens, wrapped in the model's chat template as a user
 /// turn when `chat` (control tokens written in the prompt stay text either
 /// way, as in `serve`).
-fn prompt_ids(model: &Model, prompt: &str, chat: bool) -> Result<Vec<u32>> {
+pub(crate) fn prompt_ids(model: &Model, prompt: &str, chat: bool) -> Result<Vec<u32>> {
     if !chat {
         return Ok(model.tokenizer.encode(prompt, true, false));
     }
@@ -900,35 +934,50 @@ fn run(
     chat: bool,
     ctx: Option<usize>,
     flash: &FlashArgs,
+    drafting: &DraftArgs,
 ) -> Result<()> {
     let n = gen.n;
     let t0 = Instant::now();
     let prompt_ids = |model: &Model| prompt_ids(model, prompt, chat);
     let path = resolve_model(model_arg)?;
     let settings = flash.settings()?;
+    let rows = Drafting::rows(&drafting.draft, drafting.draft_len);
     let (mut loaded, mut st) = Session::open(&path, &settings, |model| {
         let ids = prompt_ids(model).map_err(|e| leanstream_runtime::RuntimeError::Invalid(format!("{e:#}")))?;
         let ctx = ctx.unwrap_or(ids.len() + n + 1).min(model.config.context_length);
         // Batches as large as the prompt (up to 512): a longer one is split
         // there anyway, and a shorter prompt needs no room for one.
-        Ok(model.new_state(ctx, ids.len().clamp(1, 512), 1))
+        Ok(model.new_state(ctx, ids.len().clamp(rows, 512), rows))
     })?;
     let ids = prompt_ids(loaded.model())?;
+    let n_vocab = loaded.model().config.n_vocab;
+    let ctx_tokens = st.ctx;
+    let open_draft = || Drafting::new(&drafting.draft, drafting.draft_len, ctx_tokens, n_vocab);
     // The oracle replays a first, silent run of the same generation.
     loaded.record_oracle(&settings, &mut st, |loaded, st| -> Result<()> {
-        let (model, ffn) = loaded.parts()?;
+        let (model, hook) = loaded.parts()?;
         let mut sampler = gen.sampler(model);
-        generate_with(model, st, &ids, n, &mut sampler, ffn, |_| Ok(()))?;
+        let mut dec = CpuDecoder { model, st, hook };
+        let mut d = open_draft()?;
+        draft::decode(&mut dec, &model.tokenizer, &ids, 0, n, &mut sampler, &mut d, |_| {
+            Ok(ControlFlow::Continue(()))
+        })?;
         Ok(())
     })?;
+    let mut d = open_draft()?;
     let load_time = t0.elapsed();
-    let (model, ffn) = loaded.parts()?;
+    let (model, hook) = loaded.parts()?;
     let mut sampler = gen.sampler(model);
     let mut decoder = StreamDecoder::new();
     let stdout = std::io::stdout();
     let mut out = stdout.lock();
     let mut generated = 0usize;
-    let stats = generate_with(model, &mut st, &ids, n, &mut sampler, ffn, |tok| {
+    let mut dec = CpuDecoder {
+        model,
+        st: &mut st,
+        hook,
+    };
+    let stats = draft::decode(&mut dec, &model.tokenizer, &ids, 0, n, &mut sampler, &mut d, |tok| {
         generated += 1;
         if gen.rss_every.is_some_and(|k| k > 0 && generated.is_multiple_of(k)) {
             let rss = leanstream_runtime::cache::rss_bytes();
@@ -938,6 +987,7 @@ fn run(
         out.write_all(piece.as_bytes())
             .and_then(|_| out.flush())
             .map_err(|e| leanstream_runtime::RuntimeError::Invalid(format!("writing to stdout: {e}")))
+            .map(|()| ControlFlow::Continue(()))
     })?;
     out.write_all(decoder.finish().as_bytes())?;
     out.flush()?;
@@ -950,6 +1000,18 @@ fn run(
         stats.decode_tok_s(),
         bench::peak_rss_bytes() as f64 / (1 << 20) as f64
     );
+    if let Some(p) = d.proposer.as_ref() {
+        let r = &stats.draft;
+        eprintln!(
+            "draft {} | {} passes for {} tokens ({:.2} a pass) | {} drafted, {:.1}% accepted",
+            p.name(),
+            r.passes,
+            stats.generated_tokens,
+            stats.generated_tokens as f64 / r.passes.max(1) as f64,
+            r.drafted,
+            100.0 * r.acceptance()
+        );
+    }
     if let Some((fm, engine)) = loaded.flash() {
         let s = engine.stats();
         let (cached, len) = flash::pagecache::cached_bytes(fm.flash.path())?;

@@ -14,7 +14,8 @@ use std::sync::Arc;
 use leanstream_cuda::engine::GpuModel;
 use leanstream_cuda::model::DeviceModel;
 use leanstream_runtime::engine::Policy;
-use leanstream_runtime::generate::{decode_until, ChatTemplate, CpuDecoder, Decoder, Sampler, SamplerConfig};
+use leanstream_runtime::generate::draft::{self, DraftKind, DraftLen, Drafting};
+use leanstream_runtime::generate::{ChatTemplate, CpuDecoder, Decoder, Sampler, SamplerConfig};
 use leanstream_runtime::model::{KvCache, Model, RunState};
 use leanstream_runtime::session::{Session, StreamSettings};
 use leanstream_runtime::tokenizer::StreamDecoder;
@@ -50,6 +51,10 @@ pub struct EngineOptions {
     /// (see [`PromptCache`]); 0 keeps none. Default 16 MiB, or 0 under a
     /// memory budget (`settings.mem_budget`), which they would exceed.
     pub prompt_cache_bytes: Option<usize>,
+    /// What drafts tokens for each request (checked several per pass,
+    /// streamed as they are accepted), and how many a pass.
+    pub draft: DraftKind,
+    pub draft_len: DraftLen,
 }
 
 impl EngineOptions {
@@ -179,6 +184,12 @@ impl Engine {
                 "the oracle policy replays a recorded run of tokens known in advance; a server's are not: choose another policy",
             ));
         }
+        if opts.device.is_some() && opts.draft != DraftKind::None {
+            return Err(ServerError::bad_param(
+                "draft",
+                "drafting runs on the CPU engine; the CUDA engine verifies one token a pass",
+            ));
+        }
         let capacity = opts.queue.max(1);
         let (jobs, rx) = sync_channel::<Job>(capacity);
         let (ready_tx, ready_rx) = sync_channel::<Result<ModelInfo, ServerError>>(1);
@@ -215,11 +226,16 @@ impl Engine {
                             Err(e) => Err(device_error(e)),
                         },
                     };
-                    match backend.and_then(|b| Ok((model_info(&opts, b.model(), b.ctx())?, b))) {
-                        Ok((info, backend)) => {
+                    let ready = backend.and_then(|b| {
+                        let info = model_info(&opts, b.model(), b.ctx())?;
+                        let drafting = Drafting::new(&opts.draft, opts.draft_len, b.ctx(), b.model().config.n_vocab)?;
+                        Ok((info, b, drafting))
+                    });
+                    match ready {
+                        Ok((info, backend, drafting)) => {
                             let _ = ready_tx.send(Ok(info));
                             let cache = PromptCache::new(opts.prompt_cache_bytes());
-                            serve_jobs(backend, rx, &q, &m, opts.prompt_cache, cache);
+                            serve_jobs(backend, drafting, rx, &q, &m, opts.prompt_cache, cache);
                         }
                         Err(e) => {
                             let _ = ready_tx.send(Err(e));
@@ -335,7 +351,8 @@ impl<'m> Backend<'m> {
 fn open(opts: &EngineOptions) -> Result<Backend<'static>, ServerError> {
     let (session, st) = Session::open(&opts.model, &opts.settings, |model| {
         let ctx = context(opts, model);
-        Ok(model.new_state(ctx, ctx.min(512), 1))
+        let rows = Drafting::rows(&opts.draft, opts.draft_len);
+        Ok(model.new_state(ctx, ctx.min(512).max(rows), rows))
     })?;
     Ok(Backend::Cpu { session, st })
 }
@@ -388,6 +405,7 @@ fn model_info(opts: &EngineOptions, model: &Model, ctx: usize) -> Result<ModelIn
 
 fn serve_jobs(
     mut backend: Backend<'_>,
+    mut drafting: Drafting,
     rx: Receiver<Job>,
     queued: &AtomicUsize,
     metrics: &Metrics,
@@ -405,7 +423,7 @@ fn serve_jobs(
             metrics.set_busy(false);
             continue;
         }
-        run_job(&mut backend, job, metrics, &mut cached, &mut cache);
+        run_job(&mut backend, &mut drafting, job, metrics, &mut cached, &mut cache);
         if !prompt_cache {
             cached.clear();
         }
@@ -424,7 +442,14 @@ fn serve_jobs(
 }
 
 /// Runs `job`; `cached` is what the state's KV cache holds before and after.
-fn run_job(backend: &mut Backend<'_>, job: Job, metrics: &Metrics, cached: &mut Vec<u32>, cache: &mut PromptCache) {
+fn run_job(
+    backend: &mut Backend<'_>,
+    drafting: &mut Drafting,
+    job: Job,
+    metrics: &Metrics,
+    cached: &mut Vec<u32>,
+    cache: &mut PromptCache,
+) {
     let Job { request, events } = job;
     let fail = |e: ServerError| {
         metrics.count_failed(&e);
@@ -497,13 +522,14 @@ fn run_job(backend: &mut Backend<'_>, job: Job, metrics: &Metrics, cached: &mut 
     };
     let mut sampler = Sampler::new(request.sampling, model.config.n_vocab);
     let mut generated = Vec::new();
-    let result = decode_until(
+    let result = draft::decode(
         &mut *dec,
         &model.tokenizer,
         &ids,
         reused,
         max_tokens,
         &mut sampler,
+        drafting,
         |tok| {
             generated.push(tok);
             let (text, hit) = stops.push(&decoder.push(&model.tokenizer, tok));

@@ -1,11 +1,13 @@
-//! Generation: prompt processing in batches, then token-by-token decoding
-//! with a sampler, streaming each token to a callback.
+//! Generation: prompt processing in batches, then decoding with a sampler,
+//! a token a pass or several with drafting ([`draft`]), streaming each
+//! token to a callback.
 
 pub mod chat;
+pub mod draft;
 pub mod sampler;
 
 use std::ops::ControlFlow;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 pub use chat::{ChatMessage, ChatTemplate};
 pub use sampler::{argmax, Sampler, SamplerConfig};
@@ -26,6 +28,8 @@ pub struct GenerationStats {
     pub stopped_by_caller: bool,
     /// Prompt tokens not run again: their keys and values were in the state.
     pub reused_tokens: usize,
+    /// The decode's passes and drafts (one token a pass without drafting).
+    pub draft: draft::DraftReport,
 }
 
 impl GenerationStats {
@@ -124,6 +128,25 @@ pub trait Decoder {
     fn ingest(&mut self, tokens: &[u32], pos0: usize) -> Result<()>;
     /// The logits of the last token run.
     fn logits(&mut self) -> Result<&[f32]>;
+    /// Most tokens one [`verify`](Self::verify) pass takes (1: it cannot
+    /// check a draft).
+    fn max_rows(&self) -> usize {
+        1
+    }
+    /// Runs `tokens` (1 to [`max_rows`](Self::max_rows)) at positions
+    /// `pos0..` as one pass and returns every row's logits, `[n][n_vocab]`:
+    /// a verification pass. Positions after them that the cache held
+    /// before are dropped (a refused draft's keys and values).
+    fn verify(&mut self, tokens: &[u32], pos0: usize) -> Result<&[f32]> {
+        if tokens.len() != 1 {
+            return Err(RuntimeError::Invalid(format!(
+                "this engine verifies one token a pass, not {}",
+                tokens.len()
+            )));
+        }
+        self.ingest(tokens, pos0)?;
+        self.logits()
+    }
 }
 
 impl<D: Decoder + ?Sized> Decoder for &mut D {
@@ -135,6 +158,12 @@ impl<D: Decoder + ?Sized> Decoder for &mut D {
     }
     fn logits(&mut self) -> Result<&[f32]> {
         (**self).logits()
+    }
+    fn max_rows(&self) -> usize {
+        (**self).max_rows()
+    }
+    fn verify(&mut self, tokens: &[u32], pos0: usize) -> Result<&[f32]> {
+        (**self).verify(tokens, pos0)
     }
 }
 
@@ -154,6 +183,28 @@ impl Decoder for CpuDecoder<'_> {
     }
     fn logits(&mut self) -> Result<&[f32]> {
         self.model.logits(self.st, 0, 1)
+    }
+    fn max_rows(&self) -> usize {
+        self.st.max_batch.min(self.st.max_logit_rows)
+    }
+    fn verify(&mut self, tokens: &[u32], pos0: usize) -> Result<&[f32]> {
+        let n = tokens.len();
+        if n == 0 || n > self.max_rows() {
+            return Err(RuntimeError::Invalid(format!(
+                "a verification pass of {n} tokens (1..={} allowed)",
+                self.max_rows()
+            )));
+        }
+        // Each row with the bits of the token decoded alone: drafting
+        // changes no greedy token.
+        self.st.rows_alone = true;
+        let pass = self
+            .model
+            .forward_with(self.st, tokens, pos0, 0..n, self.hook)
+            .and_then(|()| self.model.logits(self.st, 0, n).map(|_| ()));
+        self.st.rows_alone = false;
+        pass?;
+        Ok(&self.st.logits[..n * self.model.config.n_vocab])
     }
 }
 
@@ -188,46 +239,8 @@ pub fn decode_until(
     reused: usize,
     n_predict: usize,
     sampler: &mut Sampler,
-    mut on_token: impl FnMut(u32) -> Result<ControlFlow<()>>,
+    on_token: impl FnMut(u32) -> Result<ControlFlow<()>>,
 ) -> Result<GenerationStats> {
-    let ctx = dec.ctx();
-    if prompt.is_empty() {
-        return Err(RuntimeError::Invalid("empty prompt: nothing to continue".into()));
-    }
-    if prompt.len() >= ctx {
-        return Err(RuntimeError::Invalid(format!(
-            "prompt of {} tokens does not fit a context of {ctx}",
-            prompt.len(),
-        )));
-    }
-    let mut stats = GenerationStats {
-        prompt_tokens: prompt.len(),
-        ..Default::default()
-    };
-    let t0 = Instant::now();
-    stats.reused_tokens = reused.min(prompt.len() - 1);
-    dec.ingest(&prompt[stats.reused_tokens..], stats.reused_tokens)?;
-    stats.prompt_time = t0.elapsed();
-
-    let t1 = Instant::now();
-    for (i, pos) in (prompt.len()..).take(n_predict).enumerate() {
-        let tok = sampler.sample(dec.logits()?);
-        if tokenizer.is_end_of_generation(tok) {
-            stats.stopped_on_eog = true;
-            break;
-        }
-        let next = on_token(tok)?;
-        stats.generated_tokens += 1;
-        if next.is_break() {
-            stats.stopped_by_caller = true;
-            break;
-        }
-        // The last token needs no forward pass: nothing will read its logits.
-        if i + 1 == n_predict || pos >= ctx {
-            break;
-        }
-        dec.ingest(&[tok], pos)?;
-    }
-    stats.decode_time = t1.elapsed();
-    Ok(stats)
+    let mut off = draft::Drafting::off();
+    draft::decode(dec, tokenizer, prompt, reused, n_predict, sampler, &mut off, on_token)
 }

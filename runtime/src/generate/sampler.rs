@@ -94,6 +94,79 @@ impl Sampler {
     }
 
     pub fn sample(&mut self, logits: &[f32]) -> u32 {
+        if self.cfg.temperature <= 0.0 {
+            return self.greedy(logits);
+        }
+        let total = self.distribution(logits);
+        let mut r = self.rng.next_f32() * total;
+        for &(w, id) in self.candidates.iter() {
+            r -= w;
+            if r <= 0.0 {
+                return id;
+            }
+        }
+        self.candidates.last().map_or(0, |&(_, id)| id)
+    }
+
+    /// Checks a drafted token against `logits` (the verifier's row for its
+    /// position): `draft` when it is accepted, else the token to take in its
+    /// place. Greedy: the token `sample` would give, so drafting changes no
+    /// greedy token. Sampling: standard speculative sampling for a draft
+    /// made deterministically (all of ours are): accepted with the
+    /// probability the sampler gives it, else a token drawn from the rest of
+    /// that distribution, renormalised; the token so chosen follows the
+    /// sampler's distribution exactly, though the random stream is used
+    /// differently than by `sample`, so a seed gives other tokens.
+    pub fn check(&mut self, logits: &[f32], draft: u32) -> u32 {
+        if self.cfg.temperature <= 0.0 {
+            return self.greedy(logits);
+        }
+        let total = self.distribution(logits);
+        let p = self
+            .candidates
+            .iter()
+            .find(|&&(_, id)| id == draft)
+            .map_or(0.0, |&(w, _)| w / total);
+        if p > 0.0 && self.rng.next_f32() < p {
+            return draft;
+        }
+        let rest = total * (1.0 - p);
+        let mut r = self.rng.next_f32() * rest;
+        let mut last = None;
+        for &(w, id) in self.candidates.iter().filter(|&&(_, id)| id != draft) {
+            r -= w;
+            last = Some(id);
+            if r <= 0.0 {
+                return id;
+            }
+        }
+        // Rounding left a sliver, or the draft held all the mass (then p
+        // was 1 and it was accepted above unless the draw hit 1.0 exactly).
+        last.unwrap_or(draft)
+    }
+
+    /// The best allowed token (lowest id on ties).
+    fn greedy(&self, logits: &[f32]) -> u32 {
+        if self.banned.is_empty() {
+            return argmax(logits);
+        }
+        let mut best = (f32::NEG_INFINITY, 0u32);
+        for (i, &l) in logits.iter().enumerate() {
+            let l = if self.banned.contains(&(i as u32)) {
+                f32::NEG_INFINITY
+            } else {
+                l
+            };
+            if l > best.0 {
+                best = (l, i as u32);
+            }
+        }
+        best.1
+    }
+
+    /// Fills `candidates` with (weight, id) of the tokens the chain keeps
+    /// (top-k, top-p, then temperature), best first; returns their sum.
+    fn distribution(&mut self, logits: &[f32]) -> f32 {
         let banned = &self.banned;
         let logit = |i: usize, l: f32| {
             if banned.contains(&(i as u32)) {
@@ -102,19 +175,6 @@ impl Sampler {
                 l
             }
         };
-        if self.cfg.temperature <= 0.0 {
-            if banned.is_empty() {
-                return argmax(logits);
-            }
-            let mut best = (f32::NEG_INFINITY, 0u32);
-            for (i, &l) in logits.iter().enumerate() {
-                let l = logit(i, l);
-                if l > best.0 {
-                    best = (l, i as u32);
-                }
-            }
-            return best.1;
-        }
         let c = &mut self.candidates;
         c.clear();
         c.extend(logits.iter().enumerate().map(|(i, &l)| (logit(i, l), i as u32)));
@@ -124,7 +184,6 @@ impl Sampler {
             c.truncate(self.cfg.top_k);
         }
         c.sort_unstable_by(by_logit);
-        // Probabilities at temperature 1 decide the top-p cut, as in llama.cpp's chain.
         let max = c[0].0;
         let total: f32 = c.iter().map(|&(l, _)| (l - max).exp()).sum();
         if self.cfg.top_p < 1.0 {
@@ -140,15 +199,12 @@ impl Sampler {
             c.truncate(keep);
         }
         let t = self.cfg.temperature;
-        let weights_sum: f32 = c.iter().map(|&(l, _)| ((l - max) / t).exp()).sum();
-        let mut r = self.rng.next_f32() * weights_sum;
-        for &(l, id) in c.iter() {
-            r -= ((l - max) / t).exp();
-            if r <= 0.0 {
-                return id;
-            }
+        let mut sum = 0.0;
+        for e in c.iter_mut() {
+            e.0 = ((e.0 - max) / t).exp();
+            sum += e.0;
         }
-        c.last().map_or(0, |&(_, id)| id)
+        sum
     }
 }
 

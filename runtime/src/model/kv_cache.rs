@@ -269,6 +269,13 @@ impl KvPrefix {
     pub fn bytes(&self) -> usize {
         (self.k.len() + self.v.len()) * 2
     }
+
+    /// Whether `other` holds the same positions with the same bits.
+    pub fn same_bits(&self, other: &KvPrefix) -> bool {
+        let bits =
+            |x: &[f16], y: &[f16]| x.len() == y.len() && x.iter().zip(y).all(|(a, b)| a.to_bits() == b.to_bits());
+        self.n == other.n && self.value_rows == other.value_rows && bits(&self.k, &other.k) && bits(&self.v, &other.v)
+    }
 }
 
 /// Cells of llama.cpp's sliding-window cache for a context of `ctx`: the
