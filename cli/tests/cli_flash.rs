@@ -68,6 +68,8 @@ fn bad_flash_settings_are_refused_with_the_reason() {
         e.contains("--mem-budget") && e.contains("resident parts alone need"),
         "{e}"
     );
+    // The remedy is named too: the context sizes the run state.
+    assert!(e.contains("lower --ctx"), "{e}");
     let e = run(&["--policy", "oracle", "--sparsity", "0.5"]);
     assert!(e.contains("no thresholds for sparsity 0.5"), "{e}");
     let e = run(&["--mem-budget", "25%"]);

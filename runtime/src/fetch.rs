@@ -145,8 +145,11 @@ fn python() -> String {
     std::env::var("LEANSTREAM_PYTHON").unwrap_or_else(|_| "python3".into())
 }
 
+/// Runs a helper with its output on our stderr: stdout carries the model's
+/// path alone (`p=$(leanstream fetch gemma3)`).
 fn run(cmd: &mut Command, what: &str) -> Result<()> {
     let status = cmd
+        .stdout(std::process::Stdio::from(std::io::stderr()))
         .status()
         .map_err(|e| RuntimeError::Fetch(format!("{what}: cannot start {:?}: {e}", cmd.get_program())))?;
     if !status.success() {

@@ -90,12 +90,14 @@ impl StreamSettings {
         if fixed > total {
             return Err(RuntimeError::Invalid(format!(
                 "memory budget (--mem-budget) {}: the resident parts alone need {} (weights and tokenizer {}, run state {}, \
-                 {policy} buffers {}); nothing would be left for the neuron cache",
+                 {policy} buffers {}); nothing would be left for the neuron cache: raise --mem-budget, or lower \
+                 --ctx (the run state keeps keys and values for {} positions)",
                 fmt_bytes(total),
                 fmt_bytes(fixed),
                 fmt_bytes(weights),
                 fmt_bytes(state),
-                fmt_bytes(engine)
+                fmt_bytes(engine),
+                st.ctx
             )));
         }
         Ok(total - fixed)
