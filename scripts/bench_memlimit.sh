@@ -14,7 +14,10 @@
 #      (0.5), SLACK_MIB (16), LLAMA_ARGS (extra llama-bench flags), PACK_ARGS
 #      (default: a calibration on data/text/apache-2.0.txt, --hot-first), TAG
 #      (names the packed file, reused while it exists; default memlimit),
-#      PROFILE (release; `ci` reuses scripts/test.sh's build).
+#      PROFILE (release; `ci` reuses scripts/test.sh's build), DRAFT (e.g.
+#      lookup: each policy runs `bench-draft` on DRAFT_PROMPTS (4) windows of
+#      DRAFT_TEXT (data/text/gpl-3.0.txt) instead of `bench` on random
+#      tokens, one column plain and one drafted, in the same process).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 export CARGO_TARGET_DIR=${CARGO_TARGET_DIR:-$HOME/.cache/leanstream/target}
@@ -59,39 +62,65 @@ try:
     v=json.loads(j)
     for k in sys.argv[1].split("."): v=v[int(k)] if k.isdigit() else v[k]
     print(v)
-except Exception: print(0)' "$1"; }
+except Exception: print("")' "$1"; }
+
+# A run that printed no speed failed: say why on stderr (its first error
+# line) rather than let an empty cell read as a measurement.
+errs=$(mktemp -d); trap 'rm -rf "$errs"' EXIT
+failed() { echo "warning: $1 at $2 MiB failed: $(grep -m1 -i error "$3" || tail -n1 "$3")" >&2; }
 
 IFS=, read -r -a policies <<<"$policy"
 {
   printf '| limit MiB | llama.cpp tok/s (cgroup peak MiB) | LeanStream dense GGUF |'
-  for p in "${policies[@]}"; do printf ' LeanStream %s %s .lsflash |' "$p" "$sparsity"; done
+  for p in "${policies[@]}"; do
+    if [ -n "${DRAFT:-}" ]; then
+      printf ' LeanStream %s %s .lsflash, prose | the same, --draft %s |' "$p" "$sparsity" "$DRAFT"
+    else
+      printf ' LeanStream %s %s .lsflash |' "$p" "$sparsity"
+    fi
+  done
   printf ' best / llama.cpp |\n|---|---|---|'
-  for _ in "${policies[@]}"; do printf -- '---|'; done
+  for _ in "${policies[@]}"; do printf -- '---|'; [ -z "${DRAFT:-}" ] || printf -- '---|'; done
   printf -- '---|\n'
 }
 for limit in "$@"; do
   evict "$gguf" "$flash"
   # shellcheck disable=SC2086
-  theirs=$(in_cgroup "$limit" timeout 1800 "$llama" -m "$gguf" -p 0 -n "$gen" -r 1 -t "$(nproc)" ${LLAMA_ARGS:-} -o json 2>/dev/null || true)
+  theirs=$(in_cgroup "$limit" timeout 1800 "$llama" -m "$gguf" -p 0 -n "$gen" -r 1 -t "$(nproc)" ${LLAMA_ARGS:-} -o json 2>"$errs/llama" || true)
   evict "$gguf" "$flash"
-  dense=$(in_cgroup "$limit" timeout 1800 "$ls" bench --model "$gguf" --prompt-tokens 0 --gen-tokens "$gen" --reps 1 2>/dev/null || true)
+  dense=$(in_cgroup "$limit" timeout 1800 "$ls" bench --model "$gguf" --prompt-tokens 0 --gen-tokens "$gen" --reps 1 2>"$errs/dense" || true)
   cells=("$(printf '%s\n' "$theirs" | speed_of 0.avg_ts)" "$(printf '%s\n' "$theirs" | sed -n 's/^PEAK //p')"
     "$(printf '%s\n' "$dense" | speed_of decode_tok_s)" "$(printf '%s\n' "$dense" | sed -n 's/^PEAK //p')")
+  [ -n "${cells[0]}" ] || failed llama-bench "$limit" "$errs/llama"
+  [ -n "${cells[2]}" ] || failed "LeanStream dense GGUF" "$limit" "$errs/dense"
   for p in "${policies[@]}"; do
     evict "$gguf" "$flash"
-    ours=$(in_cgroup "$limit" timeout 1800 "$ls" bench --model "$flash" --policy "$p" --sparsity "$sparsity" \
-      --mem-budget "$((limit - slack))MiB" --prompt-tokens 0 --gen-tokens "$gen" --reps 1 2>/dev/null || true)
-    cells+=("$(printf '%s\n' "$ours" | speed_of decode_tok_s)" "$(printf '%s\n' "$ours" | sed -n 's/^PEAK //p')")
+    budget=(--policy "$p" --sparsity "$sparsity" --mem-budget "$((limit - slack))MiB")
+    if [ -n "${DRAFT:-}" ]; then
+      ours=$(in_cgroup "$limit" timeout 1800 "$ls" bench-draft --model "$flash" "${budget[@]}" --gen "$gen" \
+        --text "${DRAFT_TEXT:-data/text/gpl-3.0.txt}" --prompts "${DRAFT_PROMPTS:-4}" --drafts "$DRAFT" 2>"$errs/$p" || true)
+      keys=(runs.0.decode_tok_s runs.1.decode_tok_s)
+    else
+      ours=$(in_cgroup "$limit" timeout 1800 "$ls" bench --model "$flash" "${budget[@]}" \
+        --prompt-tokens 0 --gen-tokens "$gen" --reps 1 2>"$errs/$p" || true)
+      keys=(decode_tok_s)
+    fi
+    for key in "${keys[@]}"; do
+      speed=$(printf '%s\n' "$ours" | speed_of "$key")
+      [ -n "$speed" ] || failed "LeanStream $p ($key)" "$limit" "$errs/$p"
+      cells+=("$speed" "$(printf '%s\n' "$ours" | sed -n 's/^PEAK //p')")
+    done
   done
   python3 - "$limit" "${cells[@]}" <<'PY'
 import sys
-l, v = sys.argv[1], [float(x or 0) for x in sys.argv[2:]]
+l, v = sys.argv[1], [float(x) if x else None for x in sys.argv[2:]]
 m = 1 << 20
-ts, tp = v[0], v[1]
-speeds = v[2::2]
-best = max(speeds)
-ratio = f"{best / ts:.2f}" if ts > 0 else "llama.cpp failed"
-cols = " | ".join(f"{s:.2f} ({p / m:.0f})" for s, p in zip(v[2::2], v[3::2]))
-print(f"| {l} | {ts:.2f} ({tp / m:.0f}) | {cols} | {ratio} |")
+cell = lambda s, p: "failed" if s is None else f"{s:.2f} ({(p or 0) / m:.0f})"
+ts = v[0]
+speeds = [s for s in v[2::2] if s is not None]
+best = max(speeds) if speeds else None
+ratio = f"{best / ts:.2f}" if ts and best else "llama.cpp failed" if not ts else "LeanStream failed"
+cols = " | ".join(cell(s, p) for s, p in zip(v[2::2], v[3::2]))
+print(f"| {l} | {cell(ts, v[1])} | {cols} | {ratio} |")
 PY
 done

@@ -16,6 +16,7 @@ use leanstream_runtime::generate::draft::{self, DraftKind, DraftLen, Drafting, P
 use leanstream_runtime::generate::{CpuDecoder, Sampler, SamplerConfig};
 use leanstream_runtime::model::{LayerAt, LayerHook, Model, RunState};
 use leanstream_runtime::session::Session;
+use leanstream_runtime::RuntimeError;
 use serde_json::{json, Value};
 
 #[derive(Args)]
@@ -109,9 +110,16 @@ pub fn run(a: BenchDraftArgs) -> Result<()> {
         _ => None,
     };
     let rows = configs.iter().map(|(d, l)| d.rows(*l)).max().unwrap_or(1);
-    let ctx = a.prompt_tokens.max(256) + a.gen + 1;
-    let (mut loaded, mut st) = Session::open(&path, &settings, |m| Ok(m.new_state(ctx, 512.min(ctx), rows)))?;
-    let prompts = prompts(&a, loaded.model())?;
+    // The run state for the longest prompt, run in batches of up to 16
+    // tokens (llama.cpp's -ub under a tight budget): the smallest state
+    // that takes a verification pass, so a memory budget leaves the cache
+    // what a user who sizes it so gets.
+    let mut prompts = Vec::new();
+    let (mut loaded, mut st) = Session::open(&path, &settings, |m| {
+        prompts = crate::bench_draft::prompts(&a, m).map_err(|e| RuntimeError::Invalid(format!("{e:#}")))?;
+        let longest = prompts.iter().map(Vec::len).max().unwrap_or(1);
+        Ok(m.new_state(longest + a.gen + 1, longest.min(16).max(rows), 1))
+    })?;
     let n_vocab = loaded.model().config.n_vocab;
     let mut runs: Vec<Vec<Figures>> = vec![Vec::new(); configs.len()];
     for (i, prompt) in prompts.iter().enumerate() {
@@ -243,7 +251,20 @@ fn summary(name: &str, len: DraftLen, figs: &[Figures], plain: &[Figures]) -> Va
         d.drafted += f.draft.drafted;
         d.accepted += f.draft.accepted;
         d.propose_seconds += f.draft.propose_seconds;
+        for i in 0..draft::ROWS_REPORTED {
+            d.rows_passes[i] += f.draft.rows_passes[i];
+            d.rows_seconds[i] += f.draft.rows_seconds[i];
+        }
     }
+    // Mean pass time by rows, against a pass of one row (of this draft's own run).
+    let one = d.mean_pass_seconds(1);
+    let pass_cost: serde_json::Map<String, Value> = (1..=draft::ROWS_REPORTED)
+        .filter_map(|r| Some((r, d.mean_pass_seconds(r)?)))
+        .map(|(r, t)| {
+            let v = json!({"passes": d.rows_passes[r - 1], "ms": 1e3 * t, "vs_one_row": one.map(|o| t / o)});
+            (r.to_string(), v)
+        })
+        .collect();
     let speed = |f: &Figures| f.tokens.len() as f64 / f.seconds.max(1e-9);
     let ours: Vec<f64> = figs.iter().map(speed).collect();
     let theirs: Vec<f64> = plain.iter().map(speed).collect();
@@ -262,6 +283,7 @@ fn summary(name: &str, len: DraftLen, figs: &[Figures], plain: &[Figures]) -> Va
         "drafted_passes": d.drafted_passes,
         "propose_seconds": d.propose_seconds,
         "mib_read_per_token": bytes as f64 / tokens.max(1) as f64 / (1 << 20) as f64,
+        "pass_by_rows": pass_cost,
     })
 }
 

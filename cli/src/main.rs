@@ -947,7 +947,7 @@ fn run(
         let ctx = ctx.unwrap_or(ids.len() + n + 1).min(model.config.context_length);
         // Batches as large as the prompt (up to 512): a longer one is split
         // there anyway, and a shorter prompt needs no room for one.
-        Ok(model.new_state(ctx, ids.len().clamp(rows, 512), rows))
+        Ok(model.new_state(ctx, ids.len().clamp(rows, 512), 1))
     })?;
     let ids = prompt_ids(loaded.model())?;
     let n_vocab = loaded.model().config.n_vocab;

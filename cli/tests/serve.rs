@@ -612,3 +612,62 @@ fn chat_in_the_terminal_keeps_and_resets_the_conversation() {
     assert!(text.ends_with(&format!("\n{reference}\n")), "{text:?}");
     assert!(replies.len() >= 3, "{text:?}");
 }
+
+/// Drafting in the server: with the model drafting for itself (every draft
+/// accepted, so runs of seven tokens a pass) the streamed text equals
+/// `run`'s; `max_tokens` and a stop string that land inside an accepted
+/// run end the text there; a load with cancellations loses nothing.
+#[test]
+fn drafting_streams_runs_text_and_stops_inside_an_accepted_run() {
+    let Some(model) = common::model_path("smollm2") else {
+        return;
+    };
+    let draft = format!("model:{}", model.display());
+    let server = Server::start(
+        &model,
+        &[
+            "--ctx",
+            "512",
+            "--no-prompt-cache",
+            "--draft",
+            &draft,
+            "--draft-len",
+            "6",
+        ],
+    );
+    let chat = |max_tokens: usize, stop: Option<&str>| {
+        let mut body = json!({"messages": [{"role": "user", "content": PROMPT}],
+                              "max_tokens": max_tokens, "temperature": 0, "stream": true});
+        if let Some(s) = stop {
+            body["stop"] = json!([s]);
+        }
+        let (status, _, out) = post(&server, "/v1/chat/completions", body.to_string().as_bytes());
+        assert_eq!(status, 200, "{}", String::from_utf8_lossy(&out));
+        sse_text(&out)
+    };
+    let full = run_text(&model, PROMPT, 40, true);
+    assert_eq!(chat(40, None), full);
+    assert_eq!(chat(9, None), run_text(&model, PROMPT, 9, true));
+    // A stop string from the middle of the text: the answer ends before it.
+    let words: Vec<&str> = full.split_whitespace().collect();
+    let stop = words[words.len() / 2];
+    let cut = &full[..full.find(stop).unwrap()];
+    assert_eq!(chat(40, Some(stop)), cut, "stop {stop:?}");
+    // Every draft of the model drafting for itself is accepted.
+    let m = settled_metrics(&server);
+    let accepted = metric(&m, "leanstream_draft_tokens_total{outcome=\"accepted\"}");
+    assert!(accepted > 0.0, "{m}");
+    assert_eq!(
+        metric(&m, "leanstream_draft_tokens_total{outcome=\"refused\"}"),
+        0.0,
+        "{m}"
+    );
+    assert!(
+        metric(&m, "leanstream_decode_passes_total") * 3.0 < metric(&m, "leanstream_completion_tokens_total"),
+        "{m}"
+    );
+    let v = load(&server, 40, 4, 12);
+    assert_eq!(v["answered"], 40);
+    assert_eq!(v["outcomes"]["lost"].as_f64().unwrap_or(0.0), 0.0, "{v}");
+    assert_eq!(v["outcomes"]["error"].as_f64().unwrap_or(0.0), 0.0, "{v}");
+}

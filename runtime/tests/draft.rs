@@ -50,7 +50,7 @@ fn decode(
     drafting: &mut Drafting,
 ) -> (Vec<u32>, GenerationStats, RunState) {
     let rows = 7;
-    let mut st = model.new_state(prompt.len() + n + 1, prompt.len().max(rows), rows);
+    let mut st = model.new_state(prompt.len() + n + 1, prompt.len().max(rows), 1);
     let mut toks = Vec::new();
     let stats = {
         let mut dec = CpuDecoder {
@@ -202,7 +202,7 @@ fn a_sloppy_proposer_and_a_small_context_change_nothing() {
         // A context that ends a few tokens after the prompt: drafts stop at
         // its end, and the run ends where plain decoding's does.
         let short = 5;
-        let mut st = model.new_state(prompt.len() + short, prompt.len().max(7), 7);
+        let mut st = model.new_state(prompt.len() + short, prompt.len().max(7), 1);
         let mut toks = Vec::new();
         let mut dec = CpuDecoder {
             model: &model,
@@ -247,7 +247,7 @@ fn the_run_ends_inside_an_accepted_draft() {
         assert!(!stats.stopped_by_caller);
     }
     for stop_after in [1, 3, 8] {
-        let mut st = model.new_state(ctx, prompt.len(), 7);
+        let mut st = model.new_state(ctx, prompt.len().max(7), 1);
         let mut dec = CpuDecoder {
             model: &model,
             st: &mut st,

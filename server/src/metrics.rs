@@ -35,6 +35,10 @@ pub struct Metrics {
     completion_tokens: AtomicU64,
     prompt_ns: AtomicU64,
     decode_ns: AtomicU64,
+    /// Decode passes, and the drafted tokens they checked and accepted.
+    decode_passes: AtomicU64,
+    drafted: AtomicU64,
+    accepted: AtomicU64,
     busy: AtomicBool,
     prompt_cache_bytes: AtomicU64,
     engine: Mutex<Option<EngineSnapshot>>,
@@ -75,6 +79,9 @@ impl Metrics {
         add(&self.completion_tokens, s.generated_tokens as u64);
         add(&self.prompt_ns, s.prompt_time.as_nanos() as u64);
         add(&self.decode_ns, s.decode_time.as_nanos() as u64);
+        add(&self.decode_passes, s.draft.passes);
+        add(&self.drafted, s.draft.drafted);
+        add(&self.accepted, s.draft.accepted);
     }
 
     pub fn set_prompt_cache_bytes(&self, bytes: usize) {
@@ -129,6 +136,21 @@ impl Metrics {
             "counter",
             "Tokens generated.",
             &[("", ct as f64)],
+        );
+        metric(
+            "decode_passes_total",
+            "counter",
+            "Forward passes of the decode (one token each without drafting).",
+            &[("", g(&self.decode_passes) as f64)],
+        );
+        metric(
+            "draft_tokens_total",
+            "counter",
+            "Drafted tokens checked, by outcome.",
+            &[
+                ("{outcome=\"accepted\"}", g(&self.accepted) as f64),
+                ("{outcome=\"refused\"}", (g(&self.drafted) - g(&self.accepted)) as f64),
+            ],
         );
         metric("prompt_seconds_total", "counter", "Time spent on prompts.", &[("", ps)]);
         metric("decode_seconds_total", "counter", "Time spent generating.", &[("", ds)]);

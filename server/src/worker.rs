@@ -352,7 +352,7 @@ fn open(opts: &EngineOptions) -> Result<Backend<'static>, ServerError> {
     let (session, st) = Session::open(&opts.model, &opts.settings, |model| {
         let ctx = context(opts, model);
         let rows = Drafting::rows(&opts.draft, opts.draft_len);
-        Ok(model.new_state(ctx, ctx.min(512).max(rows), rows))
+        Ok(model.new_state(ctx, ctx.min(512).max(rows), 1))
     })?;
     Ok(Backend::Cpu { session, st })
 }

@@ -134,17 +134,24 @@ pub trait Decoder {
         1
     }
     /// Runs `tokens` (1 to [`max_rows`](Self::max_rows)) at positions
-    /// `pos0..` as one pass and returns every row's logits, `[n][n_vocab]`:
-    /// a verification pass. Positions after them that the cache held
-    /// before are dropped (a refused draft's keys and values).
-    fn verify(&mut self, tokens: &[u32], pos0: usize) -> Result<&[f32]> {
+    /// `pos0..` as one pass, every row an output: a verification pass. Each
+    /// row has the bits it would have run alone. Positions after them that
+    /// the cache held before are dropped (a refused draft's keys and values).
+    fn verify(&mut self, tokens: &[u32], pos0: usize) -> Result<()> {
         if tokens.len() != 1 {
             return Err(RuntimeError::Invalid(format!(
                 "this engine verifies one token a pass, not {}",
                 tokens.len()
             )));
         }
-        self.ingest(tokens, pos0)?;
+        self.ingest(tokens, pos0)
+    }
+    /// The logits of row `row` of the last [`verify`](Self::verify) pass,
+    /// projected when asked for: rows after a refused draft token never are.
+    fn row_logits(&mut self, row: usize) -> Result<&[f32]> {
+        if row != 0 {
+            return Err(RuntimeError::Invalid(format!("row {row} of a one-token pass")));
+        }
         self.logits()
     }
 }
@@ -162,8 +169,11 @@ impl<D: Decoder + ?Sized> Decoder for &mut D {
     fn max_rows(&self) -> usize {
         (**self).max_rows()
     }
-    fn verify(&mut self, tokens: &[u32], pos0: usize) -> Result<&[f32]> {
+    fn verify(&mut self, tokens: &[u32], pos0: usize) -> Result<()> {
         (**self).verify(tokens, pos0)
+    }
+    fn row_logits(&mut self, row: usize) -> Result<&[f32]> {
+        (**self).row_logits(row)
     }
 }
 
@@ -185,9 +195,9 @@ impl Decoder for CpuDecoder<'_> {
         self.model.logits(self.st, 0, 1)
     }
     fn max_rows(&self) -> usize {
-        self.st.max_batch.min(self.st.max_logit_rows)
+        self.st.max_batch
     }
-    fn verify(&mut self, tokens: &[u32], pos0: usize) -> Result<&[f32]> {
+    fn verify(&mut self, tokens: &[u32], pos0: usize) -> Result<()> {
         let n = tokens.len();
         if n == 0 || n > self.max_rows() {
             return Err(RuntimeError::Invalid(format!(
@@ -198,13 +208,13 @@ impl Decoder for CpuDecoder<'_> {
         // Each row with the bits of the token decoded alone: drafting
         // changes no greedy token.
         self.st.rows_alone = true;
-        let pass = self
-            .model
-            .forward_with(self.st, tokens, pos0, 0..n, self.hook)
-            .and_then(|()| self.model.logits(self.st, 0, n).map(|_| ()));
+        let pass = self.model.forward_with(self.st, tokens, pos0, 0..n, self.hook);
         self.st.rows_alone = false;
-        pass?;
-        Ok(&self.st.logits[..n * self.model.config.n_vocab])
+        pass
+    }
+    fn row_logits(&mut self, row: usize) -> Result<&[f32]> {
+        // One row: the arithmetic of a token decoded alone.
+        self.model.logits(self.st, row, 1)
     }
 }
 

@@ -45,7 +45,7 @@ impl Drafting<'_> {
     }
 
     /// Rows a verification pass of this drafting needs (the run state's
-    /// batch and logit rows): one without a proposer.
+    /// batch; one row of logits is enough): one without a proposer.
     pub fn rows(kind: &DraftKind, len: DraftLen) -> usize {
         match (kind, len) {
             (DraftKind::None, _) => 1,
@@ -150,9 +150,9 @@ pub fn decode(
             }
         }
         let tv = Instant::now();
-        let logits = dec.verify(&rows, pos)?;
+        dec.verify(&rows, pos)?;
         decided.clear();
-        let accepted = accept(sampler, logits, n_vocab, &rows[1..], &mut decided);
+        let accepted = accept(sampler, dec, &rows[1..], &mut decided)?;
         drafting
             .policy
             .observe(rows.len() - 1, accepted, tv.elapsed().as_secs_f64(), propose_seconds);

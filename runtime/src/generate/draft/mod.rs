@@ -19,6 +19,6 @@ mod proposer;
 mod verifier;
 
 pub use driver::{decode, Drafting};
-pub use policy::{DraftLen, DraftPolicy, DraftReport};
+pub use policy::{DraftLen, DraftPolicy, DraftReport, ROWS_REPORTED};
 pub use proposer::{greedy_draft, DraftKind, ModelDraft, PromptLookup, Proposer};
 pub use verifier::accept;

@@ -49,7 +49,14 @@ pub struct DraftReport {
     pub accepted: u64,
     /// Seconds spent proposing.
     pub propose_seconds: f64,
+    /// Per rows of a pass (index rows - 1), the passes and their seconds:
+    /// what a pass of k+1 rows costs against one of a single row.
+    pub rows_passes: [u64; ROWS_REPORTED],
+    pub rows_seconds: [f64; ROWS_REPORTED],
 }
+
+/// Pass sizes a [`DraftReport`] times: every one a draft may make.
+pub const ROWS_REPORTED: usize = DraftPolicy::MAX_LEN + 1;
 
 impl DraftReport {
     /// What was counted after `earlier` (a report of the same run).
@@ -60,7 +67,16 @@ impl DraftReport {
             drafted: self.drafted - earlier.drafted,
             accepted: self.accepted - earlier.accepted,
             propose_seconds: self.propose_seconds - earlier.propose_seconds,
+            rows_passes: std::array::from_fn(|i| self.rows_passes[i] - earlier.rows_passes[i]),
+            rows_seconds: std::array::from_fn(|i| self.rows_seconds[i] - earlier.rows_seconds[i]),
         }
+    }
+
+    /// Mean seconds of a pass of `rows` rows (`None`: none ran).
+    pub fn mean_pass_seconds(&self, rows: usize) -> Option<f64> {
+        let i = rows.checked_sub(1)?;
+        let n = *self.rows_passes.get(i)?;
+        (n > 0).then(|| self.rows_seconds[i] / n as f64)
     }
 
     /// Accepted share of the drafted tokens (0 without drafts).
@@ -86,8 +102,12 @@ pub struct DraftPolicy {
     /// Smoothed seconds proposing one token.
     propose_seconds: f64,
     /// Passes since the last that drafted, to try again now and then when
-    /// the estimate says drafting does not pay.
+    /// the estimate says drafting does not pay; the wait doubles after each
+    /// try that did not pay (up to [`PROBE_MAX`](Self::PROBE_MAX)).
     since_draft: usize,
+    probe_every: usize,
+    /// Whether the last pass that drafted was a probe.
+    probing: bool,
     pub report: DraftReport,
 }
 
@@ -99,8 +119,10 @@ impl DraftPolicy {
     pub const MAX_LEN: usize = 15;
     /// Weight of the newest observation in the smoothed figures.
     const DECAY: f64 = 0.1;
-    /// Passes without drafting before `auto` tries one token again.
+    /// Passes without drafting before `auto` tries one token again, at first
+    /// and at most.
     const PROBE_EVERY: usize = 32;
+    const PROBE_MAX: usize = 1024;
 
     pub fn new(len: DraftLen) -> Self {
         Self {
@@ -111,6 +133,8 @@ impl DraftPolicy {
             pass_seconds: Vec::new(),
             propose_seconds: 0.0,
             since_draft: 0,
+            probe_every: Self::PROBE_EVERY,
+            probing: false,
             report: DraftReport::default(),
         }
     }
@@ -132,9 +156,13 @@ impl DraftPolicy {
             DraftLen::Fixed(k) => k,
             DraftLen::Auto { max } => {
                 let k = self.best(max.min(limit));
-                if k == 0 && self.since_draft >= Self::PROBE_EVERY {
+                self.probing = k == 0 && self.since_draft >= self.probe_every && limit > 0;
+                if self.probing {
                     1
                 } else {
+                    if k > 0 {
+                        self.probe_every = Self::PROBE_EVERY;
+                    }
                     k
                 }
             }
@@ -144,16 +172,19 @@ impl DraftPolicy {
 
     /// The length that maximises expected tokens per second: with each
     /// draft token accepted with probability a (independently), a pass of k
-    /// drafts yields (1 - a^(k+1)) / (1 - a) tokens.
+    /// drafts yields (1 - a^(k+1)) / (1 - a) tokens. Lengths grow one past
+    /// the longest pass timed so far, so a length is tried only after the
+    /// shorter ones paid.
     fn best(&self, max: usize) -> usize {
         let a = self.acceptance().clamp(0.0, 0.999);
         let Some(&one) = self.pass_seconds.first().filter(|&&s| s > 0.0) else {
             return 0; // A plain pass is timed first: the yardstick.
         };
+        let longest = self.pass_seconds.iter().rposition(|&s| s > 0.0).unwrap_or(0);
         let mut best = (1.0 / one, 0);
-        for k in 1..=max {
+        for k in 1..=max.min(longest + 1) {
             let tokens = (1.0 - a.powi(k as i32 + 1)) / (1.0 - a);
-            let cost = self.pass_cost(k + 1, one) + k as f64 * self.propose_seconds;
+            let cost = self.pass_cost(k + 1) + k as f64 * self.propose_seconds;
             if tokens / cost > best.0 {
                 best = (tokens / cost, k);
             }
@@ -161,19 +192,23 @@ impl DraftPolicy {
         best.1
     }
 
-    /// A pass of `rows` rows: measured, else the longest measured pass
-    /// extended by one single-row pass's compute share per extra row. Not yet
-    /// measured, a pass is taken to cost what the nearest shorter one did
-    /// (optimistic: the reads dominate), so a length gets tried and timed.
-    fn pass_cost(&self, rows: usize, one: f64) -> f64 {
-        match self.pass_seconds.get(rows - 1) {
-            Some(&s) if s > 0.0 => s,
-            _ => self.pass_seconds[..rows.min(self.pass_seconds.len())]
-                .iter()
-                .rev()
-                .find(|&&s| s > 0.0)
-                .copied()
-                .unwrap_or(one),
+    /// A pass of `rows` rows: measured, else extrapolated along the line
+    /// through the two longest passes timed below it (flat from a single
+    /// one: optimistic, as where the reads dominate, so the length gets
+    /// tried and timed).
+    fn pass_cost(&self, rows: usize) -> f64 {
+        if let Some(&s) = self.pass_seconds.get(rows - 1).filter(|&&s| s > 0.0) {
+            return s;
+        }
+        let mut timed = self.pass_seconds[..(rows - 1).min(self.pass_seconds.len())]
+            .iter()
+            .enumerate()
+            .rev()
+            .filter(|&(_, &s)| s > 0.0);
+        match (timed.next(), timed.next()) {
+            (Some((r1, &t1)), Some((r0, &t0))) => t1 + (t1 - t0).max(0.0) / (r1 - r0) as f64 * (rows - 1 - r1) as f64,
+            (Some((_, &t1)), None) => t1,
+            _ => 0.0,
         }
     }
 
@@ -187,6 +222,10 @@ impl DraftPolicy {
         r.accepted += accepted as u64;
         r.propose_seconds += propose;
         let rows = drafted + 1;
+        if rows <= ROWS_REPORTED {
+            r.rows_passes[rows - 1] += 1;
+            r.rows_seconds[rows - 1] += seconds;
+        }
         if self.pass_seconds.len() < rows {
             self.pass_seconds.resize(rows, 0.0);
         }
@@ -202,6 +241,9 @@ impl DraftPolicy {
         }
         r.drafted_passes += 1;
         self.since_draft = 0;
+        if self.probing {
+            self.probe_every = (self.probe_every * 2).min(Self::PROBE_MAX);
+        }
         let tried = (accepted + usize::from(accepted < drafted)) as f64;
         let keep = (1.0 - Self::DECAY).powf(tried);
         self.accepted = self.accepted * keep + accepted as f64;

@@ -1,33 +1,65 @@
 //! The verifier's rule: which drafted tokens a verification pass accepts.
 
-use crate::generate::Sampler;
+use crate::generate::{Decoder, Sampler};
+use crate::Result;
 
-/// Checks `draft` against the rows of one verification pass: `rows` holds
-/// `draft.len() + 1` rows of `n_vocab` logits, row `i` computed after the
-/// last accepted token and `draft[..i]`. Appends to `out` the accepted
-/// prefix and then the model's own token: where the first draft token is
-/// refused, the one the sampler gives in its place; after a fully accepted
-/// draft, one sampled from the last row. So a pass yields 1 to
-/// `draft.len() + 1` tokens, each distributed as without drafting (greedy:
-/// the same tokens). Returns how many draft tokens were accepted.
-pub fn accept(sampler: &mut Sampler, rows: &[f32], n_vocab: usize, draft: &[u32], out: &mut Vec<u32>) -> usize {
-    debug_assert_eq!(rows.len(), (draft.len() + 1) * n_vocab);
-    let row = |i: usize| &rows[i * n_vocab..(i + 1) * n_vocab];
+/// Checks `draft` against the rows of the verification pass `dec` just
+/// ran: [`Decoder::row_logits`] of row `i`, computed after the last
+/// accepted token and `draft[..i]`, is asked for in order, only while the
+/// draft holds.
+/// Appends to `out` the accepted prefix and then the model's own token:
+/// where a draft token is refused, the one the sampler gives in its place;
+/// after a fully accepted draft, one sampled from the last row. So a pass
+/// yields 1 to `draft.len() + 1` tokens, each distributed as without
+/// drafting (greedy: the same tokens). Returns how many draft tokens were
+/// accepted.
+pub fn accept(sampler: &mut Sampler, dec: &mut dyn Decoder, draft: &[u32], out: &mut Vec<u32>) -> Result<usize> {
     for (i, &d) in draft.iter().enumerate() {
-        let t = sampler.check(row(i), d);
+        let t = sampler.check(dec.row_logits(i)?, d);
         out.push(t);
         if t != d {
-            return i;
+            return Ok(i);
         }
     }
-    out.push(sampler.sample(row(draft.len())));
-    draft.len()
+    out.push(sampler.sample(dec.row_logits(draft.len())?));
+    Ok(draft.len())
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
     use crate::generate::SamplerConfig;
+
+    /// A pass's rows, given; counts the rows asked for.
+    struct Rows {
+        rows: Vec<f32>,
+        n_vocab: usize,
+        asked: usize,
+    }
+
+    impl Decoder for Rows {
+        fn ctx(&self) -> usize {
+            usize::MAX
+        }
+        fn ingest(&mut self, _: &[u32], _: usize) -> crate::Result<()> {
+            Ok(())
+        }
+        fn logits(&mut self) -> crate::Result<&[f32]> {
+            self.row_logits(0)
+        }
+        fn row_logits(&mut self, i: usize) -> crate::Result<&[f32]> {
+            self.asked = self.asked.max(i + 1);
+            Ok(&self.rows[i * self.n_vocab..(i + 1) * self.n_vocab])
+        }
+    }
+
+    fn rows_of(rows: Vec<f32>, n_vocab: usize) -> Rows {
+        Rows {
+            rows,
+            n_vocab,
+            asked: 0,
+        }
+    }
 
     fn one_hot(n_vocab: usize, hot: &[u32]) -> Vec<f32> {
         let mut rows = vec![0.0; hot.len() * n_vocab];
@@ -46,13 +78,21 @@ mod tests {
         let mut s = Sampler::new(greedy, 8);
         let rows = one_hot(8, &[3, 4, 5, 6]);
         let mut out = Vec::new();
-        assert_eq!(accept(&mut s, &rows, 8, &[3, 4, 5], &mut out), 3);
+        assert_eq!(
+            accept(&mut s, &mut rows_of(rows.clone(), 8), &[3, 4, 5], &mut out).unwrap(),
+            3
+        );
         assert_eq!(out, vec![3, 4, 5, 6], "all accepted, plus the bonus token");
         out.clear();
-        assert_eq!(accept(&mut s, &rows, 8, &[3, 1, 5], &mut out), 1);
+        let mut counted = rows_of(rows.clone(), 8);
+        assert_eq!(accept(&mut s, &mut counted, &[3, 1, 5], &mut out).unwrap(), 1);
+        assert_eq!(counted.asked, 2, "rows after the refused token are never asked for");
         assert_eq!(out, vec![3, 4], "refused at the second: the model's token instead");
         out.clear();
-        assert_eq!(accept(&mut s, &rows[..8], 8, &[], &mut out), 0);
+        assert_eq!(
+            accept(&mut s, &mut rows_of(rows[..8].to_vec(), 8), &[], &mut out).unwrap(),
+            0
+        );
         assert_eq!(out, vec![3], "no draft: one token, as plain decoding");
     }
 
