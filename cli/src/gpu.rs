@@ -25,14 +25,8 @@ use crate::{prompt_ids, FlashArgs, Generation};
 
 /// `cpu` is `None`; `cuda` and `cuda:N` name a device ordinal.
 pub(crate) fn ordinal(device: &str) -> Result<Option<usize>> {
-    match device {
-        "cpu" => Ok(None),
-        "cuda" => Ok(Some(0)),
-        other => match other.strip_prefix("cuda:").map(str::parse) {
-            Some(Ok(n)) => Ok(Some(n)),
-            _ => bail!("--device {other:?}: expected cpu, cuda or cuda:N"),
-        },
-    }
+    let device: leanstream_kernels::Device = device.parse().map_err(|e| anyhow::anyhow!("--device {e}"))?;
+    Ok(device.cuda_ordinal())
 }
 
 /// Refuses the streaming options, which a GGUF model does not take.

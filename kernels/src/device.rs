@@ -1,7 +1,6 @@
 //! Where kernels run. Callers match on `Device` without any `cfg`: the CUDA
-//! variant exists everywhere and reports "no device" where none is present.
-
-use crate::KernelError;
+//! variant exists everywhere, and the `leanstream-cuda` crate, which opens
+//! it, reports "no CUDA device" where none is present.
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub enum Device {
@@ -12,16 +11,29 @@ pub enum Device {
     Cuda(usize),
 }
 
-impl Device {
-    /// Resolves a user's device name (`cpu`, `cuda`, `cuda:N`).
-    pub fn parse(name: &str) -> Result<Self, KernelError> {
+/// A user's device name: `cpu`, `cuda` (device 0) or `cuda:N`; the one
+/// parser of `--device` everywhere. Parsing opens nothing: whether the
+/// device is there is for its backend to say.
+impl std::str::FromStr for Device {
+    type Err = String;
+    fn from_str(name: &str) -> Result<Self, String> {
         match name {
             "cpu" => Ok(Self::Cpu),
-            "cuda" => cuda::open(0).map(|_| Self::Cuda(0)),
-            other => match other.strip_prefix("cuda:").and_then(|n| n.parse().ok()) {
-                Some(ordinal) => cuda::open(ordinal).map(|_| Self::Cuda(ordinal)),
-                None => Err(KernelError::UnsupportedType(format!("device '{other}'"))),
+            "cuda" => Ok(Self::Cuda(0)),
+            other => match other.strip_prefix("cuda:").map(str::parse) {
+                Some(Ok(ordinal)) => Ok(Self::Cuda(ordinal)),
+                _ => Err(format!("{other:?}: expected cpu, cuda or cuda:N")),
             },
+        }
+    }
+}
+
+impl Device {
+    /// The CUDA ordinal, `None` for the CPU.
+    pub fn cuda_ordinal(self) -> Option<usize> {
+        match self {
+            Self::Cpu => None,
+            Self::Cuda(n) => Some(n),
         }
     }
 
@@ -45,14 +57,18 @@ impl Device {
     }
 }
 
-/// The CUDA backend's entry point. This build carries no CUDA backend, so it
-/// says so as an ordinary error instead of failing at link or load time.
-mod cuda {
-    use crate::KernelError;
+#[cfg(test)]
+mod tests {
+    use super::Device;
 
-    pub fn open(ordinal: usize) -> Result<(), KernelError> {
-        Err(KernelError::NoCudaDevice(format!(
-            "device {ordinal} requested, but this build has no CUDA backend"
-        )))
+    #[test]
+    fn device_names_parse_and_bad_ones_are_named() {
+        assert_eq!("cpu".parse(), Ok(Device::Cpu));
+        assert_eq!("cuda".parse(), Ok(Device::Cuda(0)));
+        assert_eq!("cuda:3".parse(), Ok(Device::Cuda(3)));
+        for bad in ["tpu", "cuda:", "cuda:x", "CUDA", "cuda:-1"] {
+            let e = bad.parse::<Device>().unwrap_err();
+            assert_eq!(e, format!("{bad:?}: expected cpu, cuda or cuda:N"));
+        }
     }
 }

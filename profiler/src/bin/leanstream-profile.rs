@@ -252,14 +252,11 @@ fn io_plan(a: &IoArgs) -> Result<Plan> {
 }
 
 fn compute_plan(a: &ComputeArgs) -> Result<Plan> {
-    let device = match a.device.as_str() {
-        "cpu" => None,
-        "cuda" => Some(0),
-        d => match d.strip_prefix("cuda:").map(str::parse::<usize>) {
-            Some(Ok(n)) => Some(n),
-            _ => bail!("--device {d:?}: expected cpu, cuda or cuda:N"),
-        },
-    };
+    let device = a
+        .device
+        .parse::<leanstream_kernels::Device>()
+        .map_err(|e| anyhow::anyhow!("--device {e}"))?
+        .cuda_ordinal();
     leanstream_runtime::flash::format::LsFlash::open(&a.model)
         .with_context(|| format!("{}: compute needs a packed .lsflash model", a.model.display()))?;
     let background_io = match a.background_io.as_str() {
