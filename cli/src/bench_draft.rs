@@ -127,7 +127,7 @@ pub fn run(a: BenchDraftArgs) -> Result<()> {
             let c = (i + j) % configs.len();
             let (draft, len) = &configs[c];
             let mut d = match draft {
-                Draft::Kind(kind) => Drafting::new(&kind.clone(), *len, st.ctx, n_vocab)?,
+                Draft::Kind(kind) => Drafting::new(kind, *len, st.ctx, n_vocab)?,
                 Draft::Hot(share) => {
                     let (model, masks) = hot.as_ref().expect("hot drafts need their masks");
                     let masks = &masks[a
@@ -245,17 +245,7 @@ fn summary(name: &str, len: DraftLen, figs: &[Figures], plain: &[Figures]) -> Va
     let seconds: f64 = figs.iter().map(|f| f.seconds).sum();
     let bytes: u64 = figs.iter().map(|f| f.bytes_read).sum();
     let mut d = draft::DraftReport::default();
-    for f in figs {
-        d.passes += f.draft.passes;
-        d.drafted_passes += f.draft.drafted_passes;
-        d.drafted += f.draft.drafted;
-        d.accepted += f.draft.accepted;
-        d.propose_seconds += f.draft.propose_seconds;
-        for i in 0..draft::ROWS_REPORTED {
-            d.rows_passes[i] += f.draft.rows_passes[i];
-            d.rows_seconds[i] += f.draft.rows_seconds[i];
-        }
-    }
+    figs.iter().for_each(|f| d += f.draft);
     // Mean pass time by rows, against a pass of one row (of this draft's own run).
     let one = d.mean_pass_seconds(1);
     let pass_cost: serde_json::Map<String, Value> = (1..=draft::ROWS_REPORTED)
@@ -330,20 +320,20 @@ fn hot_masks(scores_file: &Path, gguf: &Path, shares: &[f32]) -> Result<(Model, 
             gguf.display()
         );
     }
+    // Each layer's neurons hottest first, as the packer ranks them.
+    let order = leanstream_runtime::flash::pack::order_by_score(scores);
     let masks = shares
         .iter()
         .map(|&share| {
             if !(share > 0.0 && share <= 1.0) {
                 bail!("--hot-shares {share}: a share of the FFN, above 0 and at most 1");
             }
-            Ok(scores
+            Ok(order
                 .iter()
-                .map(|layer| {
-                    let mut ids: Vec<usize> = (0..layer.len()).collect();
-                    ids.sort_by(|&x, &y| layer[y].total_cmp(&layer[x]));
-                    let keep = ((layer.len() as f32 * share).round() as usize).min(layer.len());
-                    let mut m = vec![0.0; layer.len()];
-                    ids[..keep].iter().for_each(|&i| m[i] = 1.0);
+                .map(|ids| {
+                    let keep = ((ids.len() as f32 * share).round() as usize).min(ids.len());
+                    let mut m = vec![0.0; ids.len()];
+                    ids[..keep].iter().for_each(|&i| m[i as usize] = 1.0);
                     m
                 })
                 .collect())

@@ -184,6 +184,7 @@ impl Sampler {
             c.truncate(self.cfg.top_k);
         }
         c.sort_unstable_by(by_logit);
+        // Probabilities at temperature 1 decide the top-p cut, as in llama.cpp's chain.
         let max = c[0].0;
         let total: f32 = c.iter().map(|&(l, _)| (l - max).exp()).sum();
         if self.cfg.top_p < 1.0 {

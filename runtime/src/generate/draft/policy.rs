@@ -58,6 +58,21 @@ pub struct DraftReport {
 /// Pass sizes a [`DraftReport`] times: every one a draft may make.
 pub const ROWS_REPORTED: usize = DraftPolicy::MAX_LEN + 1;
 
+/// Counts of two runs together (a benchmark's prompts).
+impl std::ops::AddAssign for DraftReport {
+    fn add_assign(&mut self, other: DraftReport) {
+        self.passes += other.passes;
+        self.drafted_passes += other.drafted_passes;
+        self.drafted += other.drafted;
+        self.accepted += other.accepted;
+        self.propose_seconds += other.propose_seconds;
+        for i in 0..ROWS_REPORTED {
+            self.rows_passes[i] += other.rows_passes[i];
+            self.rows_seconds[i] += other.rows_seconds[i];
+        }
+    }
+}
+
 impl DraftReport {
     /// What was counted after `earlier` (a report of the same run).
     pub fn since(&self, earlier: &DraftReport) -> DraftReport {
