@@ -252,6 +252,13 @@ enum Cmd {
         /// Requests that may wait while one generates; more are refused with 503.
         #[arg(long, default_value_t = 32)]
         queue: usize,
+        /// Requests that generate together on the CPU, sharing each forward
+        /// pass and each flash read (continuous batching); each has its own
+        /// KV cache of --ctx tokens, counted in --mem-budget. Default 4, or
+        /// under --mem-budget as many (1 to 4) as a quarter of it holds the
+        /// caches of; 1 with --draft or a CUDA device.
+        #[arg(long, value_parser = clap::value_parser!(u64).range(1..=256))]
+        parallel: Option<u64>,
         #[command(flatten)]
         engine: EngineArgs,
     },
@@ -313,8 +320,9 @@ struct EngineArgs {
 }
 
 impl EngineArgs {
-    /// Opens the engine with room for `queue` waiting requests.
-    fn start(&self, queue: usize) -> Result<Engine> {
+    /// Opens the engine with room for `queue` waiting requests and
+    /// `parallel` generating together.
+    fn start(&self, queue: usize, parallel: Option<usize>) -> Result<Engine> {
         let model = resolve_model(&self.model)?;
         let device = gpu::ordinal(&self.device)?;
         if device.is_some() {
@@ -331,6 +339,7 @@ impl EngineArgs {
             prompt_cache_bytes: self.prompt_cache_mib.map(|mib| mib << 20),
             draft: self.draft.draft.clone(),
             draft_len: self.draft.draft_len,
+            parallel,
         })?)
     }
 }
@@ -725,9 +734,11 @@ fn real_main(cli: Cli) -> Result<()> {
             port,
             api_key,
             queue,
+            parallel,
             engine,
         } => {
-            leanstream_server::serve(engine.start(queue)?, ServeOptions { host, port, api_key })?;
+            let engine = engine.start(queue, parallel.map(|n| n as usize))?;
+            leanstream_server::serve(engine, ServeOptions { host, port, api_key })?;
             Ok(())
         }
         Cmd::Chat {
@@ -738,7 +749,7 @@ fn real_main(cli: Cli) -> Result<()> {
             top_p,
             engine,
         } => {
-            let engine = engine.start(1)?;
+            let engine = engine.start(1, Some(1))?;
             let opts = ChatOptions {
                 sampling: SamplerConfig {
                     temperature: temp,

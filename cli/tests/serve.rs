@@ -671,3 +671,96 @@ fn drafting_streams_runs_text_and_stops_inside_an_accepted_run() {
     assert_eq!(v["outcomes"]["lost"].as_f64().unwrap_or(0.0), 0.0, "{v}");
     assert_eq!(v["outcomes"]["error"].as_f64().unwrap_or(0.0), 0.0, "{v}");
 }
+
+/// Packs `src` beside the other servers' test files (once per name).
+fn packed(src: &Path, name: &str) -> PathBuf {
+    let dir = PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join("serve");
+    std::fs::create_dir_all(&dir).unwrap();
+    let out_path = dir.join(format!("{name}.batch.lsflash"));
+    if !out_path.exists() {
+        let out = Command::new(BIN)
+            .args(["pack", "--model"])
+            .arg(src)
+            .arg("-o")
+            .arg(&out_path)
+            .output()
+            .unwrap();
+        assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    }
+    out_path
+}
+
+/// Real prose to continue, of different lengths.
+const CONTINUE: [&str; 4] = [
+    "The river Danube flows through Germany, Austria, Slovakia, Hungary, Croatia, Serbia, Romania, Bulgaria, \
+     Moldova and Ukraine before it reaches the Black Sea. For centuries",
+    "Rain fell on the old town all night. By morning the streets were",
+    "The library opened at nine, and the first visitor was",
+    "In the morning the baker bakes bread, in the afternoon the baker sells bread, and in the evening the baker",
+];
+
+fn completion(s: &Server, prompt: &str, max_tokens: usize) -> String {
+    let body = json!({"prompt": prompt, "max_tokens": max_tokens, "temperature": 0});
+    let (code, _, out) = post(s, "/v1/completions", body.to_string().as_bytes());
+    let v = json_of(&out);
+    assert_eq!(code, 200, "{v}");
+    v["choices"][0]["text"].as_str().unwrap().to_string()
+}
+
+/// Requests generating together (continuous batching, four at once,
+/// arriving at once and so decoded in shared passes) each get the greedy
+/// text they get served alone: both models, GGUF and streamed.
+#[test]
+fn requests_generating_together_get_the_text_each_gets_alone() {
+    for name in ["smollm2", "gemma3"] {
+        let Some(src) = common::model_path(name) else {
+            return;
+        };
+        let flash = packed(&src, name);
+        let runs: [(&Path, &[&str]); 2] = [
+            (&src, &[]),
+            (&flash, &["--policy", "dense-stream", "--ffn-budget", "25%"]),
+        ];
+        for (model, extra) in runs {
+            let mut args = vec!["--parallel", "4", "--ctx", "256", "--no-prompt-cache"];
+            args.extend_from_slice(extra);
+            let server = Server::start(model, &args);
+            let alone: Vec<String> = CONTINUE.iter().map(|p| completion(&server, p, 24)).collect();
+            let together: Vec<String> = std::thread::scope(|sc| {
+                let handles: Vec<_> = CONTINUE
+                    .iter()
+                    .map(|p| sc.spawn(|| completion(&server, p, 24)))
+                    .collect();
+                handles.into_iter().map(|h| h.join().unwrap()).collect()
+            });
+            for (i, (a, t)) in alone.iter().zip(&together).enumerate() {
+                assert_eq!(a, t, "{name} {extra:?}: request {i} served beside others");
+            }
+            let m = settled_metrics(&server);
+            let (passes, rows) = (
+                metric(&m, "leanstream_batch_passes_total"),
+                metric(&m, "leanstream_batch_rows_total"),
+            );
+            // Alone, a pass holds one row; together the passes held more.
+            assert!(rows > passes + 24.0, "{name} {extra:?}: {rows} rows in {passes} passes");
+            assert_eq!(metric(&m, "leanstream_sequences_max"), 4.0);
+        }
+    }
+}
+
+/// `--parallel` with drafting, or with a CUDA device, is refused by name.
+#[test]
+fn parallel_requests_refuse_drafting_by_name() {
+    let Some(model) = common::model_path("smollm2") else {
+        return;
+    };
+    let out = Command::new(BIN)
+        .args(["serve", "--model"])
+        .arg(&model)
+        .args(["--port", "0", "--parallel", "2", "--draft", "lookup"])
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success());
+    assert!(err.contains("parallel") && err.contains("--draft"), "{err}");
+}

@@ -8,9 +8,11 @@
 //! runtime library stays without one.
 
 pub mod api;
+mod batching;
 pub mod error;
 pub mod metrics;
 pub mod prompt_cache;
+mod reply;
 pub mod routes;
 pub mod stop;
 pub mod template;

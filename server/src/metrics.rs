@@ -19,6 +19,19 @@ pub struct EngineSnapshot {
     pub memory: MemoryReport,
 }
 
+/// The continuous batch as it stood after the last step (`--parallel`).
+#[derive(Debug, Clone, Copy, Default)]
+pub struct BatchSnapshot {
+    /// Requests generating, and of them those still running their prompt.
+    pub active: usize,
+    pub prefilling: usize,
+    /// Requests that may generate at once.
+    pub max: usize,
+    /// Decode passes run, and the rows (one per request) they held.
+    pub passes: u64,
+    pub rows: u64,
+}
+
 #[derive(Debug, Default)]
 pub struct Metrics {
     completed: AtomicU64,
@@ -42,6 +55,7 @@ pub struct Metrics {
     busy: AtomicBool,
     prompt_cache_bytes: AtomicU64,
     engine: Mutex<Option<EngineSnapshot>>,
+    batch: Mutex<Option<BatchSnapshot>>,
 }
 
 fn add(c: &AtomicU64, n: u64) {
@@ -94,6 +108,10 @@ impl Metrics {
 
     pub fn set_engine(&self, snapshot: EngineSnapshot) {
         *self.engine.lock().unwrap_or_else(|e| e.into_inner()) = Some(snapshot);
+    }
+
+    pub fn set_batch(&self, snapshot: BatchSnapshot) {
+        *self.batch.lock().unwrap_or_else(|e| e.into_inner()) = Some(snapshot);
     }
 
     /// The Prometheus text exposition.
@@ -179,6 +197,43 @@ impl Metrics {
             "Requests that may wait before 503.",
             &[("", queue_capacity as f64)],
         );
+        if let Some(b) = *self.batch.lock().unwrap_or_else(|e| e.into_inner()) {
+            // Every slot taken is the one reason a request waits.
+            let full = if b.active >= b.max { queue_len } else { 0 };
+            metric(
+                "queue_waiting",
+                "gauge",
+                "Requests waiting, by why.",
+                &[("{reason=\"sequences_full\"}", full as f64)],
+            );
+            metric(
+                "sequences",
+                "gauge",
+                "Requests generating together, by phase.",
+                &[
+                    ("{phase=\"prompt\"}", b.prefilling as f64),
+                    ("{phase=\"decode\"}", (b.active - b.prefilling) as f64),
+                ],
+            );
+            metric(
+                "sequences_max",
+                "gauge",
+                "Requests that may generate together (--parallel).",
+                &[("", b.max as f64)],
+            );
+            metric(
+                "batch_passes_total",
+                "counter",
+                "Decode passes shared by the requests generating together.",
+                &[("", b.passes as f64)],
+            );
+            metric(
+                "batch_rows_total",
+                "counter",
+                "Rows of those passes (one per request a pass).",
+                &[("", b.rows as f64)],
+            );
+        }
         let busy = f64::from(u8::from(self.busy.load(Ordering::Relaxed)));
         metric("busy", "gauge", "1 while a request is generating.", &[("", busy)]);
         let kept = g(&self.prompt_cache_bytes) as f64;

@@ -18,13 +18,12 @@ use leanstream_runtime::generate::draft::{self, DraftKind, DraftLen, Drafting};
 use leanstream_runtime::generate::{ChatTemplate, CpuDecoder, Decoder, Sampler, SamplerConfig};
 use leanstream_runtime::model::{KvCache, Model, RunState};
 use leanstream_runtime::session::{Session, StreamSettings};
-use leanstream_runtime::tokenizer::StreamDecoder;
 use leanstream_runtime::RuntimeError;
 use tokio::sync::mpsc;
 
 use crate::metrics::{EngineSnapshot, Metrics};
 use crate::prompt_cache::{shared, PromptCache};
-use crate::stop::StopScan;
+use crate::reply::Reply;
 use crate::ServerError;
 
 /// How to open the engine.
@@ -55,9 +54,36 @@ pub struct EngineOptions {
     /// streamed as they are accepted), and how many a pass.
     pub draft: DraftKind,
     pub draft_len: DraftLen,
+    /// Requests generating together on the CPU engine, each with its own
+    /// KV cache counted in the memory budget (continuous batching). `None`:
+    /// 4, or under `--mem-budget` as many (1 to 4) as a quarter of the
+    /// budget holds the caches of.
+    pub parallel: Option<usize>,
 }
 
+/// Requests generating together when `--parallel` is not given.
+const DEFAULT_PARALLEL: usize = 4;
+
 impl EngineOptions {
+    /// Requests that generate together for a model of `config` with a
+    /// context of `ctx`.
+    fn parallel(&self, config: &leanstream_runtime::model::Config, ctx: usize) -> usize {
+        if let Some(n) = self.parallel {
+            return n.max(1);
+        }
+        if self.device.is_some() || self.draft != DraftKind::None {
+            return 1;
+        }
+        match self.settings.mem_budget {
+            None => DEFAULT_PARALLEL,
+            Some(budget) => {
+                // Keys and values in f16 for every layer and position.
+                let per = 4 * config.n_layer as u64 * ctx.div_ceil(64) as u64 * 64 * config.kv_dim() as u64;
+                (budget / 4 / per.max(1)).clamp(1, DEFAULT_PARALLEL as u64) as usize
+            }
+        }
+    }
+
     fn prompt_cache_bytes(&self) -> usize {
         match (self.prompt_cache, self.prompt_cache_bytes, self.settings.mem_budget) {
             _ if self.device.is_some() => 0,
@@ -156,9 +182,9 @@ pub enum Event {
     Failed(ServerError),
 }
 
-struct Job {
-    request: GenRequest,
-    events: mpsc::Sender<Event>,
+pub(crate) struct Job {
+    pub(crate) request: GenRequest,
+    pub(crate) events: mpsc::Sender<Event>,
 }
 
 /// A handle on the engine thread; cheap to share behind an `Arc`.
@@ -183,6 +209,21 @@ impl Engine {
                 "policy",
                 "the oracle policy replays a recorded run of tokens known in advance; a server's are not: choose another policy",
             ));
+        }
+        if opts.parallel.is_some_and(|n| n > 1) {
+            if opts.device.is_some() {
+                return Err(ServerError::bad_param(
+                    "parallel",
+                    "requests generate together on the CPU engine; the CUDA engine serves one at a time (--parallel 1)",
+                ));
+            }
+            if opts.draft != DraftKind::None {
+                return Err(ServerError::bad_param(
+                    "parallel",
+                    "drafting checks one request's tokens a pass and does not yet share passes with other requests: \
+                     give --parallel 1 with --draft",
+                ));
+            }
         }
         if opts.device.is_some() && opts.draft != DraftKind::None {
             return Err(ServerError::bad_param(
@@ -352,7 +393,9 @@ fn open(opts: &EngineOptions) -> Result<Backend<'static>, ServerError> {
     let (session, st) = Session::open(&opts.model, &opts.settings, |model| {
         let ctx = context(opts, model);
         let rows = Drafting::rows(&opts.draft, opts.draft_len);
-        Ok(model.new_state(ctx, ctx.min(512).max(rows), 1))
+        let parallel = opts.parallel(&model.config, ctx);
+        let batch = ctx.min(512).max(rows).max(parallel);
+        Ok(model.new_state(ctx, batch, 1).with_sequences(&model.config, parallel))
     })?;
     Ok(Backend::Cpu { session, st })
 }
@@ -412,6 +455,11 @@ fn serve_jobs(
     prompt_cache: bool,
     mut cache: PromptCache,
 ) {
+    if let Backend::Cpu { session, st } = &mut backend {
+        if st.sequences() > 1 {
+            return crate::batching::serve(session, st, rx, queued, metrics, prompt_cache, &mut cache);
+        }
+    }
     // Tokens whose keys and values the state holds, from the last job.
     let mut cached: Vec<u32> = Vec::new();
     while let Ok(job) = rx.recv() {
@@ -441,6 +489,60 @@ fn serve_jobs(
     }
 }
 
+/// A request's prompt as tokens and the tokens it may generate, or why
+/// this server's context cannot hold them.
+pub(crate) fn check_request(model: &Model, ctx: usize, request: &GenRequest) -> Result<(Vec<u32>, usize), ServerError> {
+    let ids = model
+        .tokenizer
+        .encode_chat(&request.prompt.text, &request.prompt.content);
+    if ids.len() >= ctx {
+        return Err(ServerError::BadRequest {
+            message: format!(
+                "the prompt is {} tokens; this server's context holds {ctx} tokens of prompt and completion (--ctx)",
+                ids.len()
+            ),
+            param: Some("messages".into()),
+            code: Some("context_length_exceeded"),
+        });
+    }
+    let room = ctx - ids.len();
+    let max_tokens = match request.max_tokens {
+        Some(n) if n > room => return Err(ServerError::BadRequest {
+            message: format!(
+                "max_tokens {n} does not fit: the context holds {ctx} tokens and the prompt takes {}, leaving {room}",
+                ids.len()
+            ),
+            param: Some("max_tokens".into()),
+            code: Some("context_length_exceeded"),
+        }),
+        Some(n) => n,
+        None => room,
+    };
+    Ok((ids, max_tokens))
+}
+
+/// How many prompt tokens `kv`, holding `cached`, can skip for `ids`; an
+/// earlier prompt of `cache` that shares more is put back into `kv` first
+/// (a restore that fails has written nothing). `cached` then holds the
+/// prefix kept.
+pub(crate) fn reuse_prefix(kv: &mut KvCache, cached: &mut Vec<u32>, ids: &[u32], cache: &mut PromptCache) -> usize {
+    let mut reused = shared(cached, ids);
+    if !kv.resumable(reused) {
+        // A sliding-window ring that wrapped no longer holds what the shared
+        // prefix's successors would see: run the prompt whole.
+        reused = 0;
+    }
+    if let Some((i, n)) = cache.best(ids).filter(|&(_, n)| n > reused) {
+        if let Ok(tokens) = cache.restore(i, kv) {
+            *cached = tokens;
+            reused = n;
+        }
+    }
+    // Until it ends well, the state holds this prompt's prefix at most.
+    cached.truncate(reused);
+    reused
+}
+
 /// Runs `job`; `cached` is what the state's KV cache holds before and after.
 fn run_job(
     backend: &mut Backend<'_>,
@@ -455,35 +557,9 @@ fn run_job(
         metrics.count_failed(&e);
         let _ = events.blocking_send(Event::Failed(e));
     };
-    let ids = backend
-        .model()
-        .tokenizer
-        .encode_chat(&request.prompt.text, &request.prompt.content);
-    let ctx = backend.ctx();
-    if ids.len() >= ctx {
-        return fail(ServerError::BadRequest {
-            message: format!(
-                "the prompt is {} tokens; this server's context holds {ctx} tokens of prompt and completion (--ctx)",
-                ids.len()
-            ),
-            param: Some("messages".into()),
-            code: Some("context_length_exceeded"),
-        });
-    }
-    let room = ctx - ids.len();
-    let max_tokens = match request.max_tokens {
-        Some(n) if n > room => {
-            return fail(ServerError::BadRequest {
-                message: format!(
-                "max_tokens {n} does not fit: the context holds {ctx} tokens and the prompt takes {}, leaving {room}",
-                ids.len()
-            ),
-                param: Some("max_tokens".into()),
-                code: Some("context_length_exceeded"),
-            })
-        }
-        Some(n) => n,
-        None => room,
+    let (ids, max_tokens) = match check_request(backend.model(), backend.ctx(), &request) {
+        Ok(r) => r,
+        Err(e) => return fail(e),
     };
     if events
         .blocking_send(Event::Started {
@@ -494,33 +570,16 @@ fn run_job(
         metrics.count_cancelled();
         return;
     }
-    let mut decoder = StreamDecoder::new();
-    let mut stops = StopScan::new(request.stop);
-    let (mut cancelled, mut stopped) = (false, false);
-    let mut reused = 0;
-    if let Some(kv) = backend.reusable_kv() {
-        reused = shared(cached, &ids);
-        if !kv.resumable(reused) {
-            // A sliding-window ring that wrapped no longer holds what the shared
-            // prefix's successors would see: run the prompt whole.
-            reused = 0;
-        }
-        // An earlier prompt that shares more than the state does is put back
-        // (a restore that fails has written nothing: the state stays as it was).
-        if let Some((i, n)) = cache.best(&ids).filter(|&(_, n)| n > reused) {
-            if let Ok(tokens) = cache.restore(i, kv) {
-                *cached = tokens;
-                reused = n;
-            }
-        }
-    }
-    // Until it ends well, the state holds this prompt's prefix at most.
-    cached.truncate(reused);
+    let reused = match backend.reusable_kv() {
+        Some(kv) => reuse_prefix(kv, cached, &ids, cache),
+        None => 0,
+    };
     let (model, mut dec) = match backend.decoder() {
         Ok(p) => p,
         Err(e) => return fail(e),
     };
     let mut sampler = Sampler::new(request.sampling, model.config.n_vocab);
+    let mut reply = Reply::new(events.clone(), request.stop);
     let mut generated = Vec::new();
     let result = draft::decode(
         &mut *dec,
@@ -532,16 +591,11 @@ fn run_job(
         drafting,
         |tok| {
             generated.push(tok);
-            let (text, hit) = stops.push(&decoder.push(&model.tokenizer, tok));
-            if (!text.is_empty() && events.blocking_send(Event::Text(text)).is_err()) || events.is_closed() {
-                cancelled = true;
-                return Ok(ControlFlow::Break(()));
-            }
-            stopped = hit;
-            Ok(if hit {
-                ControlFlow::Break(())
+            let next = reply.token(&model.tokenizer, tok);
+            Ok(if reply.flush_blocking() {
+                next
             } else {
-                ControlFlow::Continue(())
+                ControlFlow::Break(())
             })
         },
     );
@@ -562,32 +616,12 @@ fn run_job(
         cache.insert(cached, kv);
     }
     metrics.count_tokens(&stats);
-    if cancelled {
+    if reply.gone() {
         metrics.count_cancelled();
         return;
     }
-    if !stopped {
-        let (mut text, hit) = stops.push(&decoder.finish());
-        stopped = hit;
-        if !hit {
-            text += &stops.finish();
-        }
-        if !text.is_empty() && events.blocking_send(Event::Text(text)).is_err() {
-            metrics.count_cancelled();
-            return;
-        }
-    }
-    let reason = if stopped || stats.stopped_on_eog {
-        FinishReason::Stop
-    } else {
-        FinishReason::Length
-    };
-    let finish = Finish {
-        reason,
-        prompt_tokens: stats.prompt_tokens,
-        completion_tokens: stats.generated_tokens,
-    };
-    if events.blocking_send(Event::Done(finish)).is_ok() {
+    reply.finish(&stats);
+    if reply.flush_blocking() {
         metrics.count_completed();
     } else {
         metrics.count_cancelled();

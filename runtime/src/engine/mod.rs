@@ -435,12 +435,12 @@ impl FlashModel {
         let recorded = engine.recorder.as_ref().map_or(0, |t| t.bytes());
         MemoryReport {
             resident_weights: self.flash.resident_range().1,
-            kv_cache: st.kv.bytes() as u64,
+            kv_cache: st.kv_bytes() as u64,
             ffn_cache,
             io_buffers,
             predictor: engine.plan.held_bytes() + recorded + engine.retention_bytes,
             tokenizer: self.model.tokenizer.heap_bytes(),
-            other: (st.bytes() - st.kv.bytes()) as u64 + engine.plan.scratch_bytes() + engine.tail.bytes(),
+            other: (st.bytes() - st.kv_bytes()) as u64 + engine.plan.scratch_bytes() + engine.tail.bytes(),
         }
     }
 }

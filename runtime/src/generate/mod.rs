@@ -2,6 +2,7 @@
 //! a token a pass or several with drafting ([`draft`]), streaming each
 //! token to a callback.
 
+pub mod batch;
 pub mod chat;
 pub mod draft;
 pub mod sampler;

@@ -39,7 +39,13 @@ pub struct RunState {
     acts: ActBuffer,
     /// One RoPE table per thread of the pool the state was made in.
     ropes: Vec<RopeTable>,
+    /// Sequence 0's keys and values (the only one, unless the state was
+    /// made [`with_sequences`](Self::with_sequences)).
     pub kv: KvCache,
+    /// Sequences 1.. of a state that runs several at once.
+    more_kv: Vec<KvCache>,
+    /// Context position of each row of the pass being run.
+    row_pos: Vec<usize>,
     /// `[max_logit_rows][n_vocab]`.
     pub logits: Vec<f32>,
     /// Tokens of the last forward call (rows of `xb`).
@@ -81,6 +87,8 @@ impl RunState {
                 .map(|_| RopeTable::new(c.n_rot))
                 .collect(),
             kv: KvCache::new(c, ctx, b, attn.enabled()),
+            more_kv: Vec::new(),
+            row_pos: Vec::with_capacity(b),
             logits: vec![0.0; max_logit_rows.max(1) * c.n_vocab],
             n_rows: 0,
             rows_alone: false,
@@ -99,7 +107,33 @@ impl RunState {
             + self.gate.len()
             + self.up.len()
             + self.logits.len();
-        f32s * 4 + self.attn.bytes() + self.kv.bytes()
+        f32s * 4 + self.attn.bytes() + self.kv_bytes()
+    }
+
+    /// This state with room for `n` sequences (at least one), each with
+    /// its own KV cache of the state's context, made as sequence 0's is: a
+    /// sequence run here gets the cells it would get in a state of its own.
+    pub fn with_sequences(mut self, c: &Config, n: usize) -> Self {
+        let flash = self.attn.is_flash();
+        self.more_kv = (1..n.max(1))
+            .map(|_| KvCache::new(c, self.ctx, self.max_batch, flash))
+            .collect();
+        self
+    }
+
+    /// Sequences this state holds a KV cache for.
+    pub fn sequences(&self) -> usize {
+        1 + self.more_kv.len()
+    }
+
+    /// The KV cache of sequence `seq` (`None` past the last).
+    pub fn seq_kv(&mut self, seq: usize) -> Option<&mut KvCache> {
+        seq_kv(&mut self.kv, &mut self.more_kv, seq)
+    }
+
+    /// Bytes of every sequence's KV cache.
+    pub fn kv_bytes(&self) -> usize {
+        self.kv.bytes() + self.more_kv.iter().map(KvCache::bytes).sum::<usize>()
     }
 
     /// Whether this state runs flash attention (fixed when it is made: the
@@ -107,6 +141,30 @@ impl RunState {
     pub fn flash_attn(&self) -> bool {
         self.attn.is_flash()
     }
+}
+
+fn seq_kv<'a>(kv: &'a mut KvCache, more: &'a mut [KvCache], seq: usize) -> Option<&'a mut KvCache> {
+    match seq {
+        0 => Some(kv),
+        s => more.get_mut(s - 1),
+    }
+}
+
+/// One sequence's part of a multi-sequence pass: `tokens` at positions
+/// `pos0..` of the state's sequence `seq`.
+#[derive(Debug, Clone, Copy)]
+pub struct SeqRows<'t> {
+    pub seq: usize,
+    pub tokens: &'t [u32],
+    pub pos0: usize,
+}
+
+/// Where a sequence's rows sit in a pass.
+#[derive(Debug, Clone)]
+struct Segment {
+    seq: usize,
+    rows: std::ops::Range<usize>,
+    pos0: usize,
 }
 
 /// Fewest tokens a thread takes when a batch's per-token work is split.
@@ -161,6 +219,67 @@ impl Model {
         outputs: std::ops::Range<usize>,
         hook: &mut dyn LayerHook,
     ) -> Result<()> {
+        self.forward_seq(st, 0, tokens, pos0, outputs, hook)
+    }
+
+    /// [`forward_with`](Self::forward_with) on the state's sequence `seq`
+    /// (see [`RunState::with_sequences`]).
+    pub fn forward_seq(
+        &self,
+        st: &mut RunState,
+        seq: usize,
+        tokens: &[u32],
+        pos0: usize,
+        outputs: std::ops::Range<usize>,
+        hook: &mut dyn LayerHook,
+    ) -> Result<()> {
+        let whole = [Segment {
+            seq,
+            rows: 0..tokens.len(),
+            pos0,
+        }];
+        self.pass(st, tokens, &whole, outputs, hook)
+    }
+
+    /// One pass over several sequences' rows at once (continuous batching,
+    /// or one sequence's drafted tokens), each against its own KV cache:
+    /// the matrix products (and a streamed FFN's reads) are shared, and
+    /// every row is an output with the bits it would get run alone, so a
+    /// sequence decodes the same tokens whatever runs beside it. Row `i`
+    /// of the logits is the `i`-th token in `seqs` order.
+    pub fn forward_seqs(&self, st: &mut RunState, seqs: &[SeqRows], hook: &mut dyn LayerHook) -> Result<()> {
+        let mut tokens = Vec::with_capacity(st.max_batch);
+        let mut parts = Vec::with_capacity(seqs.len());
+        for (i, s) in seqs.iter().enumerate() {
+            if s.tokens.is_empty() || seqs[..i].iter().any(|o| o.seq == s.seq) {
+                return Err(RuntimeError::Invalid(format!(
+                    "sequence {} given {} in one pass (each at most once, with at least one token)",
+                    s.seq,
+                    if s.tokens.is_empty() { "no tokens" } else { "twice" }
+                )));
+            }
+            parts.push(Segment {
+                seq: s.seq,
+                rows: tokens.len()..tokens.len() + s.tokens.len(),
+                pos0: s.pos0,
+            });
+            tokens.extend_from_slice(s.tokens);
+        }
+        let alone = std::mem::replace(&mut st.rows_alone, true);
+        let pass = self.pass(st, &tokens, &parts, 0..tokens.len(), hook);
+        st.rows_alone = alone;
+        pass
+    }
+
+    /// The forward pass: `tokens` split into `parts`, one per sequence.
+    fn pass(
+        &self,
+        st: &mut RunState,
+        tokens: &[u32],
+        parts: &[Segment],
+        outputs: std::ops::Range<usize>,
+        hook: &mut dyn LayerHook,
+    ) -> Result<()> {
         let c = &self.config;
         let file = self.gguf.data();
         let mut n = tokens.len();
@@ -176,12 +295,21 @@ impl Model {
                 st.max_batch
             )));
         }
-        if pos0 + n > st.ctx {
-            return Err(RuntimeError::Invalid(format!(
-                "context full: positions up to {} requested, context is {}",
-                pos0 + n,
-                st.ctx
-            )));
+        let sequences = st.sequences();
+        for part in parts {
+            if part.seq >= sequences {
+                return Err(RuntimeError::Invalid(format!(
+                    "sequence {} of a state that holds {sequences}",
+                    part.seq
+                )));
+            }
+            if part.pos0 + part.rows.len() > st.ctx {
+                return Err(RuntimeError::Invalid(format!(
+                    "context full: positions up to {} requested, context is {}",
+                    part.pos0 + part.rows.len(),
+                    st.ctx
+                )));
+            }
         }
         if let Some(&bad) = tokens.iter().find(|&&t| t as usize >= c.n_vocab) {
             return Err(RuntimeError::Invalid(format!(
@@ -190,7 +318,13 @@ impl Model {
             )));
         }
 
-        st.kv.place(pos0, n)?;
+        st.row_pos.clear();
+        for part in parts {
+            let kv = seq_kv(&mut st.kv, &mut st.more_kv, part.seq).expect("checked above");
+            kv.place(part.pos0, part.rows.len())?;
+            st.row_pos.extend(part.pos0..part.pos0 + part.rows.len());
+        }
+        let pos0 = parts[0].pos0;
         st.acts.set_rows_alone(st.rows_alone);
         hook.rows_alone(st.rows_alone);
 
@@ -246,6 +380,7 @@ impl Model {
                 }
             };
             let per = n.div_ceil(st.ropes.len()).max(PARALLEL_TOKENS);
+            let row_pos = &st.row_pos;
             st.q[..n * qd]
                 .par_chunks_mut(per * qd)
                 .zip(st.k[..n * kd].par_chunks_mut(per * kd))
@@ -253,22 +388,27 @@ impl Model {
                 .enumerate()
                 .for_each(|(chunk, ((qs, ks), rope))| {
                     for (j, (q, k)) in qs.chunks_exact_mut(qd).zip(ks.chunks_exact_mut(kd)).enumerate() {
-                        place(q, k, pos0 + chunk * per + j, rope);
+                        place(q, k, row_pos[chunk * per + j], rope);
                     }
                 });
-            for t in 0..n {
-                let cell = st.kv.cell(il, pos0 + t);
-                st.kv
-                    .store(il, cell, &st.k[t * kd..(t + 1) * kd], &st.v[t * kd..(t + 1) * kd]);
+            // Each sequence's keys and values into its cache, then its
+            // queries against it.
+            for part in parts {
+                let kv = seq_kv(&mut st.kv, &mut st.more_kv, part.seq).expect("checked above");
+                for t in part.rows.clone() {
+                    let cell = kv.cell(il, st.row_pos[t]);
+                    kv.store(il, cell, &st.k[t * kd..(t + 1) * kd], &st.v[t * kd..(t + 1) * kd]);
+                }
+                let r = part.rows.clone();
+                st.attn.run(
+                    c,
+                    il,
+                    kv,
+                    &st.q[r.start * qd..r.end * qd],
+                    part.pos0,
+                    &mut st.att[r.start * qd..r.end * qd],
+                );
             }
-            st.attn.run(
-                c,
-                il,
-                &st.kv,
-                &st.q[..n * c.q_dim()],
-                pos0,
-                &mut st.att[..n * c.q_dim()],
-            );
             let mut fresh = false;
             prepare(&mut st.acts, &l.wo, &st.att, n, &mut fresh)?;
             matmul(&mat(file, &l.wo), &st.acts, &mut st.proj[..n * d])?;

@@ -10,7 +10,8 @@ use super::config::FfnActivation;
 use crate::Result;
 
 /// Where a hook is called: batch rows `rows` of a call whose first token sits
-/// at position `pos0` (the last layer runs only the output rows).
+/// at position `pos0` (the last layer runs only the output rows). A pass
+/// over several sequences' rows gives its first sequence's `pos0`.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct LayerAt {
     pub layer: usize,

@@ -12,7 +12,7 @@ use std::path::Path;
 
 pub use attention::FlashAttn;
 pub use config::{Arch, Config, FfnActivation};
-pub use forward::RunState;
+pub use forward::{RunState, SeqRows};
 pub use hook::{DenseFfn, FfnBy, LayerAt, LayerHook};
 pub use kv_cache::{KvCache, KvPrefix};
 pub use weights::{LayerWeights, MatRef, Weights};
