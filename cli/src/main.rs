@@ -259,6 +259,13 @@ enum Cmd {
         /// caches of; 1 with --draft or a CUDA device.
         #[arg(long, value_parser = clap::value_parser!(u64).range(1..=256))]
         parallel: Option<u64>,
+        /// Requests generating together share the batched matrix kernels:
+        /// faster where compute binds (everything in memory), but a
+        /// request's greedy text may then differ from its text served alone
+        /// in the last bits (by default each row gets the bits it would get
+        /// alone).
+        #[arg(long)]
+        batched_kernels: bool,
         #[command(flatten)]
         engine: EngineArgs,
     },
@@ -322,7 +329,7 @@ struct EngineArgs {
 impl EngineArgs {
     /// Opens the engine with room for `queue` waiting requests and
     /// `parallel` generating together.
-    fn start(&self, queue: usize, parallel: Option<usize>) -> Result<Engine> {
+    fn start(&self, queue: usize, parallel: Option<usize>, batched_kernels: bool) -> Result<Engine> {
         let model = resolve_model(&self.model)?;
         let device = gpu::ordinal(&self.device)?;
         if device.is_some() {
@@ -340,6 +347,7 @@ impl EngineArgs {
             draft: self.draft.draft.clone(),
             draft_len: self.draft.draft_len,
             parallel,
+            batched_kernels,
         })?)
     }
 }
@@ -735,9 +743,10 @@ fn real_main(cli: Cli) -> Result<()> {
             api_key,
             queue,
             parallel,
+            batched_kernels,
             engine,
         } => {
-            let engine = engine.start(queue, parallel.map(|n| n as usize))?;
+            let engine = engine.start(queue, parallel.map(|n| n as usize), batched_kernels)?;
             leanstream_server::serve(engine, ServeOptions { host, port, api_key })?;
             Ok(())
         }
@@ -749,7 +758,7 @@ fn real_main(cli: Cli) -> Result<()> {
             top_p,
             engine,
         } => {
-            let engine = engine.start(1, Some(1))?;
+            let engine = engine.start(1, Some(1), false)?;
             let opts = ChatOptions {
                 sampling: SamplerConfig {
                     temperature: temp,

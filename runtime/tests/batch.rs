@@ -215,3 +215,48 @@ fn a_taken_or_missing_slot_and_an_empty_prompt_are_refused() {
     assert!(ended.result.unwrap().stopped_by_caller);
     assert_eq!(batch.active(), 0);
 }
+
+/// With the batched kernels every request still runs to its end, its first
+/// token (decided by its prompt's own pass) that of the request alone, and
+/// the passes hold a row per request.
+#[test]
+fn batched_kernels_run_every_request_to_its_end() {
+    let Some(src) = common::model_path("gemma3") else {
+        return;
+    };
+    let model = Model::load(&src).unwrap();
+    let prompts: Vec<Vec<u32>> = PROMPTS[1..4]
+        .iter()
+        .map(|t| model.tokenizer.encode(t, true, false))
+        .collect();
+    let mut st = model.new_state(CTX, CHUNK, SLOTS).with_sequences(&model.config, SLOTS);
+    let mut batch = Batch::new(&st).with_batched_kernels();
+    for (slot, p) in prompts.iter().enumerate() {
+        batch.admit(slot, p, 0, 12, greedy()).unwrap();
+    }
+    let mut got = vec![Vec::new(); SLOTS];
+    let mut ended = 0;
+    while batch.active() > 0 {
+        for e in batch.step(
+            &model,
+            &mut st,
+            &mut DenseFfn,
+            |_| false,
+            |slot, tok| {
+                got[slot].push(tok);
+                Ok(ControlFlow::Continue(()))
+            },
+        ) {
+            let stats = e.result.unwrap();
+            assert!(stats.generated_tokens == 12 || stats.stopped_on_eog, "{stats:?}");
+            ended += 1;
+        }
+    }
+    assert_eq!(ended, SLOTS);
+    for (p, g) in prompts.iter().zip(&got) {
+        let (alone_toks, _) = alone(&model, &mut DenseFfn, p, 1);
+        assert_eq!(g[0], alone_toks[0]);
+    }
+    let (passes, rows) = batch.passes();
+    assert!(rows >= 2 * passes, "{rows} rows in {passes} passes");
+}

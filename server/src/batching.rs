@@ -35,16 +35,17 @@ struct Slot {
 }
 
 /// Serves jobs from `rx` until the queue closes and every request has ended.
+#[allow(clippy::too_many_arguments)]
 pub(crate) fn serve(
     session: &mut Session,
     st: &mut RunState,
+    mut batch: Batch,
     rx: Receiver<Job>,
     queued: &AtomicUsize,
     metrics: &Metrics,
     prompt_cache: bool,
     cache: &mut PromptCache,
 ) {
-    let mut batch = Batch::new(st);
     let mut slots: Vec<Slot> = (0..st.sequences()).map(|_| Slot::default()).collect();
     // Answers whose generation ended, still being read by their clients.
     let mut draining: Vec<Reply> = Vec::new();

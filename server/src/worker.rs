@@ -14,6 +14,7 @@ use std::sync::Arc;
 use leanstream_cuda::engine::GpuModel;
 use leanstream_cuda::model::DeviceModel;
 use leanstream_runtime::engine::Policy;
+use leanstream_runtime::generate::batch::Batch;
 use leanstream_runtime::generate::draft::{self, DraftKind, DraftLen, Drafting};
 use leanstream_runtime::generate::{ChatTemplate, CpuDecoder, Decoder, Sampler, SamplerConfig};
 use leanstream_runtime::model::{KvCache, Model, RunState};
@@ -59,6 +60,10 @@ pub struct EngineOptions {
     /// 4, or under `--mem-budget` as many (1 to 4) as a quarter of the
     /// budget holds the caches of.
     pub parallel: Option<usize>,
+    /// Requests generating together share the batched matrix kernels:
+    /// faster where compute binds, but a request's greedy text may then
+    /// differ in the last bits from its text served alone.
+    pub batched_kernels: bool,
 }
 
 /// Requests generating together when `--parallel` is not given.
@@ -276,7 +281,7 @@ impl Engine {
                         Ok((info, backend, drafting)) => {
                             let _ = ready_tx.send(Ok(info));
                             let cache = PromptCache::new(opts.prompt_cache_bytes());
-                            serve_jobs(backend, drafting, rx, &q, &m, opts.prompt_cache, cache);
+                            serve_jobs(backend, drafting, rx, &q, &m, &opts, cache);
                         }
                         Err(e) => {
                             let _ = ready_tx.send(Err(e));
@@ -395,7 +400,16 @@ fn open(opts: &EngineOptions) -> Result<Backend<'static>, ServerError> {
         let rows = Drafting::rows(&opts.draft, opts.draft_len);
         let parallel = opts.parallel(&model.config, ctx);
         let batch = ctx.min(512).max(rows).max(parallel);
-        Ok(model.new_state(ctx, batch, 1).with_sequences(&model.config, parallel))
+        // Batched logits take a vocabulary's row of floats per request: not
+        // under a memory budget, which they would take from the cache.
+        let logit_rows = if opts.batched_kernels && opts.settings.mem_budget.is_none() {
+            parallel
+        } else {
+            1
+        };
+        Ok(model
+            .new_state(ctx, batch, logit_rows)
+            .with_sequences(&model.config, parallel))
     })?;
     Ok(Backend::Cpu { session, st })
 }
@@ -452,12 +466,17 @@ fn serve_jobs(
     rx: Receiver<Job>,
     queued: &AtomicUsize,
     metrics: &Metrics,
-    prompt_cache: bool,
+    opts: &EngineOptions,
     mut cache: PromptCache,
 ) {
+    let prompt_cache = opts.prompt_cache;
     if let Backend::Cpu { session, st } = &mut backend {
         if st.sequences() > 1 {
-            return crate::batching::serve(session, st, rx, queued, metrics, prompt_cache, &mut cache);
+            let mut batch = Batch::new(st);
+            if opts.batched_kernels {
+                batch = batch.with_batched_kernels();
+            }
+            return crate::batching::serve(session, st, batch, rx, queued, metrics, prompt_cache, &mut cache);
         }
     }
     // Tokens whose keys and values the state holds, from the last job.
@@ -507,14 +526,16 @@ pub(crate) fn check_request(model: &Model, ctx: usize, request: &GenRequest) -> 
     }
     let room = ctx - ids.len();
     let max_tokens = match request.max_tokens {
-        Some(n) if n > room => return Err(ServerError::BadRequest {
-            message: format!(
+        Some(n) if n > room => {
+            return Err(ServerError::BadRequest {
+                message: format!(
                 "max_tokens {n} does not fit: the context holds {ctx} tokens and the prompt takes {}, leaving {room}",
                 ids.len()
             ),
-            param: Some("max_tokens".into()),
-            code: Some("context_length_exceeded"),
-        }),
+                param: Some("max_tokens".into()),
+                code: Some("context_length_exceeded"),
+            })
+        }
         Some(n) => n,
         None => room,
     };

@@ -4,7 +4,9 @@
 //! decoding sequence, so a streamed FFN reads each bundle once for all of
 //! them. Sequences join and leave between steps. Every row of a shared pass
 //! gets the bits it would get alone ([`Model::forward_seqs`]), so a sequence
-//! decodes the tokens it would decode by itself, whatever runs beside it.
+//! decodes the tokens it would decode by itself, whatever runs beside it;
+//! a batch made [`with_batched_kernels`](Batch::with_batched_kernels) trades
+//! that for the batched matrix kernels' speed.
 
 use std::ops::ControlFlow;
 use std::time::Instant;
@@ -48,8 +50,10 @@ pub struct Batch {
     /// Decode passes run and the rows they held.
     passes: u64,
     rows: u64,
-    /// Scratch of a decode pass: (slot, token) per row.
+    /// Scratch of a decode pass: (slot, token, position) per row.
     pass_rows: Vec<(usize, [u32; 1], usize)>,
+    /// Rows get the bits they would get alone.
+    alone: bool,
 }
 
 impl Batch {
@@ -62,7 +66,18 @@ impl Batch {
             passes: 0,
             rows: 0,
             pass_rows: Vec::with_capacity(n),
+            alone: true,
         }
+    }
+
+    /// This batch running its decode passes through the batched matrix
+    /// kernels (and its logits in as many rows at once as the state's
+    /// logit rows): faster where compute binds, but a row's last bits then
+    /// depend on the rows beside it, so greedy text may differ from the
+    /// sequence's alone.
+    pub fn with_batched_kernels(mut self) -> Self {
+        self.alone = false;
+        self
     }
 
     /// Slots with no sequence.
@@ -196,22 +211,34 @@ impl Batch {
                 pos0: *pos,
             })
             .collect();
-        let pass = model.forward_seqs(st, &seqs, hook);
+        let pass = model.forward_seqs(st, &seqs, self.alone, hook);
         self.passes += 1;
         self.rows += seqs.len() as u64;
         let rows = std::mem::take(&mut self.pass_rows);
         match pass {
             Ok(()) => {
-                for (row, &(slot, _, _)) in rows.iter().enumerate() {
-                    let s = self.slots[slot].as_mut().expect("a row's sequence is in flight");
-                    s.ran += 1;
-                    s.stats.draft.passes += 1;
-                    let decided = model.logits(st, row, 1).map(|l| s.sampler.sample(l));
-                    if let Err(e) = decided.and_then(|tok| pass_on(model, s, slot, tok, &mut on_token)) {
-                        self.slots[slot] = None;
-                        ended.push(fail(slot, e));
+                // Alone, each row's logits are projected by themselves (a
+                // one-row product); batched, as many rows at once as fit.
+                let (at_once, ctx) = (if self.alone { 1 } else { st.max_logit_rows }, st.ctx);
+                for (first, group) in rows.chunks(at_once).enumerate().map(|(i, g)| (i * at_once, g)) {
+                    let logits = model.logits(st, first, group.len());
+                    for (j, &(slot, _, _)) in group.iter().enumerate() {
+                        let s = self.slots[slot].as_mut().expect("a row's sequence is in flight");
+                        s.ran += 1;
+                        s.stats.draft.passes += 1;
+                        let decided = match &logits {
+                            Ok(l) => {
+                                let n_vocab = l.len() / group.len();
+                                Ok(s.sampler.sample(&l[j * n_vocab..(j + 1) * n_vocab]))
+                            }
+                            Err(e) => Err(RuntimeError::Invalid(format!("logits: {e}"))),
+                        };
+                        if let Err(e) = decided.and_then(|tok| pass_on(model, s, slot, tok, &mut on_token)) {
+                            self.slots[slot] = None;
+                            ended.push(fail(slot, e));
+                        }
+                        self.end_finished(slot, ctx, &mut ended);
                     }
-                    self.end_finished(slot, st.ctx, &mut ended);
                 }
             }
             Err(e) => {

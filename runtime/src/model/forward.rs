@@ -244,10 +244,17 @@ impl Model {
     /// One pass over several sequences' rows at once (continuous batching,
     /// or one sequence's drafted tokens), each against its own KV cache:
     /// the matrix products (and a streamed FFN's reads) are shared, and
-    /// every row is an output with the bits it would get run alone, so a
-    /// sequence decodes the same tokens whatever runs beside it. Row `i`
-    /// of the logits is the `i`-th token in `seqs` order.
-    pub fn forward_seqs(&self, st: &mut RunState, seqs: &[SeqRows], hook: &mut dyn LayerHook) -> Result<()> {
+    /// every row is an output. With `alone`, every row gets the bits it
+    /// would get run alone, so a sequence decodes the same tokens whatever
+    /// runs beside it; without, the batched kernels run (faster, other last
+    /// bits). Row `i` of the logits is the `i`-th token in `seqs` order.
+    pub fn forward_seqs(
+        &self,
+        st: &mut RunState,
+        seqs: &[SeqRows],
+        alone: bool,
+        hook: &mut dyn LayerHook,
+    ) -> Result<()> {
         let mut tokens = Vec::with_capacity(st.max_batch);
         let mut parts = Vec::with_capacity(seqs.len());
         for (i, s) in seqs.iter().enumerate() {
@@ -265,9 +272,9 @@ impl Model {
             });
             tokens.extend_from_slice(s.tokens);
         }
-        let alone = std::mem::replace(&mut st.rows_alone, true);
+        let before = std::mem::replace(&mut st.rows_alone, alone);
         let pass = self.pass(st, &tokens, &parts, 0..tokens.len(), hook);
-        st.rows_alone = alone;
+        st.rows_alone = before;
         pass
     }
 
