@@ -84,8 +84,12 @@ pub(crate) fn serve(
             }
         }
         if batch.active() == 0 {
-            if !open && draining.is_empty() {
-                return;
+            if !open {
+                if draining.is_empty() {
+                    return;
+                }
+                // Closing: only answers still being read are left.
+                std::thread::sleep(IDLE);
             }
             continue;
         }
