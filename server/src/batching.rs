@@ -16,7 +16,7 @@ use leanstream_runtime::model::RunState;
 use leanstream_runtime::session::Session;
 
 use crate::metrics::{BatchSnapshot, EngineSnapshot, Metrics};
-use crate::prompt_cache::PromptCache;
+use crate::prompt_cache::{shared, PromptCache};
 use crate::reply::Reply;
 use crate::worker::{check_request, reuse_prefix, Event, Job};
 use crate::ServerError;
@@ -168,7 +168,7 @@ fn admit(
     };
     let slot = batch
         .free_slots()
-        .max_by_key(|&i| (leading_shared(&slots[i].cached, &ids), i == free))
+        .max_by_key(|&i| (shared(&slots[i].cached, &ids), i == free))
         .unwrap_or(free);
     let kv = st.seq_kv(slot).expect("a slot of the batch has a cache");
     let reused = reuse_prefix(kv, &mut slots[slot].cached, &ids, cache);
@@ -185,10 +185,6 @@ fn admit(
         return;
     }
     slots[slot].reply = Some(reply);
-}
-
-fn leading_shared(a: &[u32], b: &[u32]) -> usize {
-    a.iter().zip(b).take_while(|(x, y)| x == y).count()
 }
 
 /// A request's generation ended: its slot keeps what its cache holds, and
