@@ -16,9 +16,9 @@ use leanstream_runtime::model::RunState;
 use leanstream_runtime::session::Session;
 
 use crate::metrics::{BatchSnapshot, EngineSnapshot, Metrics};
-use crate::prompt_cache::{shared, PromptCache};
+use crate::prompt_cache::{reuse_prefix, shared, PromptCache};
 use crate::reply::Reply;
-use crate::worker::{check_request, reuse_prefix, Event, Job};
+use crate::request::{check_request, Event, Job};
 use crate::ServerError;
 
 /// How long the engine sleeps when every request in flight waits for its

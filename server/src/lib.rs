@@ -13,6 +13,7 @@ pub mod error;
 pub mod metrics;
 pub mod prompt_cache;
 mod reply;
+pub mod request;
 pub mod routes;
 pub mod stop;
 pub mod template;

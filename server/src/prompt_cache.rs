@@ -87,3 +87,25 @@ impl PromptCache {
         }
     }
 }
+
+/// How many prompt tokens `kv`, holding `cached`, can skip for `ids`; an
+/// earlier prompt of `cache` that shares more is put back into `kv` first
+/// (a restore that fails has written nothing). `cached` then holds the
+/// prefix kept.
+pub(crate) fn reuse_prefix(kv: &mut KvCache, cached: &mut Vec<u32>, ids: &[u32], cache: &mut PromptCache) -> usize {
+    let mut reused = shared(cached, ids);
+    if !kv.resumable(reused) {
+        // A sliding-window ring that wrapped no longer holds what the shared
+        // prefix's successors would see: run the prompt whole.
+        reused = 0;
+    }
+    if let Some((i, n)) = cache.best(ids).filter(|&(_, n)| n > reused) {
+        if let Ok(tokens) = cache.restore(i, kv) {
+            *cached = tokens;
+            reused = n;
+        }
+    }
+    // Until it ends well, the state holds this prompt's prefix at most.
+    cached.truncate(reused);
+    reused
+}

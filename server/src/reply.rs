@@ -10,8 +10,8 @@ use leanstream_runtime::generate::GenerationStats;
 use leanstream_runtime::tokenizer::{StreamDecoder, Tokenizer};
 use tokio::sync::mpsc::{self, error::TrySendError};
 
+use crate::request::{Event, Finish, FinishReason};
 use crate::stop::StopScan;
-use crate::worker::{Event, Finish, FinishReason};
 
 pub(crate) struct Reply {
     events: mpsc::Sender<Event>,

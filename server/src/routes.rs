@@ -17,8 +17,9 @@ use serde_json::{json, Value};
 use tokio::sync::mpsc;
 
 use crate::api::{ChatRequest, CompletionRequest, Generation};
+use crate::request::{Event, Finish, GenRequest, Prompt};
 use crate::template::ChatFormat;
-use crate::worker::{Engine, Event, Finish, GenRequest, Prompt};
+use crate::worker::Engine;
 use crate::ServerError;
 
 /// What every handler shares.

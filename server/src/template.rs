@@ -10,7 +10,8 @@ use leanstream_runtime::generate::{ChatMessage, ChatTemplate};
 use minijinja::{Environment, ErrorKind};
 use serde::Serialize;
 
-use crate::worker::{ModelInfo, Prompt};
+use crate::request::Prompt;
+use crate::worker::ModelInfo;
 use crate::ServerError;
 
 pub struct ChatFormat {

@@ -5,8 +5,9 @@ use std::io::{BufRead, Write};
 
 use leanstream_runtime::generate::{ChatMessage, SamplerConfig};
 
+use crate::request::{Event, GenRequest};
 use crate::template::ChatFormat;
-use crate::worker::{Engine, Event, GenRequest};
+use crate::worker::Engine;
 use crate::ServerError;
 
 pub struct ChatOptions {

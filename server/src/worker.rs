@@ -16,15 +16,16 @@ use leanstream_cuda::model::DeviceModel;
 use leanstream_runtime::engine::Policy;
 use leanstream_runtime::generate::batch::Batch;
 use leanstream_runtime::generate::draft::{self, DraftKind, DraftLen, Drafting};
-use leanstream_runtime::generate::{ChatTemplate, CpuDecoder, Decoder, Sampler, SamplerConfig};
+use leanstream_runtime::generate::{ChatTemplate, CpuDecoder, Decoder, Sampler};
 use leanstream_runtime::model::{KvCache, Model, RunState};
 use leanstream_runtime::session::{Session, StreamSettings};
 use leanstream_runtime::RuntimeError;
 use tokio::sync::mpsc;
 
 use crate::metrics::{EngineSnapshot, Metrics};
-use crate::prompt_cache::{shared, PromptCache};
+use crate::prompt_cache::{reuse_prefix, PromptCache};
 use crate::reply::Reply;
+use crate::request::{check_request, Event, GenRequest, Job};
 use crate::ServerError;
 
 /// How to open the engine.
@@ -116,80 +117,6 @@ pub struct ModelInfo {
     pub adds_bos: bool,
     /// When the server started (seconds since the epoch), for `created`.
     pub created: u64,
-}
-
-/// One generation.
-#[derive(Debug, Clone)]
-pub struct GenRequest {
-    pub prompt: Prompt,
-    pub max_tokens: Option<usize>,
-    pub sampling: SamplerConfig,
-    pub stop: Vec<String>,
-}
-
-/// A prompt as text, control tokens written as text (`<|im_start|>`), and
-/// the byte ranges of it that are chat messages' own text: control tokens
-/// written there stay text ([`Tokenizer::encode_chat`]), so a message cannot
-/// end its turn or speak for another role. A completion's prompt has none:
-/// the client writes all of it.
-///
-/// [`Tokenizer::encode_chat`]: leanstream_runtime::tokenizer::Tokenizer::encode_chat
-#[derive(Debug, Clone, Default, PartialEq, Eq)]
-pub struct Prompt {
-    pub text: String,
-    pub content: Vec<std::ops::Range<usize>>,
-}
-
-impl Prompt {
-    /// A prompt the client wrote whole (`/v1/completions`).
-    pub fn raw(text: String) -> Self {
-        Self {
-            text,
-            content: Vec::new(),
-        }
-    }
-}
-
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum FinishReason {
-    /// An end-of-generation token or a stop string.
-    Stop,
-    /// `max_tokens` reached, or the context full.
-    Length,
-}
-
-impl FinishReason {
-    pub fn as_str(self) -> &'static str {
-        match self {
-            Self::Stop => "stop",
-            Self::Length => "length",
-        }
-    }
-}
-
-#[derive(Debug, Clone, Copy)]
-pub struct Finish {
-    pub reason: FinishReason,
-    pub prompt_tokens: usize,
-    pub completion_tokens: usize,
-}
-
-/// What a job's channel carries: `Started` or `Failed` first, then text
-/// pieces, then `Done` (or `Failed`).
-#[derive(Debug)]
-pub enum Event {
-    /// The prompt fits and generation begins.
-    Started {
-        prompt_tokens: usize,
-    },
-    Text(String),
-    Done(Finish),
-    Failed(ServerError),
-}
-
-pub(crate) struct Job {
-    pub(crate) request: GenRequest,
-    pub(crate) events: mpsc::Sender<Event>,
 }
 
 /// A handle on the engine thread; cheap to share behind an `Arc`.
@@ -506,62 +433,6 @@ fn serve_jobs(
         }
         metrics.set_busy(false);
     }
-}
-
-/// A request's prompt as tokens and the tokens it may generate, or why
-/// this server's context cannot hold them.
-pub(crate) fn check_request(model: &Model, ctx: usize, request: &GenRequest) -> Result<(Vec<u32>, usize), ServerError> {
-    let ids = model
-        .tokenizer
-        .encode_chat(&request.prompt.text, &request.prompt.content);
-    if ids.len() >= ctx {
-        return Err(ServerError::BadRequest {
-            message: format!(
-                "the prompt is {} tokens; this server's context holds {ctx} tokens of prompt and completion (--ctx)",
-                ids.len()
-            ),
-            param: Some("messages".into()),
-            code: Some("context_length_exceeded"),
-        });
-    }
-    let room = ctx - ids.len();
-    let max_tokens = match request.max_tokens {
-        Some(n) if n > room => {
-            return Err(ServerError::BadRequest {
-                message: format!(
-                "max_tokens {n} does not fit: the context holds {ctx} tokens and the prompt takes {}, leaving {room}",
-                ids.len()
-            ),
-                param: Some("max_tokens".into()),
-                code: Some("context_length_exceeded"),
-            })
-        }
-        Some(n) => n,
-        None => room,
-    };
-    Ok((ids, max_tokens))
-}
-
-/// How many prompt tokens `kv`, holding `cached`, can skip for `ids`; an
-/// earlier prompt of `cache` that shares more is put back into `kv` first
-/// (a restore that fails has written nothing). `cached` then holds the
-/// prefix kept.
-pub(crate) fn reuse_prefix(kv: &mut KvCache, cached: &mut Vec<u32>, ids: &[u32], cache: &mut PromptCache) -> usize {
-    let mut reused = shared(cached, ids);
-    if !kv.resumable(reused) {
-        // A sliding-window ring that wrapped no longer holds what the shared
-        // prefix's successors would see: run the prompt whole.
-        reused = 0;
-    }
-    if let Some((i, n)) = cache.best(ids).filter(|&(_, n)| n > reused) {
-        if let Ok(tokens) = cache.restore(i, kv) {
-            *cached = tokens;
-            reused = n;
-        }
-    }
-    // Until it ends well, the state holds this prompt's prefix at most.
-    cached.truncate(reused);
-    reused
 }
 
 /// Runs `job`; `cached` is what the state's KV cache holds before and after.

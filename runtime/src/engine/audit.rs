@@ -12,7 +12,9 @@
 
 use leanstream_kernels::sparse_ffn::BundleFormat;
 
-use super::tail::{Plan, Select, Source, Tail};
+use super::plan::{Plan, Select};
+use super::source::Source;
+use super::tail::Tail;
 use crate::Result;
 
 pub(crate) struct Audit {

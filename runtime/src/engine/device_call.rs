@@ -16,7 +16,8 @@
 
 use std::time::Instant;
 
-use super::tail::{CallCost, Select, Source};
+use super::plan::{keeps, CallCost, Select};
+use super::source::Source;
 use super::{FlashEngine, Policy, Streamer};
 use crate::{Result, RuntimeError};
 
@@ -33,17 +34,6 @@ pub struct DeviceCall {
     pub words: usize,
     /// Reads not landed by then are skipped (`None`: wait for every one).
     pub deadline: Option<Instant>,
-}
-
-/// Whether a row keeps neuron `i` with activation `a`, as the CPU's tail
-/// decides: by the row's bitmap over neuron ids where there is one, else
-/// where `|a|` is not below `threshold` (what a device's kernel mirrors).
-#[inline]
-pub fn keeps(threshold: f32, row: Option<&[u64]>, i: usize, a: f32) -> bool {
-    match row {
-        Some(bits) => bits.get(i / 64).is_some_and(|w| w >> (i % 64) & 1 == 1),
-        None => a.abs().partial_cmp(&threshold) != Some(std::cmp::Ordering::Less),
-    }
 }
 
 impl DeviceCall {

@@ -21,7 +21,10 @@ mod audit;
 pub mod controller;
 mod device_call;
 pub mod handoff;
+mod plan;
 pub mod policy;
+mod resident;
+mod source;
 mod stream;
 mod tail;
 pub mod trace;
@@ -40,12 +43,15 @@ use crate::predict::Predictor;
 use crate::{Result, RuntimeError};
 use audit::Audit;
 pub use controller::{Controller, Decisions};
-pub use device_call::{keeps, DeviceCall};
+pub use device_call::DeviceCall;
+pub use plan::keeps;
 
 pub use policy::Policy;
 use policy::{FfnPolicy, LayerCall};
+use resident::Resident;
+use source::Source;
 pub use stream::{CachePolicy, LandedRun, Streamer, Want, STAGES};
-use tail::{Resident, Source, Tail};
+use tail::Tail;
 pub use trace::{ActiveTrace, TraceCursor};
 
 /// Default of [`EngineOptions::merge_gap_bytes`]. On the development disk

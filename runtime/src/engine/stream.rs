@@ -32,7 +32,7 @@ use std::collections::VecDeque;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Condvar, Mutex};
 
-use super::tail::Resident;
+use super::resident::Resident;
 use super::trace::{bit_is_set, set_bit, widen_to_groups};
 use super::{EngineStats, FlashModel};
 use crate::cache::{

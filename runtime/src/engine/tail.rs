@@ -23,7 +23,9 @@ use leanstream_kernels::sparse_ffn::{
 use leanstream_kernels::ActBuffer;
 use rayon::prelude::*;
 
-use super::device_call::keeps;
+use super::plan::{keeps, CallCost, Plan, Select};
+use super::resident::Resident;
+use super::source::Source;
 use super::stream::{LandedRun, Streamer};
 use super::trace::{bit_is_set, set_bit, widen_to_groups};
 use crate::Result;
@@ -40,104 +42,6 @@ const HIT_BATCH: usize = 256;
 /// Unwanted neurons a resident layer's stage-1 run steps over (computing
 /// them) rather than starting a new call.
 const RESIDENT_GAP: usize = 16;
-
-/// Which neurons a row keeps.
-#[derive(Clone, Copy)]
-pub enum Select<'a> {
-    /// Those with |a| at or above the threshold (all are computed).
-    Threshold(f32),
-    /// The given per-row bitmaps (`words` each).
-    Rows(&'a [u64]),
-}
-
-/// Refinement between the stages of a streamed layer: the tail splits the
-/// layer's expected bundles into `stages()` parts in arrival order and calls
-/// [`refine`](Self::refine) after each part but the last.
-pub(crate) trait StageHook {
-    /// Stages K of this call (1: no refinement).
-    fn stages(&self) -> usize;
-
-    /// Whether [`refine`](Self::refine) wants the partial output (a down
-    /// product over the neurons computed so far).
-    fn wants_partial(&self) -> bool;
-
-    /// After stage `stage` of layer `layer`: `partial` is the FFN output of
-    /// the neurons computed so far, `[n][n_embd]` before any post-norm, where
-    /// asked for and the layout gives it per neuron (down columns).
-    fn refine(&mut self, layer: usize, stage: usize, partial: Option<&[f32]>, streamer: &mut Streamer) -> Result<()>;
-}
-
-/// What the tail computes for a call (a policy's [`plan`](super::policy::FfnPolicy::plan)).
-pub(crate) struct Plan<'p> {
-    pub select: Select<'p>,
-    /// The union of what any row may keep (`None`: every neuron); the reads
-    /// for it have been asked for. A streamed layer computes what its stage
-    /// wanted and has.
-    pub want: Option<&'p [u64]>,
-    /// Streamed reads not landed by then are skipped (`None`: wait for all).
-    pub deadline: Option<Instant>,
-    pub stages: Option<&'p mut dyn StageHook>,
-}
-
-/// Time and work of the last call.
-#[derive(Debug, Clone, Copy, Default)]
-pub struct CallCost {
-    /// Wall time of the call, and of it the time blocked on arrivals.
-    pub seconds: f64,
-    pub wait_seconds: f64,
-    /// Neurons whose stage 1 ran (bundles × rows).
-    pub computed: u64,
-}
-
-impl CallCost {
-    /// Compute time per neuron row, ns (0 without work).
-    pub fn ns_per_neuron(&self) -> f64 {
-        if self.computed == 0 {
-            0.0
-        } else {
-            (self.seconds - self.wait_seconds).max(0.0) * 1e9 / self.computed as f64
-        }
-    }
-}
-
-/// Where a layer's bundles are.
-pub enum Source {
-    Resident(Resident),
-    Stream(Box<Streamer>),
-}
-
-/// Every bundle in memory.
-pub struct Resident {
-    /// Per layer, all bundles in neuron order; where the down matrix is
-    /// held whole, the gate rows and then the up rows instead (the source's
-    /// two matrices: each stage-1 pass streams one of them).
-    pub bundles: Vec<Vec<u8>>,
-    /// Per layer with down tiles in the file, its down matrix gathered once
-    /// (the source's row-major bytes, u64-backed for block alignment; its
-    /// format is [`DownLayout::Matrix`]); empty for down columns.
-    pub down: Vec<Vec<u64>>,
-    /// Bytes of each `down` matrix.
-    pub down_len: Vec<usize>,
-    /// Per layer, the format these bytes are in ([`BundleFormat::resident`]
-    /// of the file's).
-    pub formats: Vec<BundleFormat>,
-}
-
-impl Resident {
-    /// Bytes held.
-    pub fn bytes(&self) -> u64 {
-        self.bundles
-            .iter()
-            .map(|b| b.len())
-            .chain(self.down_len.iter().copied())
-            .sum::<usize>() as u64
-    }
-
-    fn down(&self, l: usize) -> Option<&[u8]> {
-        let m = self.down.get(l).filter(|m| !m.is_empty())?;
-        Some(&bytemuck::cast_slice::<u64, u8>(m)[..self.down_len[l]])
-    }
-}
 
 /// Stage-1 input: whole bundles back to back, or the same neurons' gate
 /// rows and up rows held apart.

@@ -22,6 +22,7 @@
 //! earlier steps took, so that a resumed run computes the same inputs and
 //! skips what is done.
 
+mod layout;
 pub mod manifest;
 mod progress;
 mod report;
@@ -31,7 +32,7 @@ mod verify;
 use std::path::{Path, PathBuf};
 use std::time::Instant;
 
-pub use steps::Step;
+pub use layout::Step;
 
 use crate::error::{Result, SynthError};
 use manifest::{key_of, outputs_intact, Manifest, Pending, StepRecord};

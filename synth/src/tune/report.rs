@@ -7,7 +7,7 @@ use std::path::Path;
 use leanstream_plot::{LineChart, Series};
 use serde_json::Value;
 
-use super::steps::{Step, ADAPTIVE_TRACES, COMPUTE_TRACES, CONTROLLER, IO_TRACES, PLOTS, REPORT, VERIFY};
+use super::layout::{Step, ADAPTIVE_TRACES, COMPUTE_TRACES, CONTROLLER, IO_TRACES, PLOTS, REPORT, VERIFY};
 use super::Ctx;
 use super::Profiling;
 use crate::error::{Result, SynthError};

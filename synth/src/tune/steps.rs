@@ -12,63 +12,10 @@ use leanstream_profiler::sweeps::{self, ComputeGrid, IoGrid, RunSettings};
 use leanstream_runtime::flash::{self, LsFlash};
 use serde_json::{json, Value};
 
+use super::layout::*;
+use super::verify::VerifyPlan;
 use super::{remove, Ctx, Profiling};
 use crate::error::{Result, SynthError};
-
-/// The pipeline, in order.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Step {
-    /// Training and held-out prose, split when no held-out text is named.
-    Text,
-    /// Activation traces of the model on both splits.
-    Activations,
-    /// Flash order of each layer's neurons from co-activation.
-    Placement,
-    /// Calibrated sparsity thresholds, then the `.lsflash` file in that order.
-    Pack,
-    /// Read latency at the request sizes the packed layout implies.
-    ProfileIo,
-    /// The packed model's own FFN kernels.
-    ProfileCompute,
-    /// Both profiles' conditions, sampled where the table's decisions are
-    /// sensitive (`--profiling adaptive`, in place of the two above).
-    ProfileAdaptive,
-    /// The hashing predictor and the low-rank baseline.
-    Predictor,
-    /// `speculate` in the real engine at each queue depth of the codebook:
-    /// the read latencies and compute speed the control model is fitted to.
-    EngineProbe,
-    /// The stochastic-MPC lookup table for this model on this device.
-    Controller,
-    /// The learned cache's retention table.
-    Eviction,
-    /// The tuned model against the untuned default in the real engine.
-    Verify,
-    /// `report.md` with its plots.
-    Report,
-}
-
-/// Paths relative to the output directory.
-pub const TRAIN_TEXT: &str = "work/text/train.txt";
-pub const HELDOUT_TEXT: &str = "work/text/heldout.txt";
-pub const ACTS: &str = "work/acts";
-pub const PLACEMENT: &str = "work/placement.json";
-pub const MODEL: &str = "model.lsflash";
-pub const TRACES: &str = "work/traces";
-pub const IO_TRACES: &str = "work/traces/io";
-pub const COMPUTE_TRACES: &str = "work/traces/compute";
-/// Apart from `TRACES`, so a directory tuned both ways never fits a table
-/// on a mix of the two profiles.
-pub const ADAPTIVE_TRACES: &str = "work/adaptive-traces";
-pub const IO_SCRATCH: &str = "work/io-scratch";
-pub const CONTROLLER: &str = "controller.lstab";
-pub const PREDICTOR: &str = "predictor.lspred";
-pub const LOW_RANK: &str = "predictor.lowrank.lspred";
-pub const EVICTION: &str = "eviction.lsevict";
-pub const VERIFY: &str = "work/verify.json";
-pub const ENGINE_RUNS: &str = "work/engine";
-pub const REPORT: &str = "report.md";
-pub const PLOTS: &str = "plots";
 
 /// Sparsities stored in the packed file (the operating one among them).
 const SPARSITIES: [f32; 3] = [0.5, 0.7, 0.8];
@@ -129,24 +76,6 @@ fn text_sha(paths: &[PathBuf]) -> Result<Vec<String>> {
         .collect()
 }
 
-/// What the verification runs: sweep budgets, tokens, quality settings.
-#[derive(Debug, Clone, serde::Serialize)]
-pub struct VerifyPlan {
-    pub budgets: Vec<String>,
-    pub gen_tokens: usize,
-    pub reps: usize,
-    /// Times every run is repeated, in rounds that interleave the runs, so
-    /// a slow spell of the disk or CPU hits tuned and default alike; each
-    /// run reports its median round. One 32-token process per run measured
-    /// `dense-stream` on SmolLM2 at 55.7 tok/s in one tune and 27.9 in the
-    /// next.
-    pub rounds: usize,
-    pub quality_ctx: usize,
-    pub quality_chunks: usize,
-    /// Deadline factors of the speed-quality curve (empty: none).
-    pub deadlines: Vec<String>,
-}
-
 /// Decoded tokens of each of `runs` engine probe runs sharing `share_s`:
 /// what fits at `tok_s` after each run's `load_s` (a run decodes them twice,
 /// warm-up and measured), never fewer than the fit needs (a token is
@@ -173,97 +102,6 @@ fn recall_tokens_for(share_s: f64, runs: usize, load_s: f64, tok_s: f64) -> usiz
         lo
     } else {
         0
-    }
-}
-
-impl VerifyPlan {
-    /// Plans from the largest to the smallest, `op` the operating FFN budget.
-    fn ladder(op: &str) -> [VerifyPlan; 5] {
-        let strings = |v: &[&str]| v.iter().map(|s| s.to_string()).collect::<Vec<_>>();
-        [
-            VerifyPlan {
-                budgets: strings(&["10%", "25%", "50%", "100%"]),
-                gen_tokens: 32,
-                reps: 1,
-                rounds: 3,
-                quality_ctx: 256,
-                quality_chunks: 1,
-                deadlines: strings(&["2", "8", "inf"]),
-            },
-            VerifyPlan {
-                budgets: strings(&["10%", "25%", "50%", "100%"]),
-                gen_tokens: 32,
-                reps: 1,
-                rounds: 1,
-                quality_ctx: 256,
-                quality_chunks: 1,
-                deadlines: strings(&["2", "8", "inf"]),
-            },
-            VerifyPlan {
-                budgets: if op == "100%" {
-                    strings(&[op])
-                } else {
-                    strings(&[op, "100%"])
-                },
-                gen_tokens: 16,
-                reps: 1,
-                rounds: 1,
-                quality_ctx: 128,
-                quality_chunks: 1,
-                deadlines: strings(&["2", "inf"]),
-            },
-            VerifyPlan {
-                budgets: strings(&[op]),
-                gen_tokens: 8,
-                reps: 1,
-                rounds: 1,
-                quality_ctx: 64,
-                quality_chunks: 1,
-                deadlines: Vec::new(),
-            },
-            // Speed only: on a 7B model at well under a token a second, one
-            // perplexity chunk costs more than the step's whole share.
-            VerifyPlan {
-                budgets: strings(&[op]),
-                gen_tokens: 4,
-                reps: 1,
-                rounds: 1,
-                quality_ctx: 0,
-                quality_chunks: 0,
-                deadlines: Vec::new(),
-            },
-        ]
-    }
-
-    /// The largest plan whose estimate fits `share_s`; the smallest if none does.
-    fn pick(op: &str, share_s: f64, tok_s: f64, load_s: f64) -> VerifyPlan {
-        let [a, b, c, d, e] = Self::ladder(op);
-        [a, b, c, d]
-            .into_iter()
-            .find(|p| p.seconds(tok_s, load_s) <= share_s)
-            .unwrap_or(e)
-    }
-
-    /// Whether the runs at the operating budget measure quality.
-    pub fn measures_quality(&self) -> bool {
-        self.quality_ctx > 0 && self.quality_chunks > 0
-    }
-
-    /// Estimated seconds: each run loads, then decodes its tokens reps + 1
-    /// times (the first warms up), once a round; a quality run (the
-    /// operating budget's two and each deadline's, first round only)
-    /// decodes its chunks token by token and streams the dense reference,
-    /// counted as about as much again.
-    fn seconds(&self, tok_s: f64, load_s: f64) -> f64 {
-        let runs = (2 * self.budgets.len() + self.deadlines.len()) as f64;
-        let decode = ((self.reps + 1) * self.gen_tokens) as f64 / tok_s;
-        let quality_runs = if self.measures_quality() {
-            2 + self.deadlines.len()
-        } else {
-            0
-        };
-        let quality = quality_runs as f64 * 2.0 * (self.quality_ctx * self.quality_chunks) as f64 / tok_s;
-        self.rounds as f64 * runs * (load_s + decode) + quality
     }
 }
 
@@ -1093,33 +931,5 @@ mod tests {
         assert_eq!(probe_tokens_for(3.0 * 1.5, 3, 0.2, 18.0), 11);
         // The Mistral-7B shape at a 25-minute budget: 45 s, 10 s to load, 0.27 tok/s.
         assert_eq!(probe_tokens_for(45.0, 3, 10.0, 0.27), PROBE_TOKENS.0);
-    }
-
-    #[test]
-    fn the_verify_plan_shrinks_with_the_speed() {
-        // SmolLM2 at a 30-minute budget (the probe's slowest run 28.6 tok/s,
-        // a 110 MB file): three interleaved rounds.
-        let full = VerifyPlan::pick("25%", 270.0, 28.6, 0.22);
-        assert_eq!((full.budgets.len(), full.rounds), (4, 3));
-        assert!(full.measures_quality() && full.deadlines.len() == 3);
-        assert!(full.seconds(28.6, 0.22) <= 270.0);
-        // Slower: the same runs once.
-        let once = VerifyPlan::pick("25%", 270.0, 15.0, 0.2);
-        assert_eq!((once.budgets.len(), once.rounds), (4, 1));
-        assert!(once.seconds(15.0, 0.2) <= 270.0);
-        // A 12-minute budget's 108 s: the operating budget and 100%, a shorter curve.
-        let mid = VerifyPlan::pick("25%", 108.0, 18.0, 0.2);
-        assert_eq!(mid.budgets, ["25%", "100%"]);
-        assert!(mid.seconds(18.0, 0.2) <= 108.0);
-        // The Mistral-7B shape (0.38 tok/s measured, 10 s to load): speed only.
-        let slow = VerifyPlan::pick("25%", 225.0, 0.38, 10.0);
-        assert!(!slow.measures_quality());
-        assert_eq!((slow.budgets.len(), slow.gen_tokens), (1, 4));
-        assert!(slow.seconds(0.38, 10.0) <= 225.0);
-        // Every rung costs less than the one above it.
-        let ladder = VerifyPlan::ladder("25%");
-        for w in ladder.windows(2) {
-            assert!(w[1].seconds(1.0, 1.0) < w[0].seconds(1.0, 1.0));
-        }
     }
 }

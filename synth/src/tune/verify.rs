@@ -8,9 +8,118 @@ use std::process::Command;
 
 use serde_json::{json, Value};
 
-use super::steps::{Step, ENGINE_RUNS, HELDOUT_TEXT, MODEL, VERIFY};
+use super::layout::{Step, ENGINE_RUNS, HELDOUT_TEXT, MODEL, VERIFY};
 use super::Ctx;
 use crate::error::{Result, SynthError};
+
+/// What the verification runs: sweep budgets, tokens, quality settings.
+#[derive(Debug, Clone, serde::Serialize)]
+pub struct VerifyPlan {
+    pub budgets: Vec<String>,
+    pub gen_tokens: usize,
+    pub reps: usize,
+    /// Times every run is repeated, in rounds that interleave the runs, so
+    /// a slow spell of the disk or CPU hits tuned and default alike; each
+    /// run reports its median round. One 32-token process per run measured
+    /// `dense-stream` on SmolLM2 at 55.7 tok/s in one tune and 27.9 in the
+    /// next.
+    pub rounds: usize,
+    pub quality_ctx: usize,
+    pub quality_chunks: usize,
+    /// Deadline factors of the speed-quality curve (empty: none).
+    pub deadlines: Vec<String>,
+}
+
+impl VerifyPlan {
+    /// Plans from the largest to the smallest, `op` the operating FFN budget.
+    fn ladder(op: &str) -> [VerifyPlan; 5] {
+        let strings = |v: &[&str]| v.iter().map(|s| s.to_string()).collect::<Vec<_>>();
+        [
+            VerifyPlan {
+                budgets: strings(&["10%", "25%", "50%", "100%"]),
+                gen_tokens: 32,
+                reps: 1,
+                rounds: 3,
+                quality_ctx: 256,
+                quality_chunks: 1,
+                deadlines: strings(&["2", "8", "inf"]),
+            },
+            VerifyPlan {
+                budgets: strings(&["10%", "25%", "50%", "100%"]),
+                gen_tokens: 32,
+                reps: 1,
+                rounds: 1,
+                quality_ctx: 256,
+                quality_chunks: 1,
+                deadlines: strings(&["2", "8", "inf"]),
+            },
+            VerifyPlan {
+                budgets: if op == "100%" {
+                    strings(&[op])
+                } else {
+                    strings(&[op, "100%"])
+                },
+                gen_tokens: 16,
+                reps: 1,
+                rounds: 1,
+                quality_ctx: 128,
+                quality_chunks: 1,
+                deadlines: strings(&["2", "inf"]),
+            },
+            VerifyPlan {
+                budgets: strings(&[op]),
+                gen_tokens: 8,
+                reps: 1,
+                rounds: 1,
+                quality_ctx: 64,
+                quality_chunks: 1,
+                deadlines: Vec::new(),
+            },
+            // Speed only: on a 7B model at well under a token a second, one
+            // perplexity chunk costs more than the step's whole share.
+            VerifyPlan {
+                budgets: strings(&[op]),
+                gen_tokens: 4,
+                reps: 1,
+                rounds: 1,
+                quality_ctx: 0,
+                quality_chunks: 0,
+                deadlines: Vec::new(),
+            },
+        ]
+    }
+
+    /// The largest plan whose estimate fits `share_s`; the smallest if none does.
+    pub(super) fn pick(op: &str, share_s: f64, tok_s: f64, load_s: f64) -> VerifyPlan {
+        let [a, b, c, d, e] = Self::ladder(op);
+        [a, b, c, d]
+            .into_iter()
+            .find(|p| p.seconds(tok_s, load_s) <= share_s)
+            .unwrap_or(e)
+    }
+
+    /// Whether the runs at the operating budget measure quality.
+    pub fn measures_quality(&self) -> bool {
+        self.quality_ctx > 0 && self.quality_chunks > 0
+    }
+
+    /// Estimated seconds: each run loads, then decodes its tokens reps + 1
+    /// times (the first warms up), once a round; a quality run (the
+    /// operating budget's two and each deadline's, first round only)
+    /// decodes its chunks token by token and streams the dense reference,
+    /// counted as about as much again.
+    fn seconds(&self, tok_s: f64, load_s: f64) -> f64 {
+        let runs = (2 * self.budgets.len() + self.deadlines.len()) as f64;
+        let decode = ((self.reps + 1) * self.gen_tokens) as f64 / tok_s;
+        let quality_runs = if self.measures_quality() {
+            2 + self.deadlines.len()
+        } else {
+            0
+        };
+        let quality = quality_runs as f64 * 2.0 * (self.quality_ctx * self.quality_chunks) as f64 / tok_s;
+        self.rounds as f64 * runs * (load_s + decode) + quality
+    }
+}
 
 /// One bench run: its label, the arguments that differ, whether it measures quality.
 struct Run {
@@ -82,7 +191,7 @@ pub(super) fn verify(ctx: &Ctx) -> Result<(Vec<String>, Value)> {
 fn bench_run(
     ctx: &Ctx,
     bin: &std::path::Path,
-    plan: &super::steps::VerifyPlan,
+    plan: &VerifyPlan,
     r: &Run,
     quality: bool,
     heldout: &std::path::Path,
@@ -313,4 +422,37 @@ fn summarize(rows: &[Value]) -> Value {
         })
         .collect();
     json!({ "runs": brief })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_verify_plan_shrinks_with_the_speed() {
+        // SmolLM2 at a 30-minute budget (the probe's slowest run 28.6 tok/s,
+        // a 110 MB file): three interleaved rounds.
+        let full = VerifyPlan::pick("25%", 270.0, 28.6, 0.22);
+        assert_eq!((full.budgets.len(), full.rounds), (4, 3));
+        assert!(full.measures_quality() && full.deadlines.len() == 3);
+        assert!(full.seconds(28.6, 0.22) <= 270.0);
+        // Slower: the same runs once.
+        let once = VerifyPlan::pick("25%", 270.0, 15.0, 0.2);
+        assert_eq!((once.budgets.len(), once.rounds), (4, 1));
+        assert!(once.seconds(15.0, 0.2) <= 270.0);
+        // A 12-minute budget's 108 s: the operating budget and 100%, a shorter curve.
+        let mid = VerifyPlan::pick("25%", 108.0, 18.0, 0.2);
+        assert_eq!(mid.budgets, ["25%", "100%"]);
+        assert!(mid.seconds(18.0, 0.2) <= 108.0);
+        // The Mistral-7B shape (0.38 tok/s measured, 10 s to load): speed only.
+        let slow = VerifyPlan::pick("25%", 225.0, 0.38, 10.0);
+        assert!(!slow.measures_quality());
+        assert_eq!((slow.budgets.len(), slow.gen_tokens), (1, 4));
+        assert!(slow.seconds(0.38, 10.0) <= 225.0);
+        // Every rung costs less than the one above it.
+        let ladder = VerifyPlan::ladder("25%");
+        for w in ladder.windows(2) {
+            assert!(w[1].seconds(1.0, 1.0) < w[0].seconds(1.0, 1.0));
+        }
+    }
 }

@@ -14,7 +14,9 @@
 
 use super::ranking::{Ranking, When};
 use super::{streamer, FfnPolicy, LayerCall, Plan, Policy};
-use crate::engine::tail::{Select, Source, Tail};
+use crate::engine::plan::Select;
+use crate::engine::source::Source;
+use crate::engine::tail::Tail;
 use crate::Result;
 
 pub(crate) struct DejaVu {

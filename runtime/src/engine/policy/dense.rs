@@ -3,7 +3,9 @@
 //! policies are compared with.
 
 use super::{FfnPolicy, LayerCall, Plan, Policy};
-use crate::engine::tail::{Select, Source, Tail};
+use crate::engine::plan::Select;
+use crate::engine::source::Source;
+use crate::engine::tail::Tail;
 use crate::Result;
 
 pub(crate) struct Dense;

@@ -5,8 +5,10 @@
 //! serves what it holds.
 
 use super::{streamer, FfnPolicy, LayerCall, Plan, Policy};
+use crate::engine::plan::Select;
+use crate::engine::source::Source;
 use crate::engine::stream::{Want, STAGES};
-use crate::engine::tail::{Select, Source, Tail};
+use crate::engine::tail::Tail;
 use crate::Result;
 
 pub(crate) struct DenseStream;

@@ -10,8 +10,10 @@ use rayon::prelude::*;
 use std::sync::Arc;
 
 use super::{streamer, FfnPolicy, LayerCall, Plan, Policy};
+use crate::engine::plan::Select;
+use crate::engine::source::Source;
 use crate::engine::stream::Want;
-use crate::engine::tail::{Select, Source, Tail};
+use crate::engine::tail::Tail;
 use crate::engine::trace::set_bit;
 use crate::Result;
 

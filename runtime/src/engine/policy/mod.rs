@@ -22,8 +22,10 @@ pub(crate) use oracle::Oracle;
 pub(crate) use ranking::Ranking;
 pub(crate) use speculate::Speculate;
 
-pub(crate) use super::tail::Plan;
-use super::tail::{Select, Source, Tail};
+pub(crate) use super::plan::Plan;
+use super::plan::Select;
+use super::source::Source;
+use super::tail::Tail;
 use crate::Result;
 
 /// How the FFN bundles reach compute (the name a user picks).

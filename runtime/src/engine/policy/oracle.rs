@@ -3,8 +3,10 @@
 //! those bundles are read, one layer ahead: the bound for any predictor.
 
 use super::{streamer, FfnPolicy, LayerCall, Plan, Policy};
+use crate::engine::plan::Select;
+use crate::engine::source::Source;
 use crate::engine::stream::Want;
-use crate::engine::tail::{Select, Source, Tail};
+use crate::engine::tail::Tail;
 use crate::engine::trace::TraceCursor;
 use crate::Result;
 

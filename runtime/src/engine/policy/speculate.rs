@@ -41,8 +41,10 @@ use super::ranking::Ranking;
 use super::{streamer, FfnPolicy, LayerCall, Plan, Policy, Shape};
 use crate::control::{Action, ControlState};
 use crate::engine::controller::{ewma, ActionCount, Controller, Decisions, Meter};
+use crate::engine::plan::{Select, StageHook};
+use crate::engine::source::Source;
 use crate::engine::stream::{Streamer, Want, STAGES};
-use crate::engine::tail::{Select, Source, StageHook, Tail};
+use crate::engine::tail::Tail;
 use crate::Result;
 
 /// Ranks a layer's neurons with the predictor (shared by refinement
