@@ -1,5 +1,13 @@
 //! Row dequantization with GGML's reference formulas (`dequantize_row_*` in
 //! `ggml-quants.c`), operation for operation, so the floats match bit for bit.
+//!
+//! The same code serves aarch64: there GCC contracts Q4_1 / Q5_1's
+//! `x * d + m` and Q4_K / Q5_K's `d1 * q - m1` into fused multiply-adds
+//! (ggml-base on x86 is built without FMA), but every product here is exact
+//! in f32 (an f16 scale, times a 6-bit sub-block scale for the K-quants,
+//! times an integer of at most 5 bits: at most 22 significant bits), so
+//! fused and separate operations round the same. The test against ggml built
+//! for aarch64 checks it.
 
 use bytemuck::Pod;
 use half::{bf16, f16};
@@ -246,6 +254,53 @@ mod tests {
             for (j, &v) in out.iter().enumerate() {
                 assert_eq!(v, (j as f32 - 16.0) * 2.0);
             }
+        }
+    }
+
+    /// `to_float` of ggml-base built for aarch64 (see `f16dot::golden`) on
+    /// random blocks with sane scales.
+    #[cfg(target_arch = "aarch64")]
+    #[test]
+    fn matches_ggml_built_for_aarch64() {
+        use crate::f16dot::golden::{fnv_f32, wide};
+        let cases = [
+            (GgmlType::Q4_0, 0x8579e7c8a912e333u64),
+            (GgmlType::Q4_1, 0x8f71c596032e7721),
+            (GgmlType::Q5_0, 0xee366ac979b4cb60),
+            (GgmlType::Q5_1, 0x6aa8e77230e93c97),
+            (GgmlType::Q8_0, 0x00057038f091f35c),
+            (GgmlType::Q4K, 0x78ceae3b342402e9),
+            (GgmlType::Q5K, 0xd62feaae6caffadd),
+            (GgmlType::Q6K, 0xef0c00ed5d2ff490),
+        ];
+        for (k, (ty, hash)) in cases.into_iter().enumerate() {
+            let n = 512;
+            let bytes_len = ty.row_bytes(n).unwrap();
+            let mut st = 21 + k as u32;
+            let mut q: Vec<u8> = (0..bytes_len)
+                .map(|_| {
+                    st ^= st << 13;
+                    st ^= st >> 17;
+                    st ^= st << 5;
+                    (st >> 24) as u8
+                })
+                .collect();
+            let bs = bytes_len / (n / ty.block_size());
+            for (blk, p) in q.chunks_exact_mut(bs).enumerate() {
+                let a = wide(2, 31 + blk as u32);
+                let (h0, h1) = (f16::from_f32(a[0] * 0.01), f16::from_f32(a[1] * 0.01));
+                if ty == GgmlType::Q6K {
+                    p[bs - 2..].copy_from_slice(&h0.to_le_bytes());
+                } else {
+                    p[..2].copy_from_slice(&h0.to_le_bytes());
+                    if matches!(ty, GgmlType::Q4_1 | GgmlType::Q5_1 | GgmlType::Q4K | GgmlType::Q5K) {
+                        p[2..4].copy_from_slice(&h1.to_le_bytes());
+                    }
+                }
+            }
+            let mut out = vec![0.0f32; n];
+            dequantize_row(ty, &q, &mut out).unwrap();
+            assert_eq!(fnv_f32(&out), hash, "{ty}");
         }
     }
 }

@@ -37,11 +37,20 @@ impl Device {
         }
     }
 
-    /// The SIMD level the CPU kernels dispatch to on this machine: the AVX2
-    /// set and the VNNI form its products take, then `+avx512` where the
-    /// AVX-512 prompt kernels run too (a CPU with both VNNI forms takes the
-    /// VEX one for the AVX2 kernels, so the VNNI form alone does not say).
+    /// The SIMD level the CPU kernels dispatch to on this machine: on x86_64
+    /// the AVX2 set and the VNNI form its products take, then `+avx512` where
+    /// the AVX-512 prompt kernels run too (a CPU with both VNNI forms takes
+    /// the VEX one for the AVX2 kernels, so the VNNI form alone does not
+    /// say); on aarch64 `neon`, or `neon+dotprod` where the byte dots use
+    /// `sdot`; else `portable`.
     pub fn cpu_features() -> &'static str {
+        if cfg!(target_arch = "aarch64") {
+            return if crate::dot::has_neon_dotprod() {
+                "neon+dotprod"
+            } else {
+                "neon"
+            };
+        }
         if !crate::dot::has_avx2() {
             return "portable";
         }

@@ -1,11 +1,21 @@
 //! Dot products of a weight row with an activation row already converted to
 //! the weight type's vec-dot type ([`GgmlType::vec_dot_type`]).
 //!
-//! Two implementations per type: AVX2+FMA kernels that reproduce, bit for
-//! bit, the CPU backend of the reference llama.cpp build (GCC, `GGML_NATIVE`
-//! on an AVX-512 machine; its quantized kernels are its AVX2 ones), used when
-//! the CPU has AVX2; and portable scalar twins that follow GGML's generic C.
-//! They agree to rounding; the tests hold them to it.
+//! Two implementations per type: SIMD kernels, and portable scalar twins that
+//! follow GGML's generic C. On x86_64 the SIMD kernels are AVX2+FMA ones that
+//! reproduce, bit for bit, the CPU backend of the reference llama.cpp build
+//! (GCC, `GGML_NATIVE` on an AVX-512 machine; its quantized kernels are its
+//! AVX2 ones), used when the CPU has AVX2. On aarch64 they are NEON kernels
+//! (`neon.rs`) that reproduce, bit for bit, GGML's NEON code
+//! (`ggml-cpu/arch/arm/quants.c`, `vec.cpp`) as GCC builds it for
+//! `-march=armv8-a` (`tests/neon_vec_dot_golden.rs`), always used (NEON is
+//! part of aarch64); where the CPU has FEAT_DotProd ([`has_neon_dotprod`])
+//! their `sdot` form, which reproduces instead the vec-dots of llama.cpp
+//! built with `-march=armv8.2-a+dotprod` (the 32-value formats round by
+//! `sdot`'s lanes there; the K formats, F16 and F32 give the same results
+//! either way). BF16 has no NEON kernel: llama.cpp's NEON build has none
+//! either, and its generic loop is the scalar twin. SIMD and scalar agree to
+//! rounding; the tests hold them to it.
 //!
 //! [`tiled_dot`] is the per-output arithmetic of llama.cpp's tiled K-quant
 //! matmul (Q4_K/Q5_K/Q6_K against 8+ activation rows, see
@@ -24,6 +34,8 @@ use crate::{GgmlType, KernelError};
 pub(crate) mod avx2;
 #[cfg(target_arch = "x86_64")]
 pub(crate) mod avx512;
+#[cfg(target_arch = "aarch64")]
+pub(crate) mod neon;
 mod scalar;
 
 /// Whether the AVX2 kernels can run here: AVX2, FMA and F16C (which every
@@ -74,6 +86,42 @@ fn detect_avx2() -> bool {
 #[cfg(not(target_arch = "x86_64"))]
 fn detect_avx2() -> bool {
     false
+}
+
+/// Whether the NEON kernels can use `sdot` (FEAT_DotProd), detected once.
+/// Always false off aarch64. Without it they run their plain NEON form
+/// (llama.cpp's `armv8-a` bits; with it, its dotprod build's, see `neon.rs`).
+pub fn has_neon_dotprod() -> bool {
+    #[cfg(target_arch = "aarch64")]
+    {
+        use std::sync::OnceLock;
+        static DOTPROD: OnceLock<bool> = OnceLock::new();
+        *DOTPROD.get_or_init(|| std::arch::is_aarch64_feature_detected!("dotprod"))
+    }
+    #[cfg(not(target_arch = "aarch64"))]
+    false
+}
+
+/// Whether [`Path::Fastest`] has SIMD kernels here: AVX2 on x86_64, NEON
+/// (always) on aarch64, none elsewhere.
+pub(crate) fn has_simd_kernels() -> bool {
+    if cfg!(target_arch = "aarch64") {
+        true
+    } else {
+        has_avx2()
+    }
+}
+
+/// The plain NEON tile kernel or, where the CPU has FEAT_DotProd, its `sdot`
+/// twin (llama.cpp's dotprod build's lanes, see `neon::ByteDot`), each with
+/// its `decode_rows`.
+#[cfg(target_arch = "aarch64")]
+fn with_dotprod<W, A>(plain: (TileFn<W, A>, usize), dotprod: (TileFn<W, A>, usize)) -> (TileFn<W, A>, usize) {
+    if has_neon_dotprod() {
+        dotprod
+    } else {
+        plain
+    }
 }
 
 /// Which 256-bit `vpdpbusd` the CPU has besides the AVX2 kernels' features.
@@ -141,6 +189,52 @@ fn with_vnni<W, A>(avx2: TileFn<W, A>, avxvnni: TileFn<W, A>, avx512vnni: TileFn
 /// `ty.vec_dot_type()`, using the fastest kernel this CPU supports.
 pub fn vec_dot(ty: GgmlType, w_row: &[u8], a_row: &[u8], n: usize) -> Result<f32, KernelError> {
     dot_rows(ty, w_row, a_row, n, Path::Fastest, false)
+}
+
+/// [`vec_dot`] with one form of the NEON kernels whatever the CPU: the
+/// plain one (`dotprod` false), which gives the bits of llama.cpp built
+/// without dotprod, or the `sdot` one (true), those of its dotprod build's
+/// vec-dots (`neon.rs`); the formats without the two forms take their one
+/// kernel. For the golden tests, which hold each form to its build. Errors
+/// for the `sdot` form on a CPU without FEAT_DotProd.
+#[cfg(target_arch = "aarch64")]
+#[doc(hidden)]
+pub fn vec_dot_neon(ty: GgmlType, w_row: &[u8], a_row: &[u8], n: usize, dotprod: bool) -> Result<f32, KernelError> {
+    if dotprod && !has_neon_dotprod() {
+        return Err(KernelError::UnsupportedType(format!(
+            "{ty} with sdot on a CPU without FEAT_DotProd"
+        )));
+    }
+    // Checks the lengths (and gives the other formats' result).
+    let fallback = vec_dot(ty, w_row, a_row, n)?;
+    macro_rules! form {
+        ($plain:ident, $sdot:ident, $W:ty, $A:ty) => {{
+            let w = cast_blocks::<$W>(w_row, "vec_dot weight row")?;
+            let a = cast_blocks::<$A>(a_row, "vec_dot activation row")?;
+            let mut out = [0.0f32];
+            // SAFETY: NEON is part of aarch64; the sdot form only where
+            // `has_neon_dotprod()` said yes (checked above).
+            unsafe {
+                if dotprod {
+                    neon::$sdot(&[w], &[a], &mut out)
+                } else {
+                    neon::$plain(&[w], &[a], &mut out)
+                }
+            }
+            out[0]
+        }};
+    }
+    Ok(match ty {
+        GgmlType::Q4_0 => form!(q4_0_q8_0, q4_0_q8_0_dotprod, BlockQ4_0, BlockQ8_0),
+        GgmlType::Q4_1 => form!(q4_1_q8_1, q4_1_q8_1_dotprod, BlockQ4_1, BlockQ8_1),
+        GgmlType::Q5_0 => form!(q5_0_q8_0, q5_0_q8_0_dotprod, BlockQ5_0, BlockQ8_0),
+        GgmlType::Q5_1 => form!(q5_1_q8_1, q5_1_q8_1_dotprod, BlockQ5_1, BlockQ8_1),
+        GgmlType::Q8_0 => form!(q8_0_q8_0, q8_0_q8_0_dotprod, BlockQ8_0, BlockQ8_0),
+        GgmlType::Q4K => form!(q4_k_q8_k, q4_k_q8_k_dotprod, BlockQ4K, BlockQ8K),
+        GgmlType::Q5K => form!(q5_k_q8_k, q5_k_q8_k_dotprod, BlockQ5K, BlockQ8K),
+        GgmlType::Q6K => form!(q6_k_q8_k, q6_k_q8_k_dotprod, BlockQ6K, BlockQ8K),
+        _ => fallback,
+    })
 }
 
 /// The portable twin of [`vec_dot`]: GGML's generic formulas, no SIMD.
@@ -220,7 +314,8 @@ type PortableFn<W, A> = fn(&[&[W]], &[&[A]], &mut [f32]);
 /// A dot kernel chosen for one (weight, activation) type pair.
 pub(crate) struct Kernel<W, A> {
     // Invariant: an AVX2 kernel is stored only after `has_avx2()` said yes,
-    // a VNNI one only after `vnni()` named its form.
+    // a VNNI one only after `vnni()` named its form, a NEON `sdot` one only
+    // after `has_neon_dotprod()` said yes.
     run: TileFn<W, A>,
     /// Weight rows worth handing over together for one activation row.
     decode_rows: usize,
@@ -240,9 +335,9 @@ impl<W, A> Kernel<W, A> {
     }
 
     /// The SIMD kernel if wanted and supported, else the portable one.
-    #[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))]
+    #[cfg_attr(not(any(target_arch = "x86_64", target_arch = "aarch64")), allow(dead_code))]
     fn choose(path: Path, simd: TileFn<W, A>, decode_rows: usize, portable: PortableFn<W, A>) -> Self {
-        if path == Path::Fastest && has_avx2() {
+        if path == Path::Fastest && has_simd_kernels() {
             Self { run: simd, decode_rows }
         } else {
             Self::portable(portable)
@@ -290,22 +385,32 @@ macro_rules! scalar_rows {
 
 /// The kernel for weights of type `ty` on `path`, handed to `user`.
 pub(crate) fn with_kernel<U: KernelUser>(ty: GgmlType, path: Path, user: U) -> Result<U::Output, KernelError> {
-    // `decode_rows` as measured on the AVX2 kernels: the 32-value formats
-    // with cheap unpacking are bound by their FMA chain and gain from 4 rows;
-    // Q5_0's bit unpacking and the K formats' larger state do not.
-    // `name | avxvnni | avx512vnni`: a kernel with VNNI twins.
+    // `x86 = (kernel, decode_rows)` for x86_64 and `arm = ...` the same for
+    // aarch64 (`arm = portable`: no NEON kernel). x86 `decode_rows` as
+    // measured on the AVX2 kernels: the 32-value formats with cheap unpacking
+    // are bound by their FMA chain and gain from 4 rows; Q5_0's bit unpacking
+    // and the K formats' larger state do not. NEON's, per form, by guest
+    // instructions per output row of a one-token matmul under qemu (no timing
+    // on hardware yet): 8 rows per call (the most `matmul` passes), which the
+    // kernels take in tiles of 4 (8 spill registers), unless fewer took less:
+    // plain Q4_K 1 (its tiles of 2 and 4 spill).
     macro_rules! pick {
-        ($name:ident, $W:ty, $A:ty, decode_rows = $rows:literal) => {
-            pick!(@ $name, $W, $A, $rows, avx2::$name)
+        ($name:ident, $W:ty, $A:ty, x86 = ($x86:expr, $rows:literal), arm = portable) => {
+            pick!(@ $name, $W, $A, ($x86, $rows), (scalar_rows!(scalar::$name, $W, $A) as TileFn<$W, $A>, 1))
         };
-        ($name:ident | $avx:ident | $avx512:ident, $W:ty, $A:ty, decode_rows = $rows:literal) => {
-            pick!(@ $name, $W, $A, $rows, with_vnni(avx2::$name, avx2::$avx, avx2::$avx512))
+        ($name:ident, $W:ty, $A:ty, x86 = ($x86:expr, $rows:literal), arm = $arm:expr) => {
+            pick!(@ $name, $W, $A, ($x86, $rows), $arm)
         };
-        (@ $name:ident, $W:ty, $A:ty, $rows:literal, $simd:expr) => {{
+        (@ $name:ident, $W:ty, $A:ty, ($x86:expr, $rows:literal), $arm:expr) => {{
             let portable = scalar_rows!(scalar::$name, $W, $A);
             #[cfg(target_arch = "x86_64")]
-            let kernel = Kernel::<$W, $A>::choose(path, $simd, $rows, portable);
-            #[cfg(not(target_arch = "x86_64"))]
+            let kernel = Kernel::<$W, $A>::choose(path, $x86, $rows, portable);
+            #[cfg(target_arch = "aarch64")]
+            let kernel = {
+                let (simd, rows) = $arm;
+                Kernel::<$W, $A>::choose(path, simd, rows, portable)
+            };
+            #[cfg(not(any(target_arch = "x86_64", target_arch = "aarch64")))]
             let kernel = {
                 let _ = path;
                 Kernel::<$W, $A>::portable(portable)
@@ -313,33 +418,94 @@ pub(crate) fn with_kernel<U: KernelUser>(ty: GgmlType, path: Path, user: U) -> R
             user.run(kernel)
         }};
     }
+    // The byte-dot formats' two NEON forms, each with its `decode_rows`.
+    #[cfg(target_arch = "aarch64")]
+    macro_rules! neon {
+        ($plain:ident / $plain_rows:literal | $dotprod:ident / $dotprod_rows:literal) => {
+            with_dotprod((neon::$plain, $plain_rows), (neon::$dotprod, $dotprod_rows))
+        };
+    }
     Ok(match ty {
-        GgmlType::Q4_0 => pick!(q4_0_q8_0, BlockQ4_0, BlockQ8_0, decode_rows = 4),
+        GgmlType::Q4_0 => pick!(
+            q4_0_q8_0,
+            BlockQ4_0,
+            BlockQ8_0,
+            x86 = (avx2::q4_0_q8_0, 4),
+            arm = neon!(q4_0_q8_0 / 8 | q4_0_q8_0_dotprod / 8)
+        ),
         GgmlType::Q4_1 => pick!(
-            q4_1_q8_1 | q4_1_q8_1_avxvnni | q4_1_q8_1_avx512vnni,
+            q4_1_q8_1,
             BlockQ4_1,
             BlockQ8_1,
-            decode_rows = 4
+            x86 = (
+                with_vnni(avx2::q4_1_q8_1, avx2::q4_1_q8_1_avxvnni, avx2::q4_1_q8_1_avx512vnni),
+                4
+            ),
+            arm = neon!(q4_1_q8_1 / 8 | q4_1_q8_1_dotprod / 8)
         ),
         GgmlType::Q5_0 => pick!(
-            q5_0_q8_0 | q5_0_q8_0_avxvnni | q5_0_q8_0_avx512vnni,
+            q5_0_q8_0,
             BlockQ5_0,
             BlockQ8_0,
-            decode_rows = 1
+            x86 = (
+                with_vnni(avx2::q5_0_q8_0, avx2::q5_0_q8_0_avxvnni, avx2::q5_0_q8_0_avx512vnni),
+                1
+            ),
+            arm = neon!(q5_0_q8_0 / 8 | q5_0_q8_0_dotprod / 8)
         ),
-        GgmlType::Q5_1 => pick!(q5_1_q8_1, BlockQ5_1, BlockQ8_1, decode_rows = 4),
+        GgmlType::Q5_1 => pick!(
+            q5_1_q8_1,
+            BlockQ5_1,
+            BlockQ8_1,
+            x86 = (avx2::q5_1_q8_1, 4),
+            arm = neon!(q5_1_q8_1 / 8 | q5_1_q8_1_dotprod / 8)
+        ),
         GgmlType::Q8_0 => pick!(
-            q8_0_q8_0 | q8_0_q8_0_avxvnni | q8_0_q8_0_avx512vnni,
+            q8_0_q8_0,
             BlockQ8_0,
             BlockQ8_0,
-            decode_rows = 4
+            x86 = (
+                with_vnni(avx2::q8_0_q8_0, avx2::q8_0_q8_0_avxvnni, avx2::q8_0_q8_0_avx512vnni),
+                4
+            ),
+            arm = neon!(q8_0_q8_0 / 8 | q8_0_q8_0_dotprod / 8)
         ),
-        GgmlType::Q4K => pick!(q4_k_q8_k, BlockQ4K, BlockQ8K, decode_rows = 1),
-        GgmlType::Q5K => pick!(q5_k_q8_k, BlockQ5K, BlockQ8K, decode_rows = 1),
-        GgmlType::Q6K => pick!(q6_k_q8_k, BlockQ6K, BlockQ8K, decode_rows = 1),
-        GgmlType::F32 => pick!(f32_f32, f32, f32, decode_rows = 1),
-        GgmlType::F16 => pick!(f16_f16, f16, f16, decode_rows = 1),
-        GgmlType::BF16 => pick!(bf16_bf16, bf16, bf16, decode_rows = 1),
+        GgmlType::Q4K => pick!(
+            q4_k_q8_k,
+            BlockQ4K,
+            BlockQ8K,
+            x86 = (avx2::q4_k_q8_k, 1),
+            arm = neon!(q4_k_q8_k / 8 | q4_k_q8_k_dotprod / 8)
+        ),
+        GgmlType::Q5K => pick!(
+            q5_k_q8_k,
+            BlockQ5K,
+            BlockQ8K,
+            x86 = (avx2::q5_k_q8_k, 1),
+            arm = neon!(q5_k_q8_k / 8 | q5_k_q8_k_dotprod / 8)
+        ),
+        GgmlType::Q6K => pick!(
+            q6_k_q8_k,
+            BlockQ6K,
+            BlockQ8K,
+            x86 = (avx2::q6_k_q8_k, 1),
+            arm = neon!(q6_k_q8_k / 8 | q6_k_q8_k_dotprod / 8)
+        ),
+        GgmlType::F32 => pick!(
+            f32_f32,
+            f32,
+            f32,
+            x86 = (avx2::f32_f32, 1),
+            arm = (neon::f32_f32 as TileFn<f32, f32>, 1)
+        ),
+        GgmlType::F16 => pick!(
+            f16_f16,
+            f16,
+            f16,
+            x86 = (avx2::f16_f16, 1),
+            arm = (neon::f16_f16 as TileFn<f16, f16>, 1)
+        ),
+        GgmlType::BF16 => pick!(bf16_bf16, bf16, bf16, x86 = (avx2::bf16_bf16, 1), arm = portable),
         // GGML has no dot kernel with these as weights either.
         GgmlType::Q8_1 | GgmlType::Q8K => {
             return Err(KernelError::UnsupportedType(format!("{ty} as a weight type")));
@@ -349,7 +515,9 @@ pub(crate) fn with_kernel<U: KernelUser>(ty: GgmlType, path: Path, user: U) -> R
 
 /// The kernel of llama.cpp's tiled K-quant matmul for weights of type `ty`
 /// on `path`, handed to `user` (see [`crate::matmul::uses_tiled_kquant`]).
-/// Errors for types this crate does not emulate it for.
+/// Errors for types this crate does not emulate it for. That matmul is
+/// x86-only in llama.cpp, so off x86_64 only the portable form exists (for
+/// [`tiled_dot`]; `matmul` never takes it there).
 pub(crate) fn with_tiled_kernel<U: KernelUser>(ty: GgmlType, path: Path, user: U) -> Result<U::Output, KernelError> {
     macro_rules! pick {
         ($name:ident, $W:ty) => {{

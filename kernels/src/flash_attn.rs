@@ -17,6 +17,20 @@
 //!
 //! Tiles are counted from cell 0 and every query row is computed on its own,
 //! so rows may be grouped into tiles in any way (ggml groups them by thread).
+//!
+//! On aarch64 the reference is llama.cpp built by GCC for ARMv8 without FP16
+//! arithmetic (f16 vectors are f32 lanes there too). The routes and their
+//! float operations are the same but for three functions, which follow the
+//! NEON build there: the f16 dot product of the vector and split routes
+//! ([`dot_f16_vec`], `ggml_vec_dot_f16`'s NEON order), and in the tiled route
+//! ggml's `exp` and the softmax sums ([`exp_sum`], `ggml_vec_soft_max_f32`'s
+//! NEON code: its own `ggml_v_expf`, four lanes per `vaddvq_f32` group). The
+//! tile products (`simd_gemm`, a fused multiply-add chain per output in
+//! dimension or cell order, `vfmaq_f32` on NEON; the column tail's scalar
+//! `a += x * y` is contracted to the same fused operation by GCC) and the
+//! elementwise f16 updates (`ggml_vec_scale_f16`, `ggml_vec_mad_f16`: f32
+//! lanes rounded back to f16) give the same bits on both, and have NEON
+//! kernels here that are checked against the portable loops.
 
 use std::ops::Range;
 
@@ -358,6 +372,13 @@ fn scores(q: &[f32], hd: usize, kt: &[f32], s: &mut [f32]) {
             unsafe { simd::scores_row(q, kt, s) };
             continue;
         }
+        #[cfg(target_arch = "aarch64")]
+        {
+            // SAFETY: NEON is part of the aarch64 baseline.
+            unsafe { neon::scores_row(q, kt, s) };
+            continue;
+        }
+        #[allow(unreachable_code)]
         s.fill(0.0);
         for (d, &qd) in q.iter().enumerate() {
             for (sc, &kc) in s.iter_mut().zip(&kt[d * KV_TILE..(d + 1) * KV_TILE]) {
@@ -407,6 +428,13 @@ fn add_values(p: &[f32], v32: &[f32], hd: usize, acc: &mut [f32]) {
             unsafe { simd::add_values(p, v32, acc) };
             continue;
         }
+        #[cfg(target_arch = "aarch64")]
+        {
+            // SAFETY: NEON is part of the aarch64 baseline.
+            unsafe { neon::add_values(p, v32, acc) };
+            continue;
+        }
+        #[allow(unreachable_code)]
         for (c, &pc) in p.iter().enumerate() {
             for (a, &vd) in acc.iter_mut().zip(&v32[c * hd..(c + 1) * hd]) {
                 *a = pc.mul_add(vd, *a);
@@ -423,6 +451,12 @@ fn widen(src: &[f16], dst: &mut [f32]) {
         // SAFETY: avx2, fma and f16c were detected at run time.
         return unsafe { simd::widen(src, dst) };
     }
+    #[cfg(target_arch = "aarch64")]
+    {
+        // SAFETY: NEON is part of the aarch64 baseline.
+        return unsafe { neon::widen(src, dst) };
+    }
+    #[allow(unreachable_code)]
     for (d, &x) in dst.iter_mut().zip(src) {
         *d = x.to_f32();
     }
@@ -435,6 +469,12 @@ fn scale_f16(y: &mut [f16], v: f32) {
         // SAFETY: avx2, fma and f16c were detected at run time.
         return unsafe { simd::scale_f16(y, v) };
     }
+    #[cfg(target_arch = "aarch64")]
+    {
+        // SAFETY: NEON is part of the aarch64 baseline.
+        return unsafe { neon::scale_f16(y, v) };
+    }
+    #[allow(unreachable_code)]
     for e in y {
         *e = f16::from_f32(e.to_f32() * v);
     }
@@ -447,6 +487,12 @@ fn mad_f16(y: &mut [f16], x: &[f16], v: f32) {
         // SAFETY: avx2, fma and f16c were detected at run time.
         return unsafe { simd::mad_f16(y, x, v) };
     }
+    #[cfg(target_arch = "aarch64")]
+    {
+        // SAFETY: NEON is part of the aarch64 baseline.
+        return unsafe { neon::mad_f16(y, x, v) };
+    }
+    #[allow(unreachable_code)]
     for (e, &xi) in y.iter_mut().zip(x) {
         *e = f16::from_f32(xi.to_f32().mul_add(v, e.to_f32()));
     }
@@ -615,9 +661,135 @@ mod simd {
     }
 }
 
+/// NEON twins of the `simd` kernels: the same per-element operations (each
+/// output a fused multiply-add chain in the portable order, each f16 update
+/// rounded to nearest even once), four lanes at a time.
+#[cfg(target_arch = "aarch64")]
+mod neon {
+    use core::arch::aarch64::*;
+    use half::f16;
+
+    use super::KV_TILE;
+    use crate::f16dot::neon::{load4, load8, store4, store8};
+
+    pub unsafe fn widen(src: &[f16], dst: &mut [f32]) {
+        let len = src.len().min(dst.len());
+        let n = len / 8 * 8;
+        let (s, d) = (src.as_ptr(), dst.as_mut_ptr());
+        for i in (0..n).step_by(8) {
+            // SAFETY: i + 8 <= len for both slices.
+            let (lo, hi) = load8(s.add(i));
+            vst1q_f32(d.add(i), lo);
+            vst1q_f32(d.add(i + 4), hi);
+        }
+        for (o, &x) in dst[n..len].iter_mut().zip(&src[n..len]) {
+            *o = x.to_f32();
+        }
+    }
+
+    /// Sixteen 4-lane accumulators hold the 64 cells' scores across the dimensions.
+    pub unsafe fn scores_row(q: &[f32], kt: &[f32], s: &mut [f32]) {
+        debug_assert!(kt.len() >= q.len() * KV_TILE && s.len() == KV_TILE);
+        let mut acc = [vdupq_n_f32(0.0); KV_TILE / 4];
+        let k = kt.as_ptr();
+        for (d, &qd) in q.iter().enumerate() {
+            let qv = vdupq_n_f32(qd);
+            for (j, a) in acc.iter_mut().enumerate() {
+                // SAFETY: d < q.len(), so the row of KV_TILE lies inside kt.
+                *a = vfmaq_f32(*a, qv, vld1q_f32(k.add(d * KV_TILE + 4 * j)));
+            }
+        }
+        for (j, a) in acc.iter().enumerate() {
+            vst1q_f32(s.as_mut_ptr().add(4 * j), *a);
+        }
+    }
+
+    /// The accumulators in blocks of 64 dimensions (then of 4), kept in
+    /// registers across the cells.
+    pub unsafe fn add_values(p: &[f32], v32: &[f32], acc: &mut [f32]) {
+        let hd = acc.len();
+        debug_assert!(v32.len() >= p.len() * hd);
+        let blocks = hd / 64 * 64;
+        let quads = hd / 4 * 4;
+        let (v, o) = (v32.as_ptr(), acc.as_mut_ptr());
+        for d0 in (0..blocks).step_by(64) {
+            let mut a = [vdupq_n_f32(0.0); 16];
+            for (j, r) in a.iter_mut().enumerate() {
+                *r = vld1q_f32(o.add(d0 + 4 * j));
+            }
+            for (c, &pc) in p.iter().enumerate() {
+                let pv = vdupq_n_f32(pc);
+                for (j, r) in a.iter_mut().enumerate() {
+                    // SAFETY: c < p.len() and d0 + 64 <= hd.
+                    *r = vfmaq_f32(*r, pv, vld1q_f32(v.add(c * hd + d0 + 4 * j)));
+                }
+            }
+            for (j, r) in a.iter().enumerate() {
+                vst1q_f32(o.add(d0 + 4 * j), *r);
+            }
+        }
+        for d0 in (blocks..quads).step_by(4) {
+            // SAFETY: d0 + 4 <= hd.
+            let mut r = vld1q_f32(o.add(d0));
+            for (c, &pc) in p.iter().enumerate() {
+                r = vfmaq_f32(r, vdupq_n_f32(pc), vld1q_f32(v.add(c * hd + d0)));
+            }
+            vst1q_f32(o.add(d0), r);
+        }
+        for (c, &pc) in p.iter().enumerate() {
+            for d in quads..hd {
+                acc[d] = pc.mul_add(v32[c * hd + d], acc[d]);
+            }
+        }
+    }
+
+    /// `ggml_vec_scale_f16` of the NEON build: f32 lanes, `vmulq_f32`, back to f16.
+    pub unsafe fn scale_f16(y: &mut [f16], v: f32) {
+        let n = y.len() / 8 * 8;
+        let quads = y.len() / 4 * 4;
+        let vv = vdupq_n_f32(v);
+        let p = y.as_mut_ptr();
+        for i in (0..n).step_by(8) {
+            // SAFETY: i + 8 <= y.len().
+            let (lo, hi) = load8(p.add(i));
+            store8(p.add(i), vmulq_f32(lo, vv), vmulq_f32(hi, vv));
+        }
+        if quads > n {
+            // SAFETY: n + 4 <= y.len().
+            store4(p.add(n), vmulq_f32(load4(p.add(n)), vv));
+        }
+        for e in &mut y[quads..] {
+            *e = f16::from_f32(e.to_f32() * v);
+        }
+    }
+
+    /// `ggml_vec_mad_f16` of the NEON build: `vfmaq_f32(y, x, v)` in f32 lanes, back to f16.
+    pub unsafe fn mad_f16(y: &mut [f16], x: &[f16], v: f32) {
+        let len = y.len().min(x.len());
+        let n = len / 8 * 8;
+        let quads = len / 4 * 4;
+        let vv = vdupq_n_f32(v);
+        let (py, px) = (y.as_mut_ptr(), x.as_ptr());
+        for i in (0..n).step_by(8) {
+            // SAFETY: i + 8 <= len for both slices.
+            let (a0, a1) = load8(py.add(i));
+            let (b0, b1) = load8(px.add(i));
+            store8(py.add(i), vfmaq_f32(a0, b0, vv), vfmaq_f32(a1, b1, vv));
+        }
+        if quads > n {
+            // SAFETY: n + 4 <= len.
+            store4(py.add(n), vfmaq_f32(load4(py.add(n)), load4(px.add(n)), vv));
+        }
+        for (e, &xi) in y[quads..len].iter_mut().zip(&x[quads..len]) {
+            *e = f16::from_f32(xi.to_f32().mul_add(v, e.to_f32()));
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::f16dot::golden::wide;
 
     /// Every instruction set's tile products give the portable chain's bits.
     #[test]
@@ -663,6 +835,51 @@ mod tests {
             }
             assert_eq!(s2, want_s[..KV_TILE]);
             assert_eq!(acc2, want_acc[..hd]);
+        }
+    }
+
+    /// The value products at head sizes with 64-wide blocks, 4-wide blocks
+    /// and a scalar remainder, against the portable chains.
+    #[test]
+    fn value_products_agree_at_every_head_size() {
+        for hd in [4usize, 7, 64, 66, 72, 80, 128, 131] {
+            let p: Vec<f32> = wide(KV_TILE, 9).iter().map(|v| v.abs()).collect();
+            let v32 = wide(KV_TILE * hd, 10);
+            let start = wide(hd, 11);
+            let mut want = start.clone();
+            for (c, &pc) in p.iter().enumerate() {
+                for (d, w) in want.iter_mut().enumerate() {
+                    *w = pc.mul_add(v32[c * hd + d], *w);
+                }
+            }
+            let mut got = start.clone();
+            add_values(&p, &v32, hd, &mut got);
+            assert_eq!(got, want, "hd={hd}");
+        }
+    }
+
+    /// The f16 updates of the vector route equal the element formulas.
+    #[test]
+    fn f16_updates_equal_their_element_formulas() {
+        for n in [1usize, 3, 4, 7, 8, 12, 64, 100, 131] {
+            let y0: Vec<f16> = wide(n, 1).iter().map(|&v| f16::from_f32(v)).collect();
+            let x: Vec<f16> = wide(n, 2).iter().map(|&v| f16::from_f32(v)).collect();
+            for v in [0.37f32, 1.0, 1e-3, 0.999_9] {
+                let mut y = y0.clone();
+                scale_f16(&mut y, v);
+                for (a, b) in y.iter().zip(&y0) {
+                    assert_eq!(a.to_bits(), f16::from_f32(b.to_f32() * v).to_bits(), "scale n={n}");
+                }
+                let mut y = y0.clone();
+                mad_f16(&mut y, &x, v);
+                for ((a, b), xi) in y.iter().zip(&y0).zip(&x) {
+                    let want = f16::from_f32(xi.to_f32().mul_add(v, b.to_f32()));
+                    assert_eq!(a.to_bits(), want.to_bits(), "mad n={n}");
+                }
+                let mut w = vec![0.0f32; n];
+                widen(&x, &mut w);
+                assert!(w.iter().zip(&x).all(|(a, b)| a.to_bits() == b.to_f32().to_bits()));
+            }
         }
     }
 }

@@ -12,6 +12,9 @@
 //! matmul ([`uses_tiled_kquant`]): still one value per (row, token) that
 //! depends on nothing else, but rounded differently from the vec-dot (the
 //! `*_tiled` kernels of [`crate::dot`], [`crate::dot::tiled_dot`]).
+//! Both exceptions are x86_64's: on aarch64 every output is one vec-dot (the
+//! NEON kernels, see [`crate::dot`]), and so are the AVX-512 panel kernels
+//! and the AVX2 repack kernels below; the portable code covers the rest.
 //!
 //! Work is split over row chunks across rayon threads. Inside a chunk, rows
 //! are taken in cache-sized groups, and each group is swept by tiles of
@@ -392,8 +395,13 @@ pub const TILED_KQUANT_MIN_ROWS: usize = 8;
 /// [`TILED_KQUANT_MIN_ROWS`] activation rows. Its outputs differ from the
 /// vec-dot's in rounding (see [`crate::dot`]'s `*_tiled` kernels) but, like
 /// them, depend on nothing but the two rows, not on `n`, tiling or threads.
+///
+/// Always false off x86_64: llama.cpp builds that matmul for x86 only
+/// (`ggml_tiled_supported` is false without AVX), and on aarch64 without
+/// i8mm its K-quant products are one vec-dot per output.
 pub fn uses_tiled_kquant(ty: GgmlType, rows: usize, n: usize) -> bool {
-    n >= TILED_KQUANT_MIN_ROWS
+    cfg!(target_arch = "x86_64")
+        && n >= TILED_KQUANT_MIN_ROWS
         && match ty {
             GgmlType::Q6K | GgmlType::Q5K => true,
             GgmlType::Q4K => !repack::q4k_is_repacked(rows),

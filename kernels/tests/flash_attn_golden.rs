@@ -2,6 +2,11 @@
 //! (data/golden/flash_attn.json, recorded by
 //! scripts/golden/golden_flash_attn.c): the same inputs must give the same
 //! bits by each of ggml's three routes (vector, split across threads, tiled).
+//! On aarch64 the recording is the same program's output against the
+//! `libggml-cpu.so` of `scripts/aarch64.sh llama armv8-a`, run under qemu
+//! (data/golden/aarch64/flash_attn.json; the armv8.2-a+dotprod build records
+//! the same bytes), whose f16 dot product, exp and softmax sums follow
+//! ggml's NEON code.
 
 mod harness;
 
@@ -39,7 +44,11 @@ fn field(case: &Value, name: &str) -> usize {
 
 #[test]
 fn flash_attention_matches_llama_cpp_bit_for_bit() {
-    let path = concat!(env!("CARGO_MANIFEST_DIR"), "/../data/golden/flash_attn.json");
+    let path = if cfg!(target_arch = "aarch64") {
+        concat!(env!("CARGO_MANIFEST_DIR"), "/../data/golden/aarch64/flash_attn.json")
+    } else {
+        concat!(env!("CARGO_MANIFEST_DIR"), "/../data/golden/flash_attn.json")
+    };
     let cases: Vec<Value> = serde_json::from_str(&std::fs::read_to_string(path).unwrap()).unwrap();
     assert!(cases.len() >= 15);
     let mut routes = Vec::new();

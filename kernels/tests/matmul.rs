@@ -5,7 +5,7 @@ mod common;
 
 use common::{random_weight_row, Aligned, Rng, COLS, WEIGHT_TYPES};
 use leanstream_kernels::dequant::dequantize_row;
-use leanstream_kernels::dot::{tiled_dot, tiled_dot_scalar, vec_dot};
+use leanstream_kernels::dot::{tiled_dot, tiled_dot_scalar, vec_dot, vec_dot_scalar};
 use leanstream_kernels::matmul::{matmul_scalar, uses_tiled_kquant};
 use leanstream_kernels::{matmul, ActBuffer, GgmlType, KernelError, QMatrix};
 
@@ -71,7 +71,8 @@ fn matmul_agrees_with_scalar_and_with_single_dots() {
     }
 }
 
-/// Q4_K with a multiple of 8 rows takes llama.cpp's repacked arithmetic:
+/// Q4_K with a multiple of 8 rows takes llama.cpp's repacked arithmetic
+/// (on x86_64; elsewhere the vec-dot, see `repack::q4k_is_repacked`):
 /// the SIMD path equals the scalar twin bit for bit, and each output is the
 /// single repacked dot for its activation row's kernel (gemm for the first
 /// `n - n % 4` rows, gemv for the rest), whatever the tiling and threads.
@@ -99,8 +100,15 @@ fn repacked_q4k_agrees_with_scalar_and_with_single_dots() {
             };
             let a = cast_blocks::<BlockQ8K>(acts.row(t), "a").unwrap();
             for r in 0..ROWS {
-                let single = repack::dot(cast_blocks::<BlockQ4K>(w.row(r), "w").unwrap(), a, mode);
                 let i = t * ROWS + r;
+                if !repack::q4k_is_repacked(ROWS) {
+                    let single = vec_dot(GgmlType::Q4K, w.row(r), acts.row(t), COLS).unwrap();
+                    let twin = vec_dot_scalar(GgmlType::Q4K, w.row(r), acts.row(t), COLS).unwrap();
+                    assert_eq!(fast[i].to_bits(), single.to_bits(), "n={n} t={t} r={r} (vec-dot)");
+                    assert_eq!(scalar[i].to_bits(), twin.to_bits(), "n={n} t={t} r={r} (vec-dot)");
+                    continue;
+                }
+                let single = repack::dot(cast_blocks::<BlockQ4K>(w.row(r), "w").unwrap(), a, mode);
                 assert_eq!(fast[i].to_bits(), single.to_bits(), "n={n} t={t} r={r}");
                 assert_eq!(scalar[i].to_bits(), single.to_bits(), "n={n} t={t} r={r}");
             }
@@ -157,8 +165,17 @@ fn rows_alone_give_each_row_its_single_row_bits() {
             }
         }
     }
-    // The batched arithmetic is really another: the flag is what keeps the bits.
-    assert!(differs > 0, "no batched row differed from its single-row product");
+    // The batched arithmetic is really another: the flag is what keeps the
+    // bits. Where there is none (off x86_64), every row is its own anyway.
+    let batched = uses_tiled_kquant(GgmlType::Q6K, ROWS, 8) || leanstream_kernels::repack::q4k_is_repacked(264);
+    if batched {
+        assert!(differs > 0, "no batched row differed from its single-row product");
+    } else {
+        assert_eq!(
+            differs, 0,
+            "rows differ from their single-row products without batched arithmetic"
+        );
+    }
 }
 
 #[test]

@@ -3,12 +3,16 @@
 //! a real `ggml_mul_mat` with the weight in the CPU_REPACK buffer type, 2
 //! threads). Both `matmul` (AVX2 where available) and `matmul_scalar` must
 //! give llama.cpp's bits for every output, for one activation row (gemv) and
-//! several (gemm on whole groups of four, gemv for the rest).
+//! several (gemm on whole groups of four, gemv for the rest). Off x86_64,
+//! where `matmul` does not repack (see [`repack::q4k_is_repacked`]), the
+//! portable `repack::dot` must.
 
 mod harness;
 
 use harness::{aligned, fnv1a, output_mismatches, Lcg};
+use leanstream_kernels::blocks::{cast_blocks, BlockQ8K};
 use leanstream_kernels::matmul::matmul_scalar;
+use leanstream_kernels::repack::{self, Mode};
 use leanstream_kernels::{matmul, ActBuffer, GgmlType, QMatrix};
 use serde_json::Value;
 
@@ -121,6 +125,25 @@ fn q4k_products_match_llama_cpp_repacked_path_bit_for_bit() {
     let mut mismatches = Vec::new();
     for case in &cases {
         let w = case.matrix();
+        if !repack::q4k_is_repacked(case.rows) {
+            // Off x86_64 `matmul` takes the vec-dot, as llama.cpp does there
+            // (its aarch64 repacking is another arithmetic): the recording
+            // still checks the portable repacked arithmetic itself.
+            let mut out = vec![0.0f32; case.n * case.rows];
+            for t in 0..case.n {
+                let a = cast_blocks::<BlockQ8K>(case.acts.row(t), "a").unwrap();
+                let mode = if t < repack::gemm_rows(case.n) {
+                    Mode::Gemm
+                } else {
+                    Mode::Gemv
+                };
+                for r in 0..case.rows {
+                    out[t * case.rows + r] = repack::dot(cast_blocks(w.row(r), "w").unwrap(), a, mode);
+                }
+            }
+            mismatches.extend(case.mismatches(&out, "repack::dot"));
+            continue;
+        }
         let mut out = vec![0.0f32; case.n * case.rows];
         matmul(&w, &case.acts, &mut out).unwrap();
         mismatches.extend(case.mismatches(&out, "matmul"));

@@ -12,7 +12,9 @@
 mod harness;
 
 use harness::{aligned, fnv1a, output_mismatches, Lcg};
+use leanstream_kernels::dot::tiled_dot_scalar;
 use leanstream_kernels::matmul::{matmul_scalar, uses_tiled_kquant, TILED_KQUANT_MIN_ROWS};
+use leanstream_kernels::quantize::{quantize_row_as, GgmlBuild};
 use leanstream_kernels::{matmul, ActBuffer, GgmlType, QMatrix};
 use serde_json::Value;
 
@@ -56,6 +58,10 @@ struct Case {
     n: usize,
     weights: Vec<u64>,
     acts: ActBuffer,
+    /// The activations as the recording's (x86) build quantizes them, row
+    /// after row: on aarch64 `acts` holds GCC's fused rounding instead
+    /// (see `quantize::quantize_block_q8_k_as`).
+    x86_acts: Vec<u64>,
     /// Outputs of llama.cpp's that differ from its own vec_dot's.
     vec_dot_differs: u64,
     /// Per activation row: FNV-1a of its outputs' bits, and its first values' bits.
@@ -112,6 +118,8 @@ fn load_cases() -> Vec<Case> {
             );
             let mut acts = ActBuffer::with_capacity(cols, n);
             acts.quantize(GgmlType::Q8K, &x, n, cols).unwrap();
+            let mut x86_acts = vec![0u8; n * GgmlType::Q8K.row_bytes(cols).unwrap()];
+            quantize_row_as(GgmlBuild::X86, GgmlType::Q8K, &x, &mut x86_acts).unwrap();
             let want = c["tokens"]
                 .as_array()
                 .unwrap()
@@ -131,6 +139,7 @@ fn load_cases() -> Vec<Case> {
                 n,
                 weights: aligned(&weights),
                 acts,
+                x86_acts: aligned(&x86_acts),
                 vec_dot_differs: c["vec_dot_differs"].as_u64().unwrap(),
                 want,
             }
@@ -143,8 +152,15 @@ fn recording_covers_both_sides_of_the_threshold() {
     let cases = load_cases();
     assert!(cases.len() >= 20);
     for case in &cases {
-        let tiled = uses_tiled_kquant(case.ty, case.rows, case.n);
-        assert_eq!(tiled, case.n >= TILED_KQUANT_MIN_ROWS, "{} rows={}", case.ty, case.rows);
+        let tiled = case.n >= TILED_KQUANT_MIN_ROWS;
+        // llama.cpp's tiled matmul is x86-only, and so is `matmul`'s.
+        assert_eq!(
+            uses_tiled_kquant(case.ty, case.rows, case.n),
+            tiled && cfg!(target_arch = "x86_64"),
+            "{} rows={}",
+            case.ty,
+            case.rows
+        );
         // The recording shows the tiled path really differs from vec_dot's,
         // and the fallback really is vec_dot.
         assert_eq!(
@@ -164,6 +180,24 @@ fn kquant_products_match_llama_cpp_tiled_path_bit_for_bit() {
     let mut mismatches = Vec::new();
     for case in &cases {
         let w = case.matrix();
+        if !cfg!(target_arch = "x86_64") {
+            // The recording is x86 llama.cpp's: its vec-dot side is the AVX2
+            // order (on aarch64 `matmul` follows the NEON one, see
+            // tests/neon_vec_dot_golden.rs), but the tiled side is still the
+            // portable `tiled_dot_scalar`'s to match, on the x86 build's Q8_K.
+            if case.n >= TILED_KQUANT_MIN_ROWS {
+                let row_bytes = GgmlType::Q8K.row_bytes(case.cols).unwrap();
+                let mut out = vec![0.0f32; case.n * case.rows];
+                let acts: &[u8] = bytemuck::cast_slice(&case.x86_acts);
+                for (t, act) in acts.chunks_exact(row_bytes).take(case.n).enumerate() {
+                    for r in 0..case.rows {
+                        out[t * case.rows + r] = tiled_dot_scalar(case.ty, w.row(r), act, case.cols).unwrap();
+                    }
+                }
+                mismatches.extend(case.mismatches(&out, "tiled_dot_scalar"));
+            }
+            continue;
+        }
         let mut out = vec![0.0f32; case.n * case.rows];
         matmul(&w, &case.acts, &mut out).unwrap();
         mismatches.extend(case.mismatches(&out, "matmul"));

@@ -12,7 +12,7 @@ use std::path::{Path, PathBuf};
 use std::time::Instant;
 
 use indicatif::ProgressBar;
-use leanstream_kernels::quantize::{quantize_row, quantize_row_q4_0};
+use leanstream_kernels::quantize::{quantize_row_as, quantize_row_q4_0, GgmlBuild};
 use leanstream_kernels::GgmlType;
 use rayon::prelude::*;
 
@@ -412,7 +412,7 @@ fn encode(values: &[f32], cols: usize, ty: GgmlType, out: &mut Vec<u8>) -> Resul
         .zip(out.par_chunks_exact_mut(row_bytes))
         .try_for_each(|(row, dst)| match ty {
             GgmlType::Q4_0 => quantize_row_q4_0(row, dst),
-            _ => quantize_row(ty, row, dst),
+            _ => quantize_row_as(GgmlBuild::FILES, ty, row, dst),
         })?;
     Ok(())
 }

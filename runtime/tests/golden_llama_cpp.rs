@@ -3,7 +3,9 @@
 //! prompt, greedy 32-token continuations, and perplexity at ctx 256, with
 //! flash attention off (the files without a suffix) and on (`-fa-on`,
 //! llama.cpp's default on a CPU). The goldens come from an AMD EPYC with
-//! AVX-512 (no AVX512-FP16); elsewhere the stated tolerances apply.
+//! AVX-512 (no AVX512-FP16); elsewhere the stated tolerances apply. On
+//! aarch64 the `aarch64` tests compare with llama.cpp built for aarch64
+//! (data/golden/aarch64/).
 
 mod common;
 
@@ -30,8 +32,9 @@ fn load(path: &std::path::Path, fa: FlashAttn) -> Model {
     model
 }
 
-fn cases(model: &str, fa: FlashAttn) -> Vec<Value> {
-    let text = std::fs::read_to_string(golden_for(&format!("generate-{model}"), fa, ".jsonl")).unwrap();
+fn cases(goldens: Goldens, model: &str, fa: FlashAttn) -> Vec<Value> {
+    let stem = format!("{}generate-{model}", goldens.dir);
+    let text = std::fs::read_to_string(golden_for(&stem, fa, ".jsonl")).unwrap();
     text.lines().map(|l| serde_json::from_str(l).unwrap()).collect()
 }
 
@@ -43,20 +46,35 @@ fn ids(v: &Value) -> Vec<u32> {
         .collect()
 }
 
-/// Largest logit difference we accept between us and llama.cpp. With the
-/// SIMD kernels (x86-64 with AVX2) every operation follows llama.cpp's
-/// arithmetic and order, so logits agree to the precision the goldens were
-/// printed with; the portable kernels sum some dot products in another order.
-fn logit_tol() -> f32 {
-    if exact_kernels() {
-        1e-5
-    } else {
-        0.5
+/// A set of goldens: where they lie under data/golden/ and whether this
+/// machine's kernels follow the arithmetic and order of the llama.cpp build
+/// that recorded them.
+#[derive(Clone, Copy)]
+struct Goldens {
+    dir: &'static str,
+    exact: bool,
+}
+
+/// llama.cpp built for x86-64 (AVX2 kernels): exact where ours are AVX2 too.
+fn x86_goldens() -> Goldens {
+    Goldens {
+        dir: "",
+        exact: leanstream_kernels::dot::has_avx2(),
     }
 }
 
-fn exact_kernels() -> bool {
-    leanstream_kernels::dot::has_avx2()
+impl Goldens {
+    /// Largest logit difference we accept between us and llama.cpp. With
+    /// exact kernels every operation follows llama.cpp's arithmetic and
+    /// order, so logits agree to the precision the goldens were printed
+    /// with; otherwise some dot products are summed in another order.
+    fn logit_tol(self) -> f32 {
+        if self.exact {
+            1e-5
+        } else {
+            0.5
+        }
+    }
 }
 
 /// A greedy step is a near-tie when llama.cpp's best two logits are closer than this.
@@ -75,16 +93,20 @@ fn on_two_threads<R: Send>(f: impl FnOnce() -> R + Send) -> R {
 /// `set` is "" (short prompts, context 512) or "-long" (a 1235-token prompt
 /// in a context of 2048, past the size of Gemma 3's sliding-window cache).
 fn check_model(name: &str, set: &str, fa: FlashAttn) {
-    on_two_threads(|| check_model_here(name, set, fa))
+    check_model_against(x86_goldens(), name, set, fa)
 }
 
-fn check_model_here(name: &str, set: &str, fa: FlashAttn) {
+fn check_model_against(goldens: Goldens, name: &str, set: &str, fa: FlashAttn) {
+    on_two_threads(|| check_model_here(goldens, name, set, fa))
+}
+
+fn check_model_here(goldens: Goldens, name: &str, set: &str, fa: FlashAttn) {
     let Some(path) = common::model_path(name) else { return };
     let model = load(&path, fa);
     let mut diverged = Vec::new();
     let mut worst_prompt = 0.0f32;
     let mut worst_decode = 0.0f32;
-    for case in cases(&format!("{name}{set}"), fa) {
+    for case in cases(goldens, &format!("{name}{set}"), fa) {
         let ctx = case["ctx"].as_u64().unwrap() as usize;
         let prompt = case["prompt"].as_str().unwrap();
         let want_prompt = ids(&case["prompt_ids"]);
@@ -145,15 +167,15 @@ fn check_model_here(name: &str, set: &str, fa: FlashAttn) {
     }
     eprintln!("{name}: worst logit difference {worst_prompt} after prompts, {worst_decode} while decoding");
     assert!(
-        worst_prompt <= logit_tol(),
+        worst_prompt <= goldens.logit_tol(),
         "{name}: prompt logits differ by {worst_prompt}"
     );
     assert!(
-        worst_decode <= logit_tol(),
+        worst_decode <= goldens.logit_tol(),
         "{name}: decode logits differ by {worst_decode}"
     );
     // The issue allows one prompt to diverge after a near-tie; with exact kernels none may.
-    let allowed = if exact_kernels() { 0 } else { 1 };
+    let allowed = if goldens.exact { 0 } else { 1 };
     assert!(
         diverged.len() <= allowed,
         "{name}: {} prompts diverged from llama.cpp: {diverged:?}",
@@ -172,7 +194,7 @@ fn check_free_running(name: &str, fa: FlashAttn) {
     let Some(path) = common::model_path(name) else { return };
     let model = load(&path, fa);
     let mut exact = 0;
-    let all = cases(name, fa);
+    let all = cases(x86_goldens(), name, fa);
     for case in &all {
         let prompt = model.tokenizer.encode(case["prompt"].as_str().unwrap(), true, true);
         let mut st = model.new_state(case["ctx"].as_u64().unwrap() as usize, 512, 1);
@@ -195,7 +217,7 @@ fn check_free_running(name: &str, fa: FlashAttn) {
         "{name}: {exact} of {} free-running continuations identical to llama.cpp",
         all.len()
     );
-    let allowed = if exact_kernels() { 0 } else { 1 };
+    let allowed = if x86_goldens().exact { 0 } else { 1 };
     assert!(
         exact + allowed >= all.len(),
         "{name}: only {exact} of {} continuations identical",
@@ -231,7 +253,7 @@ fn check_perplexity(name: &str, set: &str, fa: FlashAttn) {
         p.ppl,
         rel * 100.0
     );
-    if exact_kernels() {
+    if x86_goldens().exact {
         // Equal to the digits llama.cpp prints.
         assert_eq!(format!("{:.4}", p.ppl), format!("{want:.4}"), "{name}{set}: perplexity");
     } else {
@@ -337,4 +359,32 @@ fn gemma3_flash_attention_perplexity_matches_llama_cpp() {
 #[test]
 fn gemma3_flash_attention_perplexity_at_ctx_2048_matches_llama_cpp() {
     check_perplexity("gemma3", "-ctx2048", FlashAttn::On);
+}
+
+/// Against llama.cpp cross-built for aarch64 (`-march=armv8-a`, NEON without
+/// dotprod) and run under qemu-user as a Cortex-A72: data/golden/aarch64/,
+/// recorded by `scripts/aarch64.sh goldens` (four prompts, 16 tokens each,
+/// to keep the emulated run short).
+#[cfg(target_arch = "aarch64")]
+mod aarch64 {
+    use super::*;
+
+    fn goldens() -> Goldens {
+        Goldens {
+            dir: "aarch64/",
+            exact: true,
+        }
+    }
+
+    #[test]
+    fn smollm2_matches_llama_cpp_on_aarch64() {
+        check_model_against(goldens(), "smollm2", "", FlashAttn::Off);
+        check_model_against(goldens(), "smollm2", "", FlashAttn::On);
+    }
+
+    #[test]
+    fn gemma3_matches_llama_cpp_on_aarch64() {
+        check_model_against(goldens(), "gemma3", "", FlashAttn::Off);
+        check_model_against(goldens(), "gemma3", "", FlashAttn::On);
+    }
 }

@@ -57,9 +57,12 @@ pub enum Mode {
 }
 
 /// Whether llama.cpp's AVX2 CPU backend repacks a Q4_K matrix of `rows`
-/// rows (and so computes it as this module does).
+/// rows (and so computes it as this module does). Always false off x86_64:
+/// llama.cpp's aarch64 repacking (`q4_K_8x4` with dotprod, `q4_K_8x8` with
+/// i8mm, `ggml-cpu/arch/arm/repack.cpp`) is another arithmetic, not
+/// emulated; there every Q4_K product is the vec-dot's.
 pub fn q4k_is_repacked(rows: usize) -> bool {
-    rows.is_multiple_of(8)
+    cfg!(target_arch = "x86_64") && rows.is_multiple_of(8)
 }
 
 /// How many of `n` activation rows go through the gemm (the first ones);
@@ -193,6 +196,7 @@ mod tests {
             (0..10).map(gemm_rows).collect::<Vec<_>>(),
             [0, 0, 0, 0, 4, 4, 4, 4, 8, 8]
         );
-        assert!(q4k_is_repacked(640) && !q4k_is_repacked(644));
+        assert_eq!(q4k_is_repacked(640), cfg!(target_arch = "x86_64"));
+        assert!(!q4k_is_repacked(644));
     }
 }

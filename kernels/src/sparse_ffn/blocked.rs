@@ -22,7 +22,7 @@ use super::{axpy_scalar_unchecked, BundleFormat, FfnActivation};
 use crate::blocks::{cast_blocks, BlockQ4K, BlockQ8K};
 #[cfg(target_arch = "x86_64")]
 use crate::blocks::{BlockQ5_0, BlockQ6K, BlockQ8_0};
-use crate::dot::{has_avx2, with_kernel, with_tiled_kernel, Kernel, KernelUser, Path};
+use crate::dot::{has_simd_kernels, with_kernel, with_tiled_kernel, Kernel, KernelUser, Path};
 #[cfg(target_arch = "x86_64")]
 use crate::matmul::PanelKernel;
 use crate::matmul::{uses_tiled_kquant, ActBuffer, Q4kRepacked, Tiles};
@@ -383,7 +383,7 @@ pub fn run_down<'b>(
         n_ff,
         bundle_columns(format, bundle),
         ys,
-        has_avx2(),
+        has_simd_kernels(),
         true,
     )
 }
@@ -424,7 +424,7 @@ pub fn run_down_columns<'b>(
         }
         Ok(c)
     };
-    down_on(format, ids, a, n_ff, column, ys, has_avx2(), true)
+    down_on(format, ids, a, n_ff, column, ys, has_simd_kernels(), true)
 }
 
 /// Neuron i's down column out of its whole bundle (`bundle(i)`), checked.
@@ -580,6 +580,17 @@ fn axpy4_unchecked(down_ty: GgmlType, group: &[(f32, &[u8]); 4], y: &mut [f32], 
         }
         return;
     }
+    #[cfg(target_arch = "aarch64")]
+    if simd {
+        // SAFETY: NEON is part of aarch64; every column holds y.len() values.
+        unsafe {
+            match down_ty {
+                GgmlType::Q8_0 => super::neon::axpy4_q8_0(group, y),
+                _ => super::neon::axpy4_f16(group, y),
+            }
+        }
+        return;
+    }
     for &(a, col) in group {
         axpy_unchecked(down_ty, a, col, y, simd);
     }
@@ -596,6 +607,18 @@ fn axpy_unchecked(down_ty: GgmlType, a: f32, col: &[u8], y: &mut [f32], simd: bo
             match down_ty {
                 GgmlType::Q8_0 => super::avx2::axpy_q8_0(a, col, y),
                 _ => super::avx2::axpy_f16(a, col, y),
+            }
+        }
+        return;
+    }
+    #[cfg(target_arch = "aarch64")]
+    if simd {
+        // SAFETY: NEON is part of aarch64; the caller passes a column of
+        // exactly y.len() values.
+        unsafe {
+            match down_ty {
+                GgmlType::Q8_0 => super::neon::axpy_q8_0(a, col, y),
+                _ => super::neon::axpy_f16(a, col, y),
             }
         }
         return;

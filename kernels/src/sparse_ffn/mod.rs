@@ -18,11 +18,11 @@
 //!    [`ops::swiglu`] / [`ops::geglu`]. So `a_i` is bit for bit the value the
 //!    dense decode path (one activation row, [`crate::matmul`]) gives neuron
 //!    i, for every weight type whose single-row product *is* one vec-dot:
-//!    all of them except Q4_K with a multiple of 8 rows, which llama.cpp (and
-//!    `matmul`) repacks and multiplies with the repack gemv, rounded
-//!    differently (there the two agree to rounding only). With 8+ activation
-//!    rows, K-quant products use the tiled kernels instead; this module is
-//!    about one token and always uses the vec-dot.
+//!    all of them except, on x86_64, Q4_K with a multiple of 8 rows, which
+//!    llama.cpp (and `matmul`) repacks and multiplies with the repack gemv,
+//!    rounded differently (there the two agree to rounding only). With 8+
+//!    activation rows (x86_64 again), K-quant products use the tiled kernels
+//!    instead; this module is about one token and always uses the vec-dot.
 //!    `a_i` lands in slot i of a dense per-layer [`LayerActivations`].
 //! 2. [`accumulate_down`] (once per layer, after the last bundle):
 //!    `y += Σ a_i * down_i` over the recorded neurons in **ascending neuron
@@ -61,7 +61,9 @@ pub(crate) fn check_weight_type(ty: GgmlType) -> Result<(), KernelError> {
 
 use half::f16;
 
-use crate::dot::{has_avx2, vec_dot};
+#[cfg(target_arch = "x86_64")]
+use crate::dot::has_avx2;
+use crate::dot::vec_dot;
 use crate::matmul::ActBuffer;
 use crate::ops;
 use crate::{GgmlType, KernelError};
@@ -494,7 +496,8 @@ fn activations_body(
 
 /// Stage 2 kernel: `y[j] = fma(a, w[j], y[j])` with `w` the `y.len()`
 /// values of `down_col` (Q8_0 or F16) dequantized as [`crate::dequant`]
-/// does. AVX2+FMA when the CPU has it; bit-identical to [`axpy_down_scalar`].
+/// does. AVX2+FMA when the CPU has it, NEON on aarch64; bit-identical to
+/// [`axpy_down_scalar`] (the same operations per element).
 pub fn axpy_down(down_ty: GgmlType, a: f32, down_col: &[u8], y: &mut [f32]) -> Result<(), KernelError> {
     check_down(down_ty, down_col, y.len())?;
     #[cfg(target_arch = "x86_64")]
@@ -508,6 +511,15 @@ pub fn axpy_down(down_ty: GgmlType, a: f32, down_col: &[u8], y: &mut [f32]) -> R
         }
         return Ok(());
     }
+    #[cfg(target_arch = "aarch64")]
+    // SAFETY: NEON is part of aarch64; lengths checked.
+    unsafe {
+        match down_ty {
+            GgmlType::Q8_0 => neon::axpy_q8_0(a, down_col, y),
+            _ => neon::axpy_f16(a, down_col, y),
+        }
+    }
+    #[cfg(not(target_arch = "aarch64"))]
     axpy_scalar_unchecked(down_ty, a, down_col, y);
     Ok(())
 }
@@ -675,6 +687,126 @@ mod avx2 {
         for (yj, h) in y[main..].iter_mut().zip(down_col[2 * main..].chunks_exact(2)) {
             let w = f16::from_le_bytes([h[0], h[1]]).to_f32();
             *yj = a.mul_add(w, *yj);
+        }
+    }
+}
+
+/// The NEON twins of `avx2`: per element `fma(a, w, y)` with `w` the
+/// dequantized value (Q8_0: `q as f32 * d`, rounded; F16: exact), as the
+/// scalar body, so the bits are the same.
+#[cfg(target_arch = "aarch64")]
+mod neon {
+    use std::arch::aarch64::*;
+
+    use half::f16;
+
+    use super::Q8_0_BYTES;
+    use crate::dot::neon::{fp16, widen_f16x4};
+
+    /// The 32 quants at `qs` as eight f32x4, each times `d` (rounded).
+    #[inline(always)]
+    unsafe fn q8_0_values(qs: *const u8, d: float32x4_t) -> [float32x4_t; 8] {
+        let mut w = [vdupq_n_f32(0.0); 8];
+        for h in 0..2 {
+            let q = vld1q_s8(qs.add(16 * h) as *const i8);
+            let (lo, hi) = (vmovl_s8(vget_low_s8(q)), vmovl_high_s8(q));
+            let parts = [
+                vmovl_s16(vget_low_s16(lo)),
+                vmovl_high_s16(lo),
+                vmovl_s16(vget_low_s16(hi)),
+                vmovl_high_s16(hi),
+            ];
+            for (k, p) in parts.into_iter().enumerate() {
+                w[4 * h + k] = vmulq_f32(vcvtq_f32_s32(p), d);
+            }
+        }
+        w
+    }
+
+    /// The f16 at byte `p` (any alignment) as f32x4.
+    #[inline(always)]
+    unsafe fn f16_values(p: *const u8) -> float32x4_t {
+        widen_f16x4(vreinterpret_u16_u8(vld1_u8(p)))
+    }
+
+    #[inline(always)]
+    fn scale(block: *const u8) -> f32 {
+        // SAFETY (callers): `block` starts a Q8_0 block.
+        fp16(f16::from_bits(u16::from_le_bytes(unsafe { [*block, *block.add(1)] })))
+    }
+
+    /// `down_col` holds `y.len() / 32` Q8_0 blocks (checked by the caller).
+    pub(super) unsafe fn axpy_q8_0(a: f32, down_col: &[u8], y: &mut [f32]) {
+        let va = vdupq_n_f32(a);
+        for (block, ys) in down_col.chunks_exact(Q8_0_BYTES).zip(y.chunks_exact_mut(32)) {
+            let w = q8_0_values(block.as_ptr().add(2), vdupq_n_f32(scale(block.as_ptr())));
+            let yp = ys.as_mut_ptr();
+            for (k, w) in w.into_iter().enumerate() {
+                // SAFETY: 4 of the block's 32 outputs.
+                vst1q_f32(yp.add(4 * k), vfmaq_f32(vld1q_f32(yp.add(4 * k)), va, w));
+            }
+        }
+    }
+
+    /// Four neurons of [`axpy_q8_0`] per pass over `y`, in the group's order.
+    pub(super) unsafe fn axpy4_q8_0(group: &[(f32, &[u8]); 4], y: &mut [f32]) {
+        let va = group.map(|(a, _)| vdupq_n_f32(a));
+        let yp = y.as_mut_ptr();
+        for b in 0..y.len() / 32 {
+            let mut acc = [vdupq_n_f32(0.0); 8];
+            for (k, acc) in acc.iter_mut().enumerate() {
+                *acc = vld1q_f32(yp.add(32 * b + 4 * k));
+            }
+            for (j, (_, col)) in group.iter().enumerate() {
+                // SAFETY: every column holds y.len() / 32 blocks (checked by the caller).
+                let blk = col.as_ptr().add(b * Q8_0_BYTES);
+                let w = q8_0_values(blk.add(2), vdupq_n_f32(scale(blk)));
+                for (acc, w) in acc.iter_mut().zip(w) {
+                    *acc = vfmaq_f32(*acc, va[j], w);
+                }
+            }
+            for (k, acc) in acc.into_iter().enumerate() {
+                vst1q_f32(yp.add(32 * b + 4 * k), acc);
+            }
+        }
+    }
+
+    /// `down_col` holds `y.len()` f16 values (checked by the caller).
+    pub(super) unsafe fn axpy_f16(a: f32, down_col: &[u8], y: &mut [f32]) {
+        let va = vdupq_n_f32(a);
+        let n = y.len();
+        let main = n - n % 4;
+        let (src, yp) = (down_col.as_ptr(), y.as_mut_ptr());
+        for j in (0..main).step_by(4) {
+            // SAFETY: values j..j + 4 exist in both slices.
+            vst1q_f32(
+                yp.add(j),
+                vfmaq_f32(vld1q_f32(yp.add(j)), va, f16_values(src.add(2 * j))),
+            );
+        }
+        for (yj, h) in y[main..].iter_mut().zip(down_col[2 * main..].chunks_exact(2)) {
+            *yj = a.mul_add(fp16(f16::from_le_bytes([h[0], h[1]])), *yj);
+        }
+    }
+
+    /// Four neurons of [`axpy_f16`] per pass over `y`, in the group's order.
+    pub(super) unsafe fn axpy4_f16(group: &[(f32, &[u8]); 4], y: &mut [f32]) {
+        let va = group.map(|(a, _)| vdupq_n_f32(a));
+        let n = y.len();
+        let main = n - n % 4;
+        let yp = y.as_mut_ptr();
+        for j in (0..main).step_by(4) {
+            // SAFETY: values j..j + 4 exist in y and in every column.
+            let mut acc = vld1q_f32(yp.add(j));
+            for (k, (_, col)) in group.iter().enumerate() {
+                acc = vfmaq_f32(acc, va[k], f16_values(col.as_ptr().add(2 * j)));
+            }
+            vst1q_f32(yp.add(j), acc);
+        }
+        for (e, yj) in y.iter_mut().enumerate().skip(main) {
+            for &(a, col) in group {
+                *yj = a.mul_add(fp16(f16::from_le_bytes([col[2 * e], col[2 * e + 1]])), *yj);
+            }
         }
     }
 }

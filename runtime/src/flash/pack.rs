@@ -13,7 +13,7 @@ use std::path::{Path, PathBuf};
 use std::time::Instant;
 
 use leanstream_kernels::dequant::dequantize_row;
-use leanstream_kernels::quantize::quantize_row;
+use leanstream_kernels::quantize::{quantize_row_as, GgmlBuild};
 use leanstream_kernels::sparse_ffn::{tiles, DownLayout};
 use sha2::{Digest, Sha256};
 
@@ -422,7 +422,12 @@ fn write_file(g: &GgufFile, tmp_path: &Path, header: &mut Header, resident: &[u8
             gb.copy_from_slice(gate.row(i));
             ub.copy_from_slice(up.row(i));
             match layout.down_layout {
-                DownLayout::Columns => quantize_row(layout.down_type, &down_t[i * n_embd..(i + 1) * n_embd], db)?,
+                DownLayout::Columns => quantize_row_as(
+                    GgmlBuild::FILES,
+                    layout.down_type,
+                    &down_t[i * n_embd..(i + 1) * n_embd],
+                    db,
+                )?,
                 DownLayout::Tiles | DownLayout::Matrix => {
                     let tile = down_tiles.len() / (n_ff / group);
                     let t = &down_tiles[i / group * tile..(i / group + 1) * tile];

@@ -10,7 +10,7 @@ use std::str::FromStr;
 
 use half::f16;
 use half::slice::HalfFloatSliceExt;
-use leanstream_kernels::f16dot::{dot_f16_gemm, dot_f16_gemm_rows, dot_f16_vec, GEMM_TILE_ROWS};
+use leanstream_kernels::f16dot::{dot_f16_f32_gemm, dot_f16_gemm, dot_f16_gemm_rows, dot_f16_vec, GEMM_TILE_ROWS};
 use leanstream_kernels::flash_attn::{self, KvHead, Route, Tile, Q_TILE};
 use leanstream_kernels::ops;
 use rayon::prelude::*;
@@ -365,8 +365,13 @@ fn standard(
     let group = c.n_head / c.n_head_kv;
     let pairs = out.len() / hd;
     let ctx = kv.ctx;
-    // llama.cpp takes its GEMM route for batches and its vector route for one query.
-    let gemm = pairs > c.n_head;
+    // llama.cpp takes its GEMM route for batches and its vector route for one
+    // query. Built for aarch64 (no FP16 arithmetic) its GEMM has no f16 × f16
+    // kernel: q·k takes the vector route there too, and a batch's value
+    // product is f16 values against the f32 probabilities (see f16dot.rs).
+    let batch = pairs > c.n_head;
+    let arm = cfg!(target_arch = "aarch64");
+    let gemm = batch && !arm;
     let dot = if gemm { dot_f16_gemm } else { dot_f16_vec };
     let vis = Visibility::new(c, layer, kv, pos0 + pairs / c.n_head);
     // Work comes in units of one token's `group` heads that share a kv head
@@ -429,8 +434,13 @@ fn standard(
                     }
                 }
                 for h in 0..heads {
+                    let prob_f32 = &s[h * ctx..h * ctx + width];
                     for (d, od) in o[h * hd..(h + 1) * hd].iter_mut().enumerate().skip(dim) {
-                        *od = dot(value(d), prob(h));
+                        *od = if batch && arm {
+                            dot_f16_f32_gemm(value(d), prob_f32)
+                        } else {
+                            dot(value(d), prob(h))
+                        };
                     }
                 }
             });

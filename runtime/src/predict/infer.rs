@@ -1,23 +1,29 @@
 //! Running a predictor: input quantisation and the scalar kernels, with
-//! dispatch to the SIMD ones. Everything the SIMD path does not vectorise
-//! runs the same code in both paths, so they agree bit for bit.
+//! dispatch to the SIMD ones (AVX2 on x86_64, NEON on aarch64). The SIMD
+//! kernels vectorise only integer work, exactly, and everything they do not
+//! vectorise runs the same code in both paths, so they agree bit for bit. On
+//! aarch64 the float steps (the input's f64 mean square and rounding, the
+//! hashing planes, the low-rank layer, the final scaling) are the portable
+//! code, which LLVM compiles for NEON as it stands: there is no wider
+//! instruction set to enable for them, as AVX2 is on x86.
 
-use super::{
-    validate_layer, HashingLayer, LowRankLayer, PredictError, Predictor, PredictorLayer, QuantMatrix, INPUT_SCALE,
-};
+use super::portable::{best_key_scalar, projected, quantize_body, scale_body};
+use super::{validate_layer, HashingLayer, LowRankLayer, PredictError, Predictor, PredictorLayer, QuantMatrix};
 
 /// Which kernels to run.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum ComputePath {
     /// Plain loops, the reference.
     Scalar,
-    /// AVX2 (plus AVX-512 VPOPCNTDQ when present); falls back to scalar on
-    /// CPUs without AVX2.
+    /// AVX2 (plus AVX-512 VPOPCNTDQ when present) on x86_64, falling back
+    /// to scalar on CPUs without AVX2; NEON (plus `sdot` when present) on
+    /// aarch64.
     Simd,
 }
 
 impl ComputePath {
-    /// [`ComputePath::Simd`] when this CPU has AVX2, else scalar.
+    /// [`ComputePath::Simd`] when this CPU has AVX2 (x86_64) or always on
+    /// aarch64 (NEON is baseline), else scalar.
     pub fn best() -> Self {
         if simd_available() {
             Self::Simd
@@ -27,13 +33,17 @@ impl ComputePath {
     }
 }
 
-/// Whether this CPU runs the SIMD path (AVX2).
+/// Whether this CPU runs the SIMD path (AVX2 on x86_64; NEON, always, on aarch64).
 pub fn simd_available() -> bool {
     #[cfg(target_arch = "x86_64")]
     {
         is_x86_feature_detected!("avx2")
     }
-    #[cfg(not(target_arch = "x86_64"))]
+    #[cfg(target_arch = "aarch64")]
+    {
+        true
+    }
+    #[cfg(not(any(target_arch = "x86_64", target_arch = "aarch64")))]
     {
         false
     }
@@ -113,7 +123,7 @@ impl Predictor {
         #[cfg(target_arch = "x86_64")]
         if simd {
             // SAFETY: AVX2 checked just above.
-            unsafe { super::simd::quantize_avx2(x, &mut scratch.xq)? };
+            unsafe { super::avx2::quantize_avx2(x, &mut scratch.xq)? };
         } else {
             quantize_input(x, &mut scratch.xq)?;
         }
@@ -133,47 +143,20 @@ pub fn quantize_input(x: &[f32], xq: &mut [i8]) -> Result<(), PredictError> {
     quantize_body(x, xq)
 }
 
-/// The body of [`quantize_input`], inlined into the AVX2 copy too: the same
-/// IEEE operations in the same order, so both give the same bytes.
-#[inline(always)]
-pub(super) fn quantize_body(x: &[f32], xq: &mut [i8]) -> Result<(), PredictError> {
-    // f64 so that huge (but finite) activations do not overflow the mean
-    // square; eight partial sums so the loop is not one latency-bound chain.
-    let mut acc = [0.0f64; 8];
-    let chunks = x.chunks_exact(8);
-    let tail: f64 = chunks.remainder().iter().map(|&v| (v as f64) * (v as f64)).sum();
-    for c in chunks {
-        for (a, &v) in acc.iter_mut().zip(c) {
-            *a += (v as f64) * (v as f64);
-        }
-    }
-    let ss = acc.iter().sum::<f64>() + tail;
-    if !ss.is_finite() {
-        return Err(PredictError::Argument {
-            field: "x",
-            reason: "non-finite value".into(),
-        });
-    }
-    let k = (INPUT_SCALE as f64 / (ss / x.len() as f64 + 1e-6).sqrt()) as f32;
-    for (q, &v) in xq.iter_mut().zip(x) {
-        // Round half away from zero by hand: `f32::round` is a libm call
-        // on baseline x86_64, this vectorises.
-        let r = (v * k).clamp(-127.0, 127.0);
-        // SAFETY: `r + ±0.5` is finite (every `v` is: the sum of squares
-        // is) and within ±127.5, so the truncation fits; the checked cast
-        // would keep the loop from vectorising.
-        *q = unsafe { (r + 0.5f32.copysign(r)).to_int_unchecked::<i32>() } as i8;
-    }
-    Ok(())
-}
-
 /// `y_j = scale_j · (Σ_i q_i w_ji) / INPUT_SCALE`, the sum an exact i32.
 fn project(m: &QuantMatrix, xq: &[i8], y: &mut [f32], simd: bool) {
     #[cfg(target_arch = "x86_64")]
     if simd {
         // SAFETY: the caller checked AVX2 and the shapes (m is rows × xq.len(),
         // xq.len() a multiple of 32, y.len() == rows).
-        unsafe { super::simd::project_avx2(m, xq, y) };
+        unsafe { super::avx2::project_avx2(m, xq, y) };
+        return;
+    }
+    #[cfg(target_arch = "aarch64")]
+    if simd {
+        // SAFETY: the caller checked the shapes (m is rows × xq.len(),
+        // xq.len() a multiple of 32, y.len() == rows); NEON is baseline.
+        unsafe { super::neon::project(m, xq, y) };
         return;
     }
     let _ = simd;
@@ -183,34 +166,14 @@ fn project(m: &QuantMatrix, xq: &[i8], y: &mut [f32], simd: bool) {
     }
 }
 
-/// One projected value from its exact integer dot (shared by both paths).
-#[inline(always)]
-pub(super) fn projected(scale: f32, dot: i32) -> f32 {
-    scale * (dot as f32 / INPUT_SCALE)
-}
-
 /// The first key with the most bits equal to `code` (XNOR + popcount).
 fn best_key(keys: &[u64], code: u64, mask: u64, simd: bool) -> usize {
     #[cfg(target_arch = "x86_64")]
     if simd {
-        return super::simd::best_key(keys, code, mask);
+        return super::avx2::best_key(keys, code, mask);
     }
     let _ = simd;
     best_key_scalar(keys, code, mask)
-}
-
-#[inline(always)]
-pub(super) fn best_key_scalar(keys: &[u64], code: u64, mask: u64) -> usize {
-    let mut best = 0;
-    let mut best_sim = 0u32;
-    for (j, &k) in keys.iter().enumerate() {
-        let sim = (!(code ^ k) & mask).count_ones();
-        if j == 0 || sim > best_sim {
-            best = j;
-            best_sim = sim;
-        }
-    }
-    best
 }
 
 /// `acc[g] += row[g]` in i16 (cannot overflow: at most 128 rows of i8).
@@ -218,7 +181,13 @@ fn add_row(acc: &mut [i16], row: &[i8], simd: bool) {
     #[cfg(target_arch = "x86_64")]
     if simd {
         // SAFETY: AVX2 checked by the caller; the kernel bounds itself by both lengths.
-        unsafe { super::simd::add_row_avx2(acc, row) };
+        unsafe { super::avx2::add_row_avx2(acc, row) };
+        return;
+    }
+    #[cfg(target_arch = "aarch64")]
+    if simd {
+        // SAFETY: NEON is baseline; the kernel bounds itself by both lengths.
+        unsafe { super::neon::add_row(acc, row) };
         return;
     }
     let _ = simd;
@@ -251,18 +220,10 @@ fn hashing(l: &HashingLayer, mask: u64, s: &mut Scratch, out: &mut [f32], simd: 
     #[cfg(target_arch = "x86_64")]
     if simd {
         // SAFETY: AVX2 checked by the caller.
-        unsafe { super::simd::scale_avx2(out, &s.acc, l.lut_scale, &l.bias) };
+        unsafe { super::avx2::scale_avx2(out, &s.acc, l.lut_scale, &l.bias) };
         return;
     }
     scale_body(out, &s.acc, l.lut_scale, &l.bias);
-}
-
-/// `out = scale · acc + bias` (inlined into the AVX2 copy: same operations, same results).
-#[inline(always)]
-pub(super) fn scale_body(out: &mut [f32], acc: &[i16], scale: f32, bias: &[f32]) {
-    for ((o, &a), &b) in out.iter_mut().zip(acc).zip(bias) {
-        *o = scale * a as f32 + b;
-    }
 }
 
 fn low_rank(l: &LowRankLayer, s: &mut Scratch, out: &mut [f32], simd: bool) {

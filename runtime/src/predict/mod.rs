@@ -57,10 +57,13 @@
 //! dimensions is checked against the bytes present before anything is
 //! allocated, and every failure names the file and the field.
 
+#[cfg(target_arch = "x86_64")]
+mod avx2;
 mod format;
 mod infer;
-#[cfg(target_arch = "x86_64")]
-mod simd;
+#[cfg(target_arch = "aarch64")]
+mod neon;
+mod portable;
 
 use std::path::{Path, PathBuf};
 

@@ -47,7 +47,7 @@ pub(super) unsafe fn project_avx2(m: &QuantMatrix, xq: &[i8], y: &mut [f32]) {
             }
         }
         for (r, a) in acc.iter().enumerate().take(rows) {
-            y[j + r] = super::infer::projected(m.scales[j + r], hsum(*a));
+            y[j + r] = super::portable::projected(m.scales[j + r], hsum(*a));
         }
         j += rows;
     }
@@ -59,7 +59,7 @@ pub(super) unsafe fn project_avx2(m: &QuantMatrix, xq: &[i8], y: &mut [f32]) {
 /// AVX2 must be available.
 #[target_feature(enable = "avx2")]
 pub(super) unsafe fn quantize_avx2(x: &[f32], xq: &mut [i8]) -> Result<(), super::PredictError> {
-    super::infer::quantize_body(x, xq)
+    super::portable::quantize_body(x, xq)
 }
 
 /// The final scaling of the hashing scores compiled for AVX2.
@@ -68,7 +68,7 @@ pub(super) unsafe fn quantize_avx2(x: &[f32], xq: &mut [i8]) -> Result<(), super
 /// AVX2 must be available.
 #[target_feature(enable = "avx2")]
 pub(super) unsafe fn scale_avx2(out: &mut [f32], acc: &[i16], scale: f32, bias: &[f32]) {
-    super::infer::scale_body(out, acc, scale, bias)
+    super::portable::scale_body(out, acc, scale, bias)
 }
 
 /// `acc[i] += row[i]` in i16, 16 lanes at a time.
@@ -100,13 +100,13 @@ pub(super) fn best_key(keys: &[u64], code: u64, mask: u64) -> usize {
         // SAFETY: feature checked just above.
         unsafe { best_key_popcnt(keys, code, mask) }
     } else {
-        super::infer::best_key_scalar(keys, code, mask)
+        super::portable::best_key_scalar(keys, code, mask)
     }
 }
 
 #[target_feature(enable = "popcnt")]
 unsafe fn best_key_popcnt(keys: &[u64], code: u64, mask: u64) -> usize {
-    super::infer::best_key_scalar(keys, code, mask)
+    super::portable::best_key_scalar(keys, code, mask)
 }
 
 #[target_feature(enable = "avx512f,avx512vpopcntdq")]
