@@ -27,3 +27,12 @@ if ! python3 -c "import openai" 2>/dev/null && ! python3 -m pip install --quiet 
   [ "${LEANSTREAM_ALLOW_MISSING_MODELS:-}" = 1 ] || { echo "error: could not install the openai Python package (set LEANSTREAM_ALLOW_MISSING_MODELS=1 to skip the test that needs it)" >&2; exit 1; }
 fi
 cargo test --profile ci --workspace --no-fail-fast "$@"
+# The aarch64 side under emulation (kernels as a Cortex-A72 and with dotprod,
+# each real model against llama.cpp's aarch64 goldens) where the cross
+# toolchain and qemu-user are installed (`scripts/aarch64.sh setup`; CI does).
+if command -v qemu-aarch64 >/dev/null && command -v aarch64-linux-gnu-gcc >/dev/null &&
+  rustup target list --installed 2>/dev/null | grep -qx aarch64-unknown-linux-gnu; then
+  scripts/aarch64.sh test
+else
+  echo "note: aarch64 checks skipped (no cross toolchain or qemu-user; scripts/aarch64.sh setup installs them)" >&2
+fi
